@@ -1,0 +1,71 @@
+"""jaxcache: host-offloaded embedding tables with a device cache of hot rows.
+
+The full table and its optimizer state live in host memory; a small set of hot
+rows lives on the accelerators. Training through the cache gives the same
+result as training with the whole table on device.
+"""
+
+from jaxcache import nnx
+from jaxcache._src.config import POLICIES, CacheConfig
+from jaxcache._src.device_ops import (
+    CacheState,
+    Lookup,
+    apply_sparse,
+    lookup_rows,
+    pool,
+    swap,
+)
+from jaxcache._src.engine import EmbeddingCache, bucket_size
+from jaxcache._src.frequency import FrequencyCounter
+from jaxcache._src.host_table import HostTable, embed_init, normal_init, uniform_init
+from jaxcache._src.optimizers import (
+    SGD,
+    Adagrad,
+    Adam,
+    RowStateSpec,
+    RowwiseAdagrad,
+    SparseOptimizer,
+    adagrad,
+    adam,
+    rowwise_adagrad,
+    sgd,
+)
+from jaxcache._src.planner import CapacityError, Plan, Planner
+from jaxcache._src.stats import CacheStats, StepStats, compilations
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "POLICIES",
+    "SGD",
+    "Adagrad",
+    "Adam",
+    "CacheConfig",
+    "CacheState",
+    "CacheStats",
+    "CapacityError",
+    "EmbeddingCache",
+    "FrequencyCounter",
+    "HostTable",
+    "Lookup",
+    "Plan",
+    "Planner",
+    "RowStateSpec",
+    "RowwiseAdagrad",
+    "SparseOptimizer",
+    "StepStats",
+    "adagrad",
+    "adam",
+    "apply_sparse",
+    "bucket_size",
+    "compilations",
+    "embed_init",
+    "lookup_rows",
+    "nnx",
+    "normal_init",
+    "pool",
+    "rowwise_adagrad",
+    "sgd",
+    "swap",
+    "uniform_init",
+]

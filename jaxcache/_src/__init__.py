@@ -1,0 +1,1 @@
+"""Private implementation; import from ``jaxcache``."""

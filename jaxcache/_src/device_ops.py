@@ -1,0 +1,189 @@
+"""Device side: cache state, the donated swap, lookups and sparse updates.
+
+All functions here are pure and jit-friendly. The cache's rows are ``[C, D]``
+and every per-row optimizer state array has the same leading ``C`` axis, so
+the whole state shards row-wise over a mesh with one ``PartitionSpec``.
+Out-of-range indices are the padding convention: ``C`` (one past the end) for
+slots, ``U`` for positions, read with ``mode="fill"`` (zeros) and written with
+``mode="drop"`` (ignored). ``-1`` is never used as padding: it would wrap to
+the last row.
+
+Shape letters: ``C`` capacity, ``D`` row width, ``U`` padded distinct rows of
+a batch, ``P`` padded rows moved by a swap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxcache._src.optimizers import SparseOptimizer
+
+__all__ = ["CacheState", "Lookup", "apply_sparse", "lookup_rows", "pool", "swap"]
+
+
+class CacheState(NamedTuple):
+    """The device half of a cache.
+
+    Attributes:
+      rows: ``[C, D]`` cached rows.
+      opt: ``{name: [C, ...]}`` their optimizer state.
+    """
+
+    rows: jax.Array
+    opt: dict[str, jax.Array]
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["unique_slots", "inverse", "delta"],
+    meta_fields=["table"],
+)
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+    """A batch of ids already mapped to cache slots (device arrays).
+
+    Produced on the host by ``EmbeddingCache.prepare``; consumed inside the
+    jitted step. It is a pytree, so it can sit anywhere in a batch.
+
+    Attributes:
+      unique_slots: ``int32 [U]`` slot of each distinct id, padded with ``C``.
+      inverse: ``int32`` of the ids' shape: index into ``unique_slots``; ``U``
+        marks padding (a zero row, no gradient).
+      delta: ``[U, D]`` zeros added to the distinct rows while differentiating,
+        so the gradient of the loss w.r.t. it is the per-row gradient; set by
+        ``jaxcache.nnx.value_and_grad``, ``None`` otherwise.
+      table: name of the table the slots belong to.
+    """
+
+    unique_slots: jax.Array
+    inverse: jax.Array
+    delta: jax.Array | None = None
+    table: str = "embedding"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the looked-up ids."""
+        return tuple(self.inverse.shape)
+
+    def with_delta(self, delta: jax.Array | None) -> Lookup:
+        """The same lookup with ``delta`` attached."""
+        return dataclasses.replace(self, delta=delta)
+
+
+def lookup_rows(rows: jax.Array, lookup: Lookup) -> jax.Array:
+    """Rows of each looked-up id: ``[*ids.shape, D]`` (zeros for padding).
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxcache
+      >>> rows = jnp.arange(6.0).reshape(3, 2)
+      >>> lk = jaxcache.Lookup(jnp.array([2, 0, 3]), jnp.array([[0, 1], [1, 3]]))
+      >>> jaxcache.lookup_rows(rows, lk).tolist()
+      [[[4.0, 5.0], [0.0, 1.0]], [[0.0, 1.0], [0.0, 0.0]]]
+    """
+    distinct = rows.at[lookup.unique_slots].get(mode="fill", fill_value=0)
+    if lookup.delta is not None:
+        distinct = distinct + lookup.delta.astype(distinct.dtype)
+    return distinct.at[lookup.inverse].get(mode="fill", fill_value=0)
+
+
+def pool(
+    embeddings: jax.Array,
+    lookup: Lookup,
+    combiner: str,
+    weights: jax.Array | None = None,
+) -> jax.Array:
+    """Pools bags ``[..., L, D]`` over ``L`` by ``"sum"`` or ``"mean"``.
+
+    Padding positions count for nothing; ``mean`` divides by the (weighted)
+    number of real ids, and an empty bag pools to zeros.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxcache
+      >>> rows = jnp.arange(6.0).reshape(3, 2)
+      >>> lk = jaxcache.Lookup(jnp.array([2, 0, 3]), jnp.array([[0, 1], [1, 3]]))
+      >>> emb = jaxcache.lookup_rows(rows, lk)
+      >>> jaxcache.pool(emb, lk, "mean").tolist()
+      [[2.0, 3.0], [0.0, 1.0]]
+    """
+    real = (lookup.inverse < lookup.unique_slots.shape[0]).astype(embeddings.dtype)
+    w = real if weights is None else real * weights.astype(embeddings.dtype)
+    total = jnp.einsum("...l,...ld->...d", w, embeddings)
+    if combiner == "sum":
+        return total
+    if combiner == "mean":
+        count = jnp.sum(w, axis=-1, keepdims=True)
+        return total / jnp.where(count == 0, 1, count)
+    raise ValueError(f"combiner={combiner!r} is not supported; use 'sum', 'mean' or None.")
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def swap(
+    state: CacheState,
+    evict_slots: jax.Array,
+    fetch_slots: jax.Array,
+    fetch_rows: jax.Array,
+    fetch_opt: dict[str, jax.Array],
+) -> tuple[CacheState, jax.Array, dict[str, jax.Array]]:
+    """Reads the evicted rows out, then writes the fetched rows in (donated).
+
+    Args:
+      state: the cache; its buffers are donated and updated in place.
+      evict_slots: ``int32 [P]`` slots to read for write-back, padded with ``C``.
+      fetch_slots: ``int32 [P]`` slots to fill, padded with ``C``.
+      fetch_rows: ``[P, D]`` rows for them.
+      fetch_opt: ``{name: [P, ...]}`` their optimizer state.
+
+    Returns:
+      ``(state, evicted_rows [P, D], evicted_opt)``; padding reads zeros.
+    """
+
+    def read(array):
+        return array.at[evict_slots].get(mode="fill", fill_value=0)
+
+    def write(array, values):
+        return array.at[fetch_slots].set(values.astype(array.dtype), mode="drop")
+
+    evicted_rows = read(state.rows)
+    evicted_opt = {k: read(v) for k, v in state.opt.items()}
+    rows = write(state.rows, fetch_rows)
+    opt = {k: write(v, fetch_opt[k]) for k, v in state.opt.items()}
+    return CacheState(rows, opt), evicted_rows, evicted_opt
+
+
+def apply_sparse(
+    state: CacheState,
+    unique_slots: jax.Array,
+    grads: jax.Array,
+    optimizer: SparseOptimizer,
+) -> CacheState:
+    """Applies ``optimizer`` to the rows ``unique_slots`` only.
+
+    ``O(U x D)`` work: the touched rows and their state are gathered, updated
+    and scattered back; padding slots (``C``) are dropped.
+
+    Args:
+      state: the cache.
+      unique_slots: ``int32 [U]`` distinct slots, padded with ``C``.
+      grads: ``[U, D]`` summed gradient of each.
+      optimizer: the sparse optimizer.
+
+    Returns:
+      The updated state.
+    """
+
+    def read(array):
+        return array.at[unique_slots].get(mode="fill", fill_value=0)
+
+    rows, opt = optimizer.update(
+        read(state.rows), grads, {k: read(v) for k, v in state.opt.items()}
+    )
+
+    def write(array, values):
+        return array.at[unique_slots].set(values.astype(array.dtype), mode="drop")
+
+    return CacheState(write(state.rows, rows), {k: write(v, opt[k]) for k, v in state.opt.items()})

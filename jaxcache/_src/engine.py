@@ -1,0 +1,282 @@
+"""The cache engine: host table + planner + statistics, driving the device state.
+
+``EmbeddingCache`` holds everything that lives on the host. The device half,
+a ``CacheState``, is passed in and returned, so the same engine serves an NNX
+module (which keeps the state in variables), a Linen module (in a variable
+collection) or a hand-written training loop.
+
+One step, unpipelined::
+
+    state, lookup = cache.prepare(state, ids)   # host: plan, gather, transfer; device: swap
+    state, ... = train_step(state, lookup, ...)  # device: lookup + sparse update
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxcache._src import device_ops
+from jaxcache._src.config import CacheConfig
+from jaxcache._src.device_ops import CacheState, Lookup
+from jaxcache._src.host_table import HostTable
+from jaxcache._src.planner import Plan, Planner
+from jaxcache._src.stats import CacheStats, StepStats
+
+__all__ = ["EmbeddingCache", "bucket_size"]
+
+
+def bucket_size(n: int, minimum: int, previous: int = 0) -> int:
+    """Padded size for a list of ``n`` rows: a power of two ``>= minimum``.
+
+    With ``previous`` (the last size used) the size only shrinks once ``n``
+    falls to a quarter of it, so a count that hovers around a power of two
+    does not flip between two compiled shapes.
+
+    Examples:
+      >>> from jaxcache import bucket_size
+      >>> bucket_size(200, 64), bucket_size(200, 64, previous=512), bucket_size(200, 64, 1024)
+      (256, 512, 256)
+    """
+    size = max(minimum, 1 << max(0, int(n) - 1).bit_length())
+    if size < previous and n > previous // 4:
+        return previous
+    return size
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _read_slots(state: CacheState, size: int, slots: jax.Array):
+    del size  # only part of the cache key: slots already has that length
+    return (
+        state.rows.at[slots].get(mode="fill", fill_value=0),
+        {k: v.at[slots].get(mode="fill", fill_value=0) for k, v in state.opt.items()},
+    )
+
+
+class EmbeddingCache:
+    """A host-offloaded embedding table with a device cache of hot rows.
+
+    Args:
+      config: the table's static configuration.
+      table: the host table (default: a new one initialised with ``seed``).
+      frequencies: ``int [N]`` dataset access counts: the priority of the
+        ``"frequency"`` policy, the seed of ``"lfu"``, and the rows to warm.
+      warm: preload the hottest rows (by ``frequencies``) before the first
+        step; defaults to ``True`` for the ``"frequency"`` policy.
+      seed: seed of a new host table.
+      mesh: device mesh the rows are sharded over (default: one device).
+      axis: mesh axis of the rows.
+
+    Attributes:
+      config: the configuration.
+      table: the ``HostTable`` (id order).
+      planner: the ``Planner`` (directory and policy).
+      stats: the ``CacheStats``.
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> cfg = jaxcache.CacheConfig(num_embeddings=100, features=4, capacity=10)
+      >>> cache = jaxcache.EmbeddingCache(cfg)
+      >>> state = cache.init_state()
+      >>> state, lookup = cache.prepare(state, np.array([[3, 5], [5, 7]]))
+      >>> jaxcache.lookup_rows(state.rows, lookup).shape
+      (2, 2, 4)
+      >>> cache.stats.last.misses, cache.stats.last.lookups
+      (3, 4)
+    """
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        *,
+        table: HostTable | None = None,
+        frequencies: np.ndarray | None = None,
+        warm: bool | None = None,
+        seed: int = 0,
+        mesh: Mesh | None = None,
+        axis: str = "rows",
+    ) -> None:
+        if table is not None and table.config.num_embeddings != config.num_embeddings:
+            raise ValueError(
+                f"table has {table.config.num_embeddings} rows but config.num_embeddings is "
+                f"{config.num_embeddings}; build the HostTable from the same config."
+            )
+        self.config = config
+        self.table = table if table is not None else HostTable(config, seed=seed)
+        self.planner = Planner(config, frequencies=frequencies)
+        self.stats = CacheStats(config.row_bytes)
+        if mesh is None:
+            mesh = Mesh(np.array(jax.devices()[:1]), (axis,))
+        self.mesh = mesh
+        self.row_sharding = NamedSharding(mesh, PartitionSpec(axis))
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self._pending: list[tuple[np.ndarray, jax.Array, dict[str, jax.Array]]] = []
+        self._fetch_bucket = 0
+        self._unique_bucket = 0
+        if warm is None:
+            warm = config.policy == "frequency"
+        if warm:
+            if frequencies is None:
+                raise ValueError("warm=True needs frequencies= to know the hottest rows.")
+            order = np.argsort(-np.asarray(frequencies), kind="stable")[: config.capacity]
+            self.planner.warm(order[np.asarray(frequencies)[order] > 0])
+
+    @classmethod
+    def full_table(cls, config: CacheConfig, **kwargs) -> EmbeddingCache:
+        """The whole table on device (capacity ``N``, slot ``i`` holds id ``i``).
+
+        The baseline a cache is measured and checked against: the same lookups
+        and sparse optimizer, with no rows ever moving after the start.
+
+        Examples:
+          >>> import jaxcache
+          >>> cfg = jaxcache.CacheConfig(num_embeddings=50, features=4, capacity=5)
+          >>> full = jaxcache.EmbeddingCache.full_table(cfg)
+          >>> full.config.capacity, int(full.planner.slot_of_id[7])
+          (50, 7)
+        """
+        config = dataclasses.replace(config, capacity=config.num_embeddings, policy="lru")
+        kwargs.pop("frequencies", None)
+        cache = cls(config, warm=False, **kwargs)
+        cache.planner.warm(np.arange(config.num_embeddings))
+        return cache
+
+    @property
+    def name(self) -> str:
+        """The table's name (``config.name``)."""
+        return self.config.name
+
+    # ----------------------------------------------------------------- state
+    def init_state(self) -> CacheState:
+        """Device state holding the host rows of every resident id.
+
+        Call it at the start (or after ``flush``): resident rows are copied
+        from the host table, free slots hold zeros.
+        """
+        if self.planner.dirty.any() or self._pending:
+            raise RuntimeError(
+                "the cache has rows changed on device; call flush(state) before building a "
+                "new device state from the host table."
+            )
+        cfg = self.config
+        slots = np.flatnonzero(self.planner.id_of_slot >= 0)
+        rows, opt = self.table.gather(self.planner.id_of_slot[slots])
+        host_rows = np.zeros((cfg.capacity, cfg.features), cfg.row_dtype)
+        host_rows[slots] = rows
+        host_opt = {}
+        for name, spec in cfg.optimizer.state_spec(cfg.features).items():
+            array = np.full((cfg.capacity, *spec.shape), spec.init, spec.dtype)
+            array[slots] = opt[name]
+            host_opt[name] = array
+        return jax.device_put(CacheState(host_rows, host_opt), self.row_sharding)
+
+    # ------------------------------------------------------------------ step
+    def prepare(self, state: CacheState, ids: np.ndarray, *, train: bool = True):
+        """Makes the rows of ``ids`` resident and maps the ids to slots.
+
+        Plans the batch, copies its missing rows (and optimizer state) to the
+        device, swaps them into the victims' slots (the old state is donated)
+        and queues the dirty victims' write-back.
+
+        Args:
+          state: the device state (donated: do not use it afterwards).
+          ids: integer ids ``[B, ...]``.
+          train: the step will update these rows.
+
+        Returns:
+          ``(state, lookup)``: the new device state and the ``Lookup``.
+        """
+        self.planner.release(self.planner.next_index - 1)
+        plan = self.planner.plan(ids, train=train)
+        state = self.apply_plan(state, plan)
+        return state, self.device_lookup(plan)
+
+    def apply_plan(self, state: CacheState, plan: Plan) -> CacheState:
+        """Moves the rows ``plan`` needs: host gather, transfer, donated swap."""
+        self.land_write_backs()
+        self.stats.record(
+            StepStats(
+                lookups=plan.lookups,
+                distinct=plan.distinct,
+                hits=plan.hits,
+                misses=plan.misses,
+                access_hits=plan.access_hits,
+                evictions=plan.evictions,
+                rows_to_device=plan.misses,
+                rows_to_host=len(plan.evict_ids),
+            )
+        )
+        moved = max(plan.misses, len(plan.evict_ids))
+        if moved == 0:
+            return state
+        cfg = self.config
+        size = self._fetch_bucket = bucket_size(moved, cfg.min_bucket, self._fetch_bucket)
+        rows, opt = self.table.gather(plan.fetch_ids)
+        fetch_rows = _pad(rows, size, 0)
+        fetch_opt = {k: _pad(v, size, 0) for k, v in opt.items()}
+        fetch_slots = _pad(plan.fetch_slots, size, cfg.capacity)
+        evict_slots = _pad(plan.evict_slots, size, cfg.capacity)
+        staged = jax.device_put((evict_slots, fetch_slots, fetch_rows, fetch_opt), self.replicated)
+        state, evicted_rows, evicted_opt = device_ops.swap(state, *staged)
+        if len(plan.evict_ids):
+            self._pending.append((plan.evict_ids, evicted_rows, evicted_opt))
+        return state
+
+    def device_lookup(self, plan: Plan) -> Lookup:
+        """The plan's slots as a device ``Lookup`` (padded to a bucket)."""
+        size = self._unique_bucket = bucket_size(
+            plan.distinct, self.config.min_bucket, self._unique_bucket
+        )
+        unique_slots = _pad(plan.unique_slots, size, self.config.capacity)
+        inverse = np.where(plan.inverse < 0, size, plan.inverse).astype(np.int32)
+        unique_slots, inverse = jax.device_put((unique_slots, inverse), self.replicated)
+        return Lookup(unique_slots, inverse, table=self.name)
+
+    def land_write_backs(self) -> None:
+        """Copies queued evicted rows into the host table (blocks until ready)."""
+        for ids, rows, opt in self._pending:
+            n = len(ids)
+            self.table.scatter(
+                ids, np.asarray(rows)[:n], {k: np.asarray(v)[:n] for k, v in opt.items()}
+            )
+        self._pending.clear()
+
+    # ---------------------------------------------------------------- export
+    def flush(self, state: CacheState) -> None:
+        """Writes every dirty row (and its optimizer state) back to the host.
+
+        The device state is read, not donated; afterwards the host table is
+        complete and every resident row is clean.
+        """
+        self.land_write_backs()
+        slots = np.flatnonzero(self.planner.dirty)
+        if slots.size == 0:
+            return
+        size = bucket_size(slots.size, self.config.min_bucket)
+        rows, opt = _read_slots(state, size, jnp.asarray(_pad(slots, size, self.config.capacity)))
+        n = slots.size
+        ids = self.planner.id_of_slot[slots]
+        self.table.scatter(
+            ids, np.asarray(rows)[:n], {k: np.asarray(v)[:n] for k, v in opt.items()}
+        )
+        self.planner.dirty[slots] = False
+        self.stats.record_write_back(n)
+
+    def export(self, state: CacheState) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The full table and optimizer state in id order (copies).
+
+        Flushes first, so the host table is also complete afterwards.
+        """
+        self.flush(state)
+        return np.array(self.table.rows), {k: np.array(v) for k, v in self.table.state.items()}
+
+
+def _pad(values: np.ndarray, size: int, fill: int | float) -> np.ndarray:
+    out = np.full((size, *values.shape[1:]), fill, values.dtype)
+    out[: len(values)] = values
+    return out

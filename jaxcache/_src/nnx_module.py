@@ -1,0 +1,213 @@
+"""Flax NNX shell: a cached embedding module and a fused sparse gradient step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxcache._src import device_ops
+from jaxcache._src.device_ops import CacheState, Lookup
+from jaxcache._src.engine import EmbeddingCache
+
+__all__ = ["CacheOptState", "CacheRows", "CachedEmbed", "value_and_grad"]
+
+
+class CacheRows(nnx.Variable):
+    """Cached embedding rows ``[C, D]``.
+
+    Not an ``nnx.Param``: the rows are trained by the cache's sparse optimizer,
+    not by the dense optax optimizer, and filtered out of it by type.
+    """
+
+
+class CacheOptState(nnx.Variable):
+    """Per-row optimizer state of the cached rows, ``{name: [C, ...]}``."""
+
+
+def _is_lookup(x: Any) -> bool:
+    return isinstance(x, Lookup)
+
+
+class CachedEmbed(nnx.Module):
+    """An embedding lookup served from an ``EmbeddingCache``, used like ``nnx.Embed``.
+
+    The module holds the device half of the cache (rows and their optimizer
+    state) as ``CacheRows`` and ``CacheOptState`` variables. Outside ``jit``,
+    ``prepare(ids)`` maps a batch of ids to slots and brings missing rows in;
+    inside the jitted step, calling the module with the returned ``Lookup``
+    gathers the rows. Train with ``jaxcache.nnx.value_and_grad``, which applies
+    the sparse optimizer to the touched rows in the same step.
+
+    Args:
+      cache: the engine (host table, planner, statistics).
+      combiner: ``None`` to return one row per id, or ``"sum"``/``"mean"`` to
+        pool the last axis of the ids (fixed-width bags).
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> from flax import nnx
+      >>> cfg = jaxcache.CacheConfig(num_embeddings=1000, features=4, capacity=64)
+      >>> embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg))
+      >>> lookup = embed.prepare(np.array([[1, 2], [2, 999]]))
+      >>> embed(lookup).shape
+      (2, 2, 4)
+    """
+
+    def __init__(self, cache: EmbeddingCache, *, combiner: str | None = None) -> None:
+        if combiner not in (None, "sum", "mean"):
+            raise ValueError(f"combiner={combiner!r} is not supported; use None, 'sum' or 'mean'.")
+        self.cache = cache
+        self.combiner = combiner
+        state = cache.init_state()
+        self.rows = CacheRows(state.rows)
+        self.opt_state = CacheOptState(state.opt)
+
+    def get_state(self) -> CacheState:
+        """The device state as a ``CacheState``."""
+        return CacheState(self.rows[...], self.opt_state.get_value())
+
+    def set_state(self, state: CacheState) -> None:
+        """Replaces the device state."""
+        self.rows.set_value(state.rows)
+        self.opt_state.set_value(state.opt)
+
+    def prepare(self, ids: np.ndarray, *, train: bool = True) -> Lookup:
+        """Plans ``ids`` and swaps their missing rows in (eager, outside ``jit``).
+
+        Args:
+          ids: integer ids ``[B, ...]`` (``[B, L]`` bags with a combiner).
+          train: the step will update these rows.
+
+        Returns:
+          The ``Lookup`` to pass to the module inside the step.
+        """
+        state, lookup = self.cache.prepare(self.get_state(), ids, train=train)
+        self.set_state(state)
+        return lookup
+
+    def __call__(self, lookup: Lookup, weights: jax.Array | None = None) -> jax.Array:
+        """Rows ``[*ids.shape, D]``, or pooled ``[*ids.shape[:-1], D]`` with a combiner.
+
+        Args:
+          lookup: from ``prepare`` (of this module's cache).
+          weights: optional per-id weights of the ids' shape (pooled modes).
+        """
+        if lookup.table != self.cache.name:
+            raise ValueError(
+                f"lookup is for table {lookup.table!r} but this module serves "
+                f"{self.cache.name!r}; prepare ids with the module that looks them up."
+            )
+        embeddings = device_ops.lookup_rows(self.rows[...], lookup)
+        if self.combiner is None:
+            if weights is not None:
+                raise ValueError("weights need a combiner ('sum' or 'mean').")
+            return embeddings
+        return device_ops.pool(embeddings, lookup, self.combiner, weights)
+
+    def apply_gradients(self, lookup: Lookup, grads: jax.Array) -> None:
+        """Sparse optimizer step on the rows of ``lookup`` (``grads``: ``[U, D]``)."""
+        self.set_state(
+            device_ops.apply_sparse(
+                self.get_state(), lookup.unique_slots, grads, self.cache.config.optimizer
+            )
+        )
+
+    def flush(self) -> None:
+        """Writes every row changed on device back to the host table."""
+        self.cache.flush(self.get_state())
+
+    def export(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Full table and optimizer state in id order (NumPy copies)."""
+        return self.cache.export(self.get_state())
+
+
+def value_and_grad(
+    fn: Callable[..., Any], *, has_aux: bool = False, wrt: Any = nnx.Param
+) -> Callable[..., tuple[Any, nnx.State]]:
+    """Like ``nnx.value_and_grad``, with the cached rows trained in the same step.
+
+    ``fn(model, *args)`` must take the model first; every ``Lookup`` found in
+    ``args`` is differentiated through a zero ``delta`` of shape ``[U, D]``,
+    so the gradient of each distinct row costs ``O(U x D)``, never
+    ``O(C x D)``. The sparse optimizer of the matching ``CachedEmbed`` is then
+    applied to those rows. The returned gradients cover ``wrt`` (the dense
+    parameters) for the optax optimizer.
+
+    Args:
+      fn: the loss function ``fn(model, *args) -> loss`` (or ``(loss, aux)``).
+      has_aux: ``fn`` returns ``(loss, aux)``.
+      wrt: filter of the dense variables to differentiate.
+
+    Returns:
+      A function ``(model, *args) -> (value, grads)``.
+
+    Examples:
+      >>> import numpy as np, optax, jaxcache
+      >>> from flax import nnx
+      >>> cfg = jaxcache.CacheConfig(100, 4, capacity=16, optimizer=jaxcache.sgd(0.1))
+      >>> class Model(nnx.Module):
+      ...     def __init__(self, rngs):
+      ...         cache = jaxcache.EmbeddingCache(cfg)
+      ...         self.embed = jaxcache.nnx.CachedEmbed(cache, combiner="sum")
+      ...         self.head = nnx.Linear(4, 1, rngs=rngs)
+      ...     def __call__(self, lookup):
+      ...         return self.head(self.embed(lookup))[:, 0]
+      >>> model = Model(nnx.Rngs(0))
+      >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+      >>> @nnx.jit
+      ... def train_step(model, optimizer, lookup, labels):
+      ...     def loss_fn(model, lookup):
+      ...         return ((model(lookup) - labels) ** 2).mean()
+      ...     loss, grads = jaxcache.nnx.value_and_grad(loss_fn)(model, lookup)
+      ...     optimizer.update(model, grads)
+      ...     return loss
+      >>> lookup = model.embed.prepare(np.array([[1, 2], [3, 4]]))
+      >>> float(train_step(model, optimizer, lookup, np.ones(2))) > 0
+      True
+    """
+
+    def wrapped(model: nnx.Module, *args: Any) -> tuple[Any, nnx.State]:
+        modules = {}
+        for _, module in nnx.iter_modules(model):
+            if isinstance(module, CachedEmbed):
+                modules.setdefault(module.cache.name, module)
+        lookups = [x for x in jax.tree.leaves(args, is_leaf=_is_lookup) if _is_lookup(x)]
+        tables = [lk.table for lk in lookups]
+        for table in tables:
+            if table not in modules:
+                raise ValueError(
+                    f"a Lookup for table {table!r} was passed but the model has no CachedEmbed "
+                    f"for it (tables: {sorted(modules)})."
+                )
+        if len(set(tables)) != len(tables):
+            raise ValueError(
+                f"tables {tables} are looked up more than once in one step; prepare all ids of "
+                "a table as one array (one Lookup per table per step)."
+            )
+        deltas = [
+            jnp.zeros(
+                (lk.unique_slots.shape[0], modules[lk.table].cache.config.features), jnp.float32
+            )
+            for lk in lookups
+        ]
+
+        def inner(model, deltas, args):
+            it = iter(deltas)
+            args = jax.tree.map(
+                lambda x: x.with_delta(next(it)) if _is_lookup(x) else x, args, is_leaf=_is_lookup
+            )
+            return fn(model, *args)
+
+        value, (grads, delta_grads) = nnx.value_and_grad(
+            inner, argnums=(nnx.DiffState(0, wrt), 1), has_aux=has_aux
+        )(model, deltas, args)
+        for lookup, grad in zip(lookups, delta_grads, strict=True):
+            modules[lookup.table].apply_gradients(lookup, grad)
+        return value, grads
+
+    return wrapped

@@ -1,0 +1,250 @@
+"""Sparse row optimizers: update only the rows a batch touched.
+
+Each optimizer is a frozen, hashable dataclass (so it can sit in a static
+config) with two pure pieces:
+
+* ``state_spec(features)`` names the per-row state (shape after the row axis,
+  dtype, initial value); the host table stores it for every row and it moves
+  with the row between host and device.
+* ``update(rows, grads, state)`` maps the ``U`` touched rows ``[U, D]``, their
+  summed gradients ``[U, D]`` and their state ``{name: [U, ...]}`` to new rows
+  and state. Work is ``O(U x D)``: rows not in the batch are never read or
+  written (lazy semantics), so an untouched row and its state do not change.
+
+Shape letters: ``U`` distinct rows in a batch, ``D`` row width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "Adagrad",
+    "Adam",
+    "RowStateSpec",
+    "RowwiseAdagrad",
+    "SGD",
+    "SparseOptimizer",
+    "adagrad",
+    "adam",
+    "rowwise_adagrad",
+    "sgd",
+]
+
+
+class RowStateSpec(NamedTuple):
+    """One array of per-row optimizer state.
+
+    Attributes:
+      shape: shape after the row axis, ``()`` for a scalar per row.
+      dtype: NumPy dtype of the state.
+      init: value every row starts with.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    init: float
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}; pass a positive float.")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseOptimizer:
+    """Base class of the sparse row optimizers."""
+
+    learning_rate: float
+
+    def __post_init__(self) -> None:
+        _check_positive("learning_rate", self.learning_rate)
+
+    def state_spec(self, features: int) -> dict[str, RowStateSpec]:
+        """Per-row state arrays, by name."""
+        del features
+        return {}
+
+    def update(
+        self, rows: jax.Array, grads: jax.Array, state: dict[str, jax.Array]
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Returns updated ``rows [U, D]`` and ``state`` for the touched rows."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class SGD(SparseOptimizer):
+    """Plain stochastic gradient descent: ``row -= lr * grad``."""
+
+    def update(self, rows, grads, state):
+        new = rows.astype(jnp.float32) - self.learning_rate * grads.astype(jnp.float32)
+        return new.astype(rows.dtype), state
+
+
+@dataclasses.dataclass(frozen=True)
+class Adagrad(SparseOptimizer):
+    """Element-wise Adagrad, the same rule as ``optax.adagrad``.
+
+    ``acc += g**2; row -= lr * g / sqrt(acc + eps)``.
+    """
+
+    initial_accumulator_value: float = 0.1
+    eps: float = 1e-7
+
+    def state_spec(self, features):
+        return {
+            "accumulator": RowStateSpec(
+                (features,), np.dtype(np.float32), self.initial_accumulator_value
+            )
+        }
+
+    def update(self, rows, grads, state):
+        g = grads.astype(jnp.float32)
+        acc = state["accumulator"] + g * g
+        new = rows.astype(jnp.float32) - self.learning_rate * g * jax.lax.rsqrt(acc + self.eps)
+        return new.astype(rows.dtype), {"accumulator": acc}
+
+
+@dataclasses.dataclass(frozen=True)
+class RowwiseAdagrad(SparseOptimizer):
+    """Row-wise Adagrad (one accumulator per row, as in FBGEMM and DLRM).
+
+    ``acc += mean(g**2); row -= lr * g / (sqrt(acc) + eps)``. It keeps one float
+    per row instead of ``D``, so moving a row's state costs almost nothing.
+    """
+
+    initial_accumulator_value: float = 0.0
+    eps: float = 1e-8
+
+    def state_spec(self, features):
+        del features
+        return {
+            "accumulator": RowStateSpec((), np.dtype(np.float32), self.initial_accumulator_value)
+        }
+
+    def update(self, rows, grads, state):
+        g = grads.astype(jnp.float32)
+        acc = state["accumulator"] + jnp.mean(g * g, axis=-1)
+        scale = self.learning_rate / (jnp.sqrt(acc) + self.eps)
+        new = rows.astype(jnp.float32) - scale[:, None] * g
+        return new.astype(rows.dtype), {"accumulator": acc}
+
+
+@dataclasses.dataclass(frozen=True)
+class Adam(SparseOptimizer):
+    """Lazy Adam: moments and the step count are kept per row.
+
+    A row's moments decay only on steps that touch it and its bias correction
+    uses its own update count, so a row updated ``k`` times follows exactly
+    ``optax.adam`` applied ``k`` times to that row alone.
+    """
+
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+
+    def state_spec(self, features):
+        f32 = np.dtype(np.float32)
+        return {
+            "mu": RowStateSpec((features,), f32, 0.0),
+            "nu": RowStateSpec((features,), f32, 0.0),
+            "count": RowStateSpec((), np.dtype(np.int32), 0),
+        }
+
+    def update(self, rows, grads, state):
+        g = grads.astype(jnp.float32)
+        count = state["count"] + 1
+        mu = self.b1 * state["mu"] + (1.0 - self.b1) * g
+        nu = self.b2 * state["nu"] + (1.0 - self.b2) * (g * g)
+        t = count.astype(jnp.float32)[:, None]
+        mu_hat = mu / (1.0 - self.b1**t)
+        nu_hat = nu / (1.0 - self.b2**t)
+        new = rows.astype(jnp.float32) - self.learning_rate * mu_hat / (jnp.sqrt(nu_hat) + self.eps)
+        return new.astype(rows.dtype), {"mu": mu, "nu": nu, "count": count}
+
+
+def sgd(learning_rate: float) -> SGD:
+    """Sparse SGD.
+
+    Args:
+      learning_rate: step size.
+
+    Returns:
+      The optimizer, to pass as ``CacheConfig(optimizer=...)``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> import jaxcache
+      >>> opt = jaxcache.sgd(0.5)
+      >>> rows, _ = opt.update(jnp.ones((1, 2)), jnp.ones((1, 2)), {})
+      >>> rows.tolist()
+      [[0.5, 0.5]]
+    """
+    return SGD(learning_rate)
+
+
+def adagrad(
+    learning_rate: float, *, initial_accumulator_value: float = 0.1, eps: float = 1e-7
+) -> Adagrad:
+    """Sparse element-wise Adagrad (same rule and defaults as ``optax.adagrad``).
+
+    Args:
+      learning_rate: step size.
+      initial_accumulator_value: starting value of each accumulator.
+      eps: added inside the square root.
+
+    Returns:
+      The optimizer.
+
+    Examples:
+      >>> import jaxcache
+      >>> sorted(jaxcache.adagrad(0.1).state_spec(4))
+      ['accumulator']
+    """
+    return Adagrad(learning_rate, initial_accumulator_value, eps)
+
+
+def rowwise_adagrad(
+    learning_rate: float, *, initial_accumulator_value: float = 0.0, eps: float = 1e-8
+) -> RowwiseAdagrad:
+    """Sparse row-wise Adagrad: one accumulator per row.
+
+    Args:
+      learning_rate: step size.
+      initial_accumulator_value: starting value of each row's accumulator.
+      eps: added to the square root.
+
+    Returns:
+      The optimizer.
+
+    Examples:
+      >>> import jaxcache
+      >>> jaxcache.rowwise_adagrad(0.1).state_spec(4)["accumulator"].shape
+      ()
+    """
+    return RowwiseAdagrad(learning_rate, initial_accumulator_value, eps)
+
+
+def adam(learning_rate: float, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Adam:
+    """Sparse lazy Adam with a per-row step count.
+
+    Args:
+      learning_rate: step size.
+      b1: decay of the first moment.
+      b2: decay of the second moment.
+      eps: added to the root of the second moment.
+
+    Returns:
+      The optimizer.
+
+    Examples:
+      >>> import jaxcache
+      >>> sorted(jaxcache.adam(1e-3).state_spec(4))
+      ['count', 'mu', 'nu']
+    """
+    return Adam(learning_rate, b1, b2, eps)

@@ -1,0 +1,275 @@
+"""The host planner: which rows a batch needs, which are resident, what moves.
+
+For a batch of ids the planner finds the distinct ids, the hits (already in a
+device slot) and the misses, chooses victims by the policy among the slots no
+in-flight batch uses, assigns the misses to those slots and remaps every id to
+a slot. Everything is vectorized NumPy over the batch; the only per-step work
+proportional to the capacity is the victim choice, and only on steps with
+misses.
+
+Shape letters: ``C`` capacity (slots), ``N`` table rows, ``U`` distinct ids of
+a batch, ``M`` misses, ``E`` dirty evictions.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from jaxcache._src import policies, validation
+from jaxcache._src.config import CacheConfig
+
+__all__ = ["CapacityError", "Plan", "Planner"]
+
+
+class CapacityError(ValueError):
+    """A batch needs more rows on device than the cache can give it."""
+
+
+class Plan(NamedTuple):
+    """What one batch needs from the cache (host arrays).
+
+    Attributes:
+      index: sequence number of the plan.
+      unique_slots: ``int32 [U]`` slot of each distinct id of the batch.
+      inverse: ``int32`` of the ids' shape: position of each id in
+        ``unique_slots``; ``-1`` for padding.
+      fetch_ids: ``int64 [M]`` ids to copy host -> device.
+      fetch_slots: ``int32 [M]`` their slots.
+      evict_ids: ``int64 [E]`` evicted ids whose rows changed on device and
+        must be written back.
+      evict_slots: ``int32 [E]`` their (old) slots.
+      lookups: ids looked up, padding excluded.
+      hits: distinct ids that were resident.
+      access_hits: lookups served by resident rows.
+      evictions: resident rows replaced (clean ones included).
+    """
+
+    index: int
+    unique_slots: np.ndarray
+    inverse: np.ndarray
+    fetch_ids: np.ndarray
+    fetch_slots: np.ndarray
+    evict_ids: np.ndarray
+    evict_slots: np.ndarray
+    lookups: int
+    hits: int
+    access_hits: int
+    evictions: int
+
+    @property
+    def distinct(self) -> int:
+        """Distinct ids in the batch."""
+        return len(self.unique_slots)
+
+    @property
+    def misses(self) -> int:
+        """Distinct ids fetched from the host."""
+        return len(self.fetch_ids)
+
+
+def _sorted_unique(values: np.ndarray) -> np.ndarray:
+    # np.sort + a mask is several times faster than np.unique on NumPy 2.x.
+    if values.size == 0:
+        return values
+    s = np.sort(values)
+    keep = np.empty(s.shape, bool)
+    keep[0] = True
+    np.not_equal(s[1:], s[:-1], out=keep[1:])
+    return s[keep]
+
+
+class Planner:
+    """Directory of resident rows plus the eviction policy.
+
+    Args:
+      config: the table's configuration (capacity, policy, padding id).
+      frequencies: ``int [N]`` access counts from the dataset: the static
+        priority of the ``"frequency"`` policy (required there) and the seed
+        of ``"lfu"`` counts (optional).
+
+    Attributes:
+      slot_of_id: ``int32 [N]``, ``-1`` when the id is not resident.
+      id_of_slot: ``int64 [C]``, ``-1`` for a free slot.
+      last_use: ``int64 [C]``, index of the last plan that used the slot.
+      dirty: ``bool [C]``, the slot's row changed since it was fetched.
+      released: plans with an index up to this one are finished; their rows
+        may be evicted.
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> cfg = jaxcache.CacheConfig(num_embeddings=10, features=2, capacity=3, policy="lru")
+      >>> planner = jaxcache.Planner(cfg)
+      >>> plan = planner.plan(np.array([7, 2, 7]))
+      >>> plan.fetch_ids.tolist(), plan.inverse.tolist()
+      ([2, 7], [0, 1, 0])
+      >>> planner.release(plan.index)  # its step is done: rows may be evicted
+      >>> plan = planner.plan(np.array([2, 5, 9]))  # 7 is the least recent
+      >>> plan.hits, plan.fetch_ids.tolist(), int(planner.slot_of_id[7])
+      (1, [5, 9], -1)
+    """
+
+    def __init__(self, config: CacheConfig, *, frequencies: np.ndarray | None = None) -> None:
+        self.config = config
+        capacity, n = config.capacity, config.num_embeddings
+        self.policy = policies.make_policy(config.policy, n, frequencies)
+        self.slot_of_id = np.full(n, -1, np.int32)
+        self.id_of_slot = np.full(capacity, -1, np.int64)
+        self.last_use = np.full(capacity, -1, np.int64)
+        self.dirty = np.zeros(capacity, bool)
+        self.released = -1
+        self.next_index = 0
+        # Scratch arrays for O(batch) distinct/inverse; only entries written in
+        # the same call are read, so they are never cleared.
+        self._position = np.empty(capacity, np.int64)
+        self._rank = np.empty(capacity, np.int32)
+
+    @property
+    def capacity(self) -> int:
+        """``C``, the number of slots."""
+        return self.config.capacity
+
+    def release(self, index: int) -> None:
+        """Marks plans up to ``index`` finished: their rows become evictable."""
+        self.released = max(self.released, int(index))
+
+    def resident_ids(self) -> np.ndarray:
+        """Ids currently in a slot, in slot order."""
+        return self.id_of_slot[self.id_of_slot >= 0]
+
+    def _distinct(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Distinct values of ``slots`` and the position of each in that list.
+
+        ``O(len(slots))``: each slot records one position that holds it (any
+        one of the duplicates), which picks one
+        representative per distinct slot without sorting.
+        """
+        positions = np.arange(slots.size, dtype=np.int64)
+        # Written back to front so that (as NumPy keeps the last write) the
+        # first occurrence represents its slot and ``unique`` is in order of
+        # first appearance; correctness does not depend on which one wins.
+        self._position[slots[::-1]] = positions[::-1]
+        unique = slots[self._position[slots] == positions]
+        self._rank[unique] = np.arange(unique.size, dtype=np.int32)
+        return unique, self._rank[slots]
+
+    def warm(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Places ``ids`` (not yet resident) into free slots, in order.
+
+        Used to preload the hottest rows. Ids beyond the free slots are
+        ignored. Returns the placed ``(ids, slots)``; the caller copies those
+        rows to the device.
+        """
+        ids = validation.check_ids(ids, self.config.num_embeddings, None, "ids").reshape(-1)
+        ids = ids[self.slot_of_id[ids] < 0]
+        _, first = np.unique(ids, return_index=True)
+        ids = ids[np.sort(first)]
+        free = np.flatnonzero(self.id_of_slot < 0)[: ids.size]
+        ids = ids[: free.size]
+        self.slot_of_id[ids] = free
+        self.id_of_slot[free] = ids
+        return ids, free.astype(np.int32)
+
+    def plan(self, ids: np.ndarray, *, train: bool = True) -> Plan:
+        """Plans one batch.
+
+        Args:
+          ids: integer ids of any shape ``[B, ...]``.
+          train: the batch will update its rows (they become dirty).
+
+        Returns:
+          The plan. The directory already reflects it.
+
+        Raises:
+          TypeError, ValueError: bad ids (nothing changed).
+          CapacityError: the batch's distinct ids do not fit next to the rows
+            that in-flight batches protect (nothing changed).
+        """
+        cfg = self.config
+        ids = validation.check_ids(ids, cfg.num_embeddings, cfg.padding_id, "ids")
+        flat = ids.reshape(-1)
+        valid = None
+        if cfg.padding_id is not None:
+            is_pad = flat == cfg.padding_id
+            if is_pad.any():
+                valid = ~is_pad
+                flat = flat[valid]
+
+        slots = self.slot_of_id[flat]
+        is_miss = slots < 0
+        miss_ids = _sorted_unique(flat[is_miss])
+        hit_unique, _ = self._distinct(slots[~is_miss])
+        distinct = hit_unique.size + miss_ids.size
+        if distinct > self.capacity:
+            raise CapacityError(
+                f"the batch has {distinct} distinct ids but capacity is {self.capacity} rows; "
+                f"raise capacity to at least {distinct} or use smaller batches."
+            )
+        protected = self.last_use > self.released
+        protected[hit_unique] = True
+        available = self.capacity - int(np.count_nonzero(protected))
+        if miss_ids.size > available:
+            raise CapacityError(
+                f"the batch needs {miss_ids.size} new rows but only {available} of "
+                f"{self.capacity} slots are free of in-flight batches; raise capacity, use "
+                "smaller batches or a shorter look-ahead."
+            )
+
+        # From here on the state changes; everything above validated.
+        index = self.next_index
+        self.next_index += 1
+        victims = self._choose_victims(miss_ids.size, protected)
+        old_ids = self.id_of_slot[victims]
+        occupied = old_ids >= 0
+        evicted_slots = victims[occupied]
+        evicted_ids = old_ids[occupied]
+        write_back = self.dirty[evicted_slots]
+        self.slot_of_id[evicted_ids] = -1
+        self.slot_of_id[miss_ids] = victims
+        self.id_of_slot[victims] = miss_ids
+        self.dirty[victims] = False
+
+        slots = self.slot_of_id[flat]
+        unique_slots, inverse = self._distinct(slots)
+        self.last_use[unique_slots] = index
+        if train:
+            self.dirty[unique_slots] = True
+        self.policy.record(self, unique_slots, inverse)
+
+        if valid is not None:
+            full = np.full(valid.shape, -1, np.int32)
+            full[valid] = inverse
+            inverse = full
+        access_hits = int(flat.size - np.count_nonzero(is_miss))
+        return Plan(
+            index=index,
+            unique_slots=unique_slots.astype(np.int32),
+            inverse=inverse.reshape(ids.shape),
+            fetch_ids=miss_ids.astype(np.int64),
+            fetch_slots=victims.astype(np.int32),
+            evict_ids=evicted_ids[write_back],
+            evict_slots=evicted_slots[write_back].astype(np.int32),
+            lookups=int(flat.size),
+            hits=int(hit_unique.size),
+            access_hits=access_hits,
+            evictions=int(evicted_ids.size),
+        )
+
+    def _choose_victims(self, count: int, protected: np.ndarray) -> np.ndarray:
+        """The ``count`` unprotected slots of lowest ``(priority, slot)``, by slot.
+
+        Free slots come first (priority -1); then the policy's priority of the
+        resident row, lowest first; ties go to the lower slot.
+        """
+        if count == 0:
+            return np.empty(0, np.int64)
+        candidates = np.flatnonzero(~protected)
+        ids = self.id_of_slot[candidates]
+        keys = np.where(ids < 0, -1, self.policy.priority(self, candidates, ids))
+        if count < candidates.size:
+            kth = np.partition(keys, count - 1)[count - 1]
+            below = candidates[keys < kth]
+            ties = candidates[keys == kth][: count - below.size]
+            candidates = np.concatenate([below, ties])
+        return np.sort(candidates)

@@ -1,0 +1,102 @@
+"""Eviction policies: the priority of a resident row (lowest is evicted first).
+
+A policy gives each resident row an integer priority and may learn from every
+planned batch. Priorities never decrease while a row stays resident, so the
+planner can pick victims with one partial sort.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from jaxcache._src.planner import Planner
+
+__all__ = ["FrequencyPolicy", "LFUPolicy", "LRUPolicy", "Policy", "make_policy"]
+
+
+class Policy:
+    """Base class: priority of resident rows, updated from each batch."""
+
+    name = ""
+
+    def priority(self, planner: Planner, slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """``int64`` priority of the rows ``ids`` held in ``slots``."""
+        raise NotImplementedError
+
+    def record(self, planner: Planner, unique_slots: np.ndarray, inverse: np.ndarray) -> None:
+        """Learns from a planned batch: its distinct slots and each lookup's index."""
+
+
+class LRUPolicy(Policy):
+    """Least recently used: priority is the index of the last plan using the row."""
+
+    name = "lru"
+
+    def priority(self, planner, slots, ids):
+        return planner.last_use[slots]
+
+
+class _CountPolicy(Policy):
+    def __init__(self, counts: np.ndarray) -> None:
+        self.counts = counts
+
+    def priority(self, planner, slots, ids):
+        return self.counts[ids]
+
+
+class FrequencyPolicy(_CountPolicy):
+    """Static dataset frequency (the policy of Fang et al. 2022).
+
+    The priority of a row is how often its id occurs in the dataset; it never
+    changes. The cache starts warmed with the hottest rows.
+    """
+
+    name = "frequency"
+
+
+class LFUPolicy(_CountPolicy):
+    """Online least frequently used: counts every lookup seen so far.
+
+    Counts are kept for every id (not only resident ones), so a row that
+    comes back keeps its history. Optionally seeded with dataset counts.
+    """
+
+    name = "lfu"
+
+    def record(self, planner, unique_slots, inverse):
+        occurrences = np.bincount(inverse, minlength=unique_slots.size)
+        self.counts[planner.id_of_slot[unique_slots]] += occurrences
+
+
+def make_policy(name: str, num_embeddings: int, frequencies: np.ndarray | None) -> Policy:
+    """Builds the policy ``name`` for a table of ``num_embeddings`` rows."""
+    if frequencies is not None:
+        frequencies = np.asarray(frequencies)
+        if frequencies.shape != (num_embeddings,) or not np.issubdtype(
+            frequencies.dtype, np.integer
+        ):
+            raise ValueError(
+                f"frequencies must be an integer array of shape ({num_embeddings},), got "
+                f"{frequencies.dtype} {frequencies.shape}; count them with "
+                "jaxcache.FrequencyCounter."
+            )
+        if frequencies.size and frequencies.min() < 0:
+            raise ValueError("frequencies must be >= 0 (they are access counts).")
+    if name == "lru":
+        return LRUPolicy()
+    if name == "lfu":
+        counts = np.zeros(num_embeddings, np.int64)
+        if frequencies is not None:
+            counts[:] = frequencies
+        return LFUPolicy(counts)
+    if name == "frequency":
+        if frequencies is None:
+            raise ValueError(
+                "policy='frequency' ranks rows by dataset counts: pass frequencies= "
+                "(e.g. jaxcache.FrequencyCounter(N).update_all(batches).counts), or use 'lfu'."
+            )
+        return FrequencyPolicy(frequencies.astype(np.int64))
+    raise ValueError(f"unknown policy {name!r}; use 'frequency', 'lfu' or 'lru'.")

@@ -1,0 +1,147 @@
+"""Counters of what a cache did: per step and since it was built."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import jax
+
+__all__ = ["CacheStats", "StepStats", "compilations"]
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compile_lock = threading.Lock()
+_compile_count = 0
+_listening = False
+
+
+def _on_event(event: str, duration: float, **kwargs) -> None:
+    global _compile_count
+    if event == _COMPILE_EVENT:
+        with _compile_lock:
+            _compile_count += 1
+
+
+def compilations() -> int:
+    """XLA compilations in this process since jaxcache started counting.
+
+    Counting starts at the first call (or the first cache built).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jaxcache
+      >>> x = jnp.ones(7)
+      >>> before = jaxcache.compilations()
+      >>> _ = jax.jit(lambda x: x * 3)(x)
+      >>> jaxcache.compilations() - before
+      1
+    """
+    global _listening
+    with _compile_lock:
+        if not _listening:
+            jax.monitoring.register_event_duration_secs_listener(_on_event)
+            _listening = True
+        return _compile_count
+
+
+@dataclasses.dataclass
+class StepStats:
+    """What one planned batch did (or the sum over many).
+
+    Attributes:
+      lookups: ids looked up (padding excluded).
+      distinct: distinct ids.
+      hits: distinct ids already on device.
+      misses: distinct ids fetched from the host.
+      access_hits: lookups served by resident rows.
+      evictions: resident rows replaced.
+      rows_to_device: rows copied host -> device.
+      rows_to_host: rows copied device -> host (dirty evictions and flushes).
+    """
+
+    lookups: int = 0
+    distinct: int = 0
+    hits: int = 0
+    misses: int = 0
+    access_hits: int = 0
+    evictions: int = 0
+    rows_to_device: int = 0
+    rows_to_host: int = 0
+
+    def add(self, other: StepStats) -> None:
+        """Adds ``other``'s counts to these."""
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over distinct ids: the share of rows that did not cross the bus."""
+        return self.hits / self.distinct if self.distinct else 0.0
+
+    @property
+    def access_hit_rate(self) -> float:
+        """Lookups served by resident rows over all lookups."""
+        return self.access_hits / self.lookups if self.lookups else 0.0
+
+
+class CacheStats:
+    """Cumulative and last-step counters of one cache.
+
+    Attributes:
+      row_bytes: bytes moved per row (the row plus its optimizer state).
+      total: counts since the cache was built.
+      last: counts of the last planned batch.
+      steps: batches planned.
+
+    Examples:
+      >>> import jaxcache
+      >>> stats = jaxcache.CacheStats(row_bytes=64)
+      >>> stats.record(jaxcache.StepStats(lookups=10, distinct=4, hits=3, misses=1,
+      ...                                 rows_to_device=1))
+      >>> stats.total.hit_rate, stats.bytes_to_device
+      (0.75, 64)
+    """
+
+    def __init__(self, row_bytes: int) -> None:
+        self.row_bytes = row_bytes
+        self.total = StepStats()
+        self.last = StepStats()
+        self.steps = 0
+        self._compilations_at_start = compilations()
+
+    def record(self, step: StepStats) -> None:
+        """Adds one planned batch."""
+        self.last = step
+        self.total.add(step)
+        self.steps += 1
+
+    def record_write_back(self, rows: int) -> None:
+        """Adds rows written back outside a planned batch (a flush)."""
+        self.total.rows_to_host += rows
+
+    @property
+    def bytes_to_device(self) -> int:
+        """Bytes copied host -> device."""
+        return self.total.rows_to_device * self.row_bytes
+
+    @property
+    def bytes_to_host(self) -> int:
+        """Bytes copied device -> host."""
+        return self.total.rows_to_host * self.row_bytes
+
+    @property
+    def compilations(self) -> int:
+        """XLA compilations in the process since this cache was built."""
+        return compilations() - self._compilations_at_start
+
+    def as_dict(self) -> dict[str, float]:
+        """Cumulative counters and rates as a flat dict (for logging)."""
+        out: dict[str, float] = dataclasses.asdict(self.total)
+        out.update(
+            steps=self.steps,
+            hit_rate=self.total.hit_rate,
+            access_hit_rate=self.total.access_hit_rate,
+            bytes_to_device=self.bytes_to_device,
+            bytes_to_host=self.bytes_to_host,
+            compilations=self.compilations,
+        )
+        return out

@@ -1,0 +1,49 @@
+"""Checks on ids coming from users, done on the host before any state changes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["check_ids"]
+
+
+def check_ids(ids: object, num_embeddings: int, padding_id: int | None, name: str) -> np.ndarray:
+    """Returns ``ids`` as a NumPy integer array, or raises a clear error.
+
+    Ids must be integers of rank >= 1 in ``[0, num_embeddings)``, or equal to
+    ``padding_id``. Nothing is cast silently: a float or bool array is refused
+    rather than truncated, and a large int64 is never wrapped to int32.
+    """
+    array = np.asarray(ids)
+    if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(
+            f"{name} must be an integer array, got dtype {array.dtype}; "
+            f"convert with np.asarray({name}, dtype=np.int64) if the values are whole ids."
+        )
+    if array.ndim == 0:
+        raise ValueError(
+            f"{name} must have rank >= 1 (e.g. [batch] or [batch, bag]), got a scalar; "
+            f"wrap it as np.array([{name}])."
+        )
+    if array.size == 0:
+        return array
+    lo, hi = array.min(), array.max()
+    if lo >= 0 and hi < num_embeddings:
+        return array
+    bad = (array < 0) | (array >= num_embeddings)
+    if padding_id is not None:
+        bad &= array != padding_id
+    if bad.any():
+        value = int(array[bad].flat[0])
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        hint = (
+            "ids must be in [0, num_embeddings); reduce hashed ids modulo the vocabulary "
+            "on the host"
+        )
+        if value < 0:
+            hint += ", or set padding_id to mark empty bag positions"
+        raise ValueError(
+            f"{name} holds {value} at index {where}, outside [0, {num_embeddings}) "
+            f"({int(bad.sum())} bad value(s)); {hint}."
+        )
+    return array
