@@ -70,8 +70,8 @@ def embed_init() -> Initializer:
     """The distribution of Flax's default embedding initializer.
 
     ``flax.linen.initializers.variance_scaling(1.0, "fan_in", "normal",
-    out_axis=0)`` on a ``[N, D]`` table: a normal truncated to two standard
-    deviations, rescaled so that the variance is ``1 / D``.
+    out_axis=0)`` on a ``[N, D]`` table has fan-in ``D``: a normal with
+    variance ``1 / D`` (not truncated). Same distribution, NumPy's generator.
 
     Returns:
       An initializer ``(rng, shape) -> float32 array``.
@@ -84,14 +84,7 @@ def embed_init() -> Initializer:
     """
 
     def init(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
-        # 0.8796... is the stddev of a unit normal truncated to [-2, 2].
-        stddev = math.sqrt(1.0 / shape[1]) / 0.87962566103423978
-        out = rng.standard_normal(size=shape)
-        bad = np.abs(out) > 2.0
-        while bad.any():
-            out[bad] = rng.standard_normal(size=int(bad.sum()))
-            bad = np.abs(out) > 2.0
-        return (out * stddev).astype(np.float32)
+        return (rng.standard_normal(size=shape) * math.sqrt(1.0 / shape[1])).astype(np.float32)
 
     return init
 

@@ -1,0 +1,110 @@
+"""Bad input: a clear error (argument, value, fix) and no state change."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jaxcache
+
+
+def _snapshot(cache):
+    p = cache.planner
+    return (
+        p.slot_of_id.copy(),
+        p.id_of_slot.copy(),
+        p.last_use.copy(),
+        p.dirty.copy(),
+        p.next_index,
+        cache.stats.steps,
+        np.array(cache.table.rows),
+    )
+
+
+def _assert_unchanged(cache, snapshot):
+    for before, after in zip(snapshot, _snapshot(cache), strict=True):
+        np.testing.assert_array_equal(before, after)
+
+
+@pytest.fixture
+def cache_and_state():
+    cfg = jaxcache.CacheConfig(100, 4, 8, policy="lfu", padding_id=-1)
+    cache = jaxcache.EmbeddingCache(cfg)
+    state = cache.init_state()
+    state, _ = cache.prepare(state, np.array([1, 2, 3]))
+    return cache, state
+
+
+@pytest.mark.parametrize(
+    ("ids", "error", "pattern"),
+    [
+        (np.array([1, 100]), ValueError, r"holds 100 at index \(1,\), outside \[0, 100\)"),
+        (np.array([[1, -5]]), ValueError, r"holds -5 .*set padding_id"),
+        (np.array([1.0, 2.0]), TypeError, r"integer array, got dtype float64.*np.int64"),
+        (np.array([True, False]), TypeError, r"integer array, got dtype bool"),
+        (np.int64(3), ValueError, r"rank >= 1.*np.array"),
+        (np.array([4225744279]), ValueError, r"holds 4225744279 .*modulo the vocabulary"),
+        (np.arange(9), jaxcache.CapacityError, r"9 distinct ids but capacity is 8.*at least 9"),
+    ],
+)
+def test_bad_ids_raise_before_any_change(cache_and_state, ids, error, pattern):
+    cache, state = cache_and_state
+    snapshot = _snapshot(cache)
+    with pytest.raises(error, match=pattern):
+        cache.prepare(state, ids)
+    _assert_unchanged(cache, snapshot)
+    # The state is still usable afterwards.
+    state, lookup = cache.prepare(state, np.array([1, 2]))
+    assert cache.stats.last.hits == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        (dict(capacity=101), ValueError, r"capacity=101 rows is larger than the table"),
+        (dict(capacity=0), ValueError, r"capacity=0 must be at least 1"),
+        (dict(capacity=1.5), ValueError, r"capacity=1.5 is neither a fraction"),
+        (dict(capacity=0.02, policy="fifo"), ValueError, r"policy='fifo'.*frequency, lfu, lru"),
+        (dict(capacity=10, dtype="float16"), ValueError, r"dtype='float16'.*bfloat16"),
+        (dict(capacity=10, padding_id=5), ValueError, r"padding_id=5 is a real row id"),
+        (dict(capacity=10, optimizer="sgd"), TypeError, r"jaxcache sparse optimizer"),
+    ],
+)
+def test_bad_config(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        jaxcache.CacheConfig(num_embeddings=100, features=4, **kwargs)
+
+
+def test_frequency_policy_needs_frequencies():
+    cfg = jaxcache.CacheConfig(100, 4, 10, policy="frequency")
+    with pytest.raises(ValueError, match="pass frequencies="):
+        jaxcache.EmbeddingCache(cfg)
+
+
+def test_frequencies_of_wrong_shape():
+    cfg = jaxcache.CacheConfig(100, 4, 10, policy="lfu")
+    with pytest.raises(ValueError, match=r"shape \(100,\), got int64 \(99,\)"):
+        jaxcache.EmbeddingCache(cfg, frequencies=np.zeros(99, np.int64))
+
+
+def test_bad_learning_rate():
+    with pytest.raises(ValueError, match="learning_rate must be > 0"):
+        jaxcache.adam(-1.0)
+
+
+def test_host_rows_of_wrong_shape():
+    cfg = jaxcache.CacheConfig(100, 4, 10)
+    with pytest.raises(ValueError, match=r"shape \(100, 3\) but the config needs \(100, 4\)"):
+        jaxcache.HostTable(cfg, rows=np.zeros((100, 3), np.float32))
+
+
+def test_lookup_for_another_table_is_refused():
+    a = jaxcache.nnx.CachedEmbed(
+        jaxcache.EmbeddingCache(jaxcache.CacheConfig(10, 2, 4, name="users"))
+    )
+    b = jaxcache.nnx.CachedEmbed(
+        jaxcache.EmbeddingCache(jaxcache.CacheConfig(10, 2, 4, name="items"))
+    )
+    lookup = a.prepare(np.array([1, 2]))
+    with pytest.raises(ValueError, match="lookup is for table 'users' but this module serves"):
+        b(lookup)

@@ -1,0 +1,95 @@
+"""Training through the cache equals training with the whole table on device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jaxcache
+from tests.models import dense_params, make_cached, make_reference, zipf_batches
+
+N, D, B, F = 4000, 8, 32, 4
+OPTIMIZERS = {
+    "sgd": jaxcache.sgd(0.2),
+    "adagrad": jaxcache.adagrad(0.2),
+    "rowwise_adagrad": jaxcache.rowwise_adagrad(0.2),
+    "adam": jaxcache.adam(0.02),
+}
+
+
+def _max_diff(a, b):
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def run_both(opt, policy, capacity, steps=12, seed=0):
+    batches = list(zipf_batches(N, B, F, steps, seed=seed))
+    cfg = jaxcache.CacheConfig(N, D, capacity=capacity, policy=policy, optimizer=opt)
+    freq = jaxcache.FrequencyCounter(N).update_all(ids for ids, _ in batches).counts
+    table = jaxcache.HostTable(cfg, seed=seed + 1)
+    reference, ref_train = make_reference(np.array(table.rows), opt, F)
+    cache = jaxcache.EmbeddingCache(cfg, table=table, frequencies=freq)
+    cached, cached_train = make_cached(cache, F)
+    losses = [(float(cached_train(ids, y)), float(ref_train(ids, y))) for ids, y in batches]
+    return cache, cached, reference, losses
+
+
+def assert_same_training(cached, reference, losses):
+    rows, state = cached.embed.export()
+    assert _max_diff(rows, reference.embed.table[...]) <= 1e-6
+    ref_state = reference.embed.opt_state.get_value()
+    assert sorted(state) == sorted(ref_state)
+    for name in state:
+        assert _max_diff(state[name], ref_state[name]) <= 1e-6, name
+    for a, b in zip(dense_params(cached), dense_params(reference), strict=True):
+        assert _max_diff(a, b) <= 1e-6
+    for a, b in losses:
+        assert abs(a - b) <= 1e-6
+
+
+@pytest.mark.parametrize("policy", jaxcache.POLICIES)
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_heavy_churn_matches_full_table(opt_name, policy):
+    # Capacity barely above one batch's distinct ids (B * F = 128): rows are
+    # evicted and fetched again almost every step.
+    cache, cached, reference, losses = run_both(OPTIMIZERS[opt_name], policy, capacity=130)
+    assert cache.stats.total.evictions > 3 * cache.config.capacity
+    assert cache.stats.total.rows_to_host > 0
+    assert_same_training(cached, reference, losses)
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "rowwise_adagrad"])
+def test_five_percent_cache_matches_full_table(opt_name):
+    _, cached, reference, losses = run_both(OPTIMIZERS[opt_name], "lfu", capacity=0.05, steps=20)
+    assert_same_training(cached, reference, losses)
+
+
+def test_untouched_rows_and_state_do_not_change():
+    opt = OPTIMIZERS["adam"]
+    cache, cached, _, _ = run_both(opt, "lru", capacity=130, steps=5)
+    rows, state = cached.embed.export()
+    touched = np.zeros(N, bool)
+    for ids, _ in zipf_batches(N, B, F, 5, seed=0):
+        touched[ids.reshape(-1)] = True
+    initial = jaxcache.HostTable(cache.config, seed=1)
+    np.testing.assert_array_equal(rows[~touched], initial.rows[~touched])
+    assert (state["count"][~touched] == 0).all()
+    assert (state["count"][touched] >= 1).all()
+
+
+def test_row_evicted_and_needed_again_keeps_its_updates():
+    # Capacity 2: id 0 is trained, evicted by [1, 2], then needed again.
+    cfg = jaxcache.CacheConfig(10, 4, 2, policy="lru", optimizer=jaxcache.adam(0.1))
+    table = jaxcache.HostTable(cfg, seed=0)
+    rows0 = np.array(table.rows)
+    cache = jaxcache.EmbeddingCache(cfg, table=table)
+    model, train = make_cached(cache, 1)
+    reference, ref_train = make_reference(rows0, cfg.optimizer, 1)
+    y = np.ones(2, np.float32)
+    for ids in ([[0], [0]], [[1], [2]], [[0], [1]], [[2], [0]]):
+        ids = np.array(ids)
+        train(ids, y)
+        ref_train(ids, y)
+    assert cache.stats.total.evictions >= 3
+    rows, state = model.embed.export()
+    assert _max_diff(rows, reference.embed.table[...]) <= 1e-6
+    assert state["count"][0] == 3

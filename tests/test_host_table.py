@@ -1,0 +1,86 @@
+"""Host table, initializers and frequency counts."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import linen
+
+import jaxcache
+
+
+def test_embed_init_has_flax_distribution():
+    shape = (40000, 16)
+    ours = jaxcache.embed_init()(np.random.default_rng(0), shape)
+    flax_init = linen.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+    theirs = np.asarray(flax_init(jax.random.key(0), shape))
+    # Same spread and the same tails (an untruncated normal: ~4.6% beyond 2 sigma).
+    quantiles = [0.001, 0.01, 0.25, 0.5, 0.75, 0.99, 0.999]
+    np.testing.assert_allclose(
+        np.quantile(ours, quantiles), np.quantile(theirs, quantiles), rtol=0.05, atol=0.005
+    )
+    sigma = 1 / np.sqrt(shape[1])
+    assert abs(np.std(ours) - sigma) < 0.01 * sigma
+    assert abs(np.mean(np.abs(ours) > 2 * sigma) - np.mean(np.abs(theirs) > 2 * sigma)) < 0.003
+    assert ours.dtype == np.float32
+
+
+def test_seeded_and_memmapped(tmp_path):
+    cfg = jaxcache.CacheConfig(70000, 4, 100, optimizer=jaxcache.adam(0.1))
+    a = jaxcache.HostTable(cfg, seed=3)
+    b = jaxcache.HostTable(cfg, seed=3, directory=tmp_path)
+    np.testing.assert_array_equal(a.rows, b.rows)
+    assert isinstance(b.rows, np.memmap)
+    assert (tmp_path / "rows.npy").exists() and (tmp_path / "mu.npy").exists()
+    assert (b.state["count"] == 0).all()
+    reopened = np.load(tmp_path / "rows.npy", mmap_mode="r")
+    np.testing.assert_array_equal(reopened, a.rows)
+
+
+def test_existing_rows_and_bfloat16():
+    rows = np.random.default_rng(0).normal(size=(50, 4)).astype(np.float32)
+    cfg = jaxcache.CacheConfig(50, 4, 10, dtype="bfloat16")
+    table = jaxcache.HostTable(cfg, rows=rows)
+    assert table.rows.dtype == cfg.row_dtype
+    np.testing.assert_allclose(table.rows.astype(np.float32), rows, rtol=1e-2)
+    adopted = jaxcache.HostTable(jaxcache.CacheConfig(50, 4, 10), rows=rows, copy=False)
+    assert adopted.rows is rows
+
+
+def test_bfloat16_cache_round_trip():
+    cfg = jaxcache.CacheConfig(50, 4, 5, dtype="bfloat16", optimizer=jaxcache.sgd(0.5))
+    cache = jaxcache.EmbeddingCache(cfg)
+    embed = jaxcache.nnx.CachedEmbed(cache)
+    before = np.array(cache.table.rows)
+    for ids in ([1, 2], [3, 4], [1, 5]):
+        embed(embed.prepare(np.array(ids), train=False))
+    rows, _ = embed.export()
+    np.testing.assert_array_equal(rows, before)
+    assert embed.rows[...].dtype == np.dtype(cfg.row_dtype)
+
+
+def test_frequency_counts_equal_bincount():
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 300, size=(16, 3)) for _ in range(10)]
+    counter = jaxcache.FrequencyCounter(300).update_all(batches)
+    expected = np.bincount(np.concatenate([b.ravel() for b in batches]), minlength=300)
+    np.testing.assert_array_equal(counter.counts, expected)
+    assert counter.samples_seen == 160
+    top = counter.hottest(5)
+    assert (np.diff(expected[top]) <= 0).all() and expected[top[0]] == expected.max()
+
+
+def test_sampled_counts_rank_hot_rows():
+    rng = np.random.default_rng(1)
+    p = 1.0 / np.arange(1, 1001) ** 1.2
+    batches = [rng.choice(1000, size=(512, 2), p=p / p.sum()) for _ in range(40)]
+    full = jaxcache.FrequencyCounter(1000).update_all(batches)
+    sampled = jaxcache.FrequencyCounter(1000, sample_rate=0.1, seed=0).update_all(batches)
+    assert 0.05 < sampled.counts.sum() / full.counts.sum() < 0.15
+    assert set(sampled.hottest(5).tolist()) == set(full.hottest(5).tolist())
+
+
+def test_padding_is_not_counted():
+    counter = jaxcache.FrequencyCounter(5, padding_id=-1)
+    counter.update(np.array([[1, -1], [-1, 1]]))
+    assert counter.counts.tolist() == [0, 2, 0, 0, 0]

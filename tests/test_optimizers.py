@@ -1,0 +1,47 @@
+"""Each sparse optimizer follows its dense optax counterpart on the rows it touches."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcache
+
+CASES = [
+    (jaxcache.sgd(0.3), optax.sgd(0.3)),
+    (jaxcache.adagrad(0.3), optax.adagrad(0.3)),
+    (jaxcache.adam(0.05), optax.adam(0.05)),
+]
+
+
+@pytest.mark.parametrize(("sparse", "dense"), CASES, ids=lambda x: type(x).__name__)
+def test_rows_follow_optax(sparse, dense):
+    rng = np.random.default_rng(0)
+    rows = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
+    state = {k: jnp.full((5, *s.shape), s.init, s.dtype) for k, s in sparse.state_spec(3).items()}
+    dense_params, dense_state = rows, dense.init(rows)
+    for _ in range(4):
+        grads = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
+        rows, state = sparse.update(rows, grads, state)
+        updates, dense_state = dense.update(grads, dense_state, dense_params)
+        dense_params = optax.apply_updates(dense_params, updates)
+    np.testing.assert_allclose(rows, dense_params, atol=1e-6)
+
+
+def test_rowwise_adagrad_rule():
+    opt = jaxcache.rowwise_adagrad(0.5, initial_accumulator_value=1.0)
+    rows = jnp.zeros((1, 2))
+    g = jnp.array([[3.0, 1.0]])
+    rows, state = opt.update(rows, g, {"accumulator": jnp.ones(1)})
+    acc = 1.0 + (9.0 + 1.0) / 2
+    np.testing.assert_allclose(state["accumulator"], [acc])
+    np.testing.assert_allclose(rows, -0.5 * np.array([[3.0, 1.0]]) / (np.sqrt(acc) + 1e-8))
+
+
+def test_lazy_adam_counts_per_row():
+    opt = jaxcache.adam(0.1)
+    state = {k: jnp.full((2, *s.shape), s.init, s.dtype) for k, s in opt.state_spec(2).items()}
+    _, state = opt.update(jnp.zeros((2, 2)), jnp.ones((2, 2)), state)
+    assert state["count"].tolist() == [1, 1]

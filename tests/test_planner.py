@@ -1,0 +1,141 @@
+"""The planner against a small, obviously-correct dict model (hypothesis)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxcache
+
+
+class DictPlanner:
+    """Slots as a Python list, one id at a time: the specification."""
+
+    def __init__(self, capacity, policy, frequencies):
+        self.ids = [None] * capacity
+        self.last_use = [-1] * capacity
+        self.policy = policy
+        self.counts = dict(enumerate(frequencies.tolist())) if frequencies is not None else {}
+        self.index = 0
+
+    def resident(self):
+        return {i: s for s, i in enumerate(self.ids) if i is not None}
+
+    def key(self, slot):
+        if self.ids[slot] is None:
+            return -1
+        if self.policy == "lru":
+            return self.last_use[slot]
+        return self.counts.get(self.ids[slot], 0)
+
+    def plan(self, ids, released):
+        t = self.index
+        self.index += 1
+        resident = self.resident()
+        distinct = sorted(set(ids))
+        misses = [i for i in distinct if i not in resident]
+        protected = {s for s in range(len(self.ids)) if self.last_use[s] > released}
+        protected |= {resident[i] for i in distinct if i in resident}
+        candidates = sorted(
+            (s for s in range(len(self.ids)) if s not in protected), key=lambda s: (self.key(s), s)
+        )
+        victims = sorted(candidates[: len(misses)])
+        for slot, new in zip(victims, misses, strict=True):
+            self.ids[slot] = new
+        resident = self.resident()
+        for i in distinct:
+            self.last_use[resident[i]] = t
+        if self.policy == "lfu":
+            for i in ids:
+                self.counts[i] = self.counts.get(i, 0) + 1
+        return len(distinct) - len(misses), misses
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    policy=st.sampled_from(jaxcache.POLICIES),
+    capacity=st.integers(4, 24),
+    seed=st.integers(0, 2**31 - 1),
+    lags=st.lists(st.integers(0, 2), min_size=1, max_size=30),
+)
+def test_planner_matches_dict_model(policy, capacity, seed, lags):
+    n = 40
+    rng = np.random.default_rng(seed)
+    frequencies = rng.integers(0, 50, n)
+    cfg = jaxcache.CacheConfig(n, 1, capacity, policy=policy)
+    planner = jaxcache.Planner(cfg, frequencies=frequencies if policy != "lru" else None)
+    model = DictPlanner(capacity, policy, frequencies if policy != "lru" else None)
+    for lag in lags:
+        # Release all but the last `lag` plans, as a pipeline with look-ahead does.
+        released = planner.next_index - 1 - lag
+        planner.release(released)
+        ids = rng.integers(0, n, size=int(rng.integers(1, 12)))
+        in_flight = set(planner.id_of_slot[planner.last_use > planner.released].tolist())
+        before = dict(enumerate(planner.id_of_slot.tolist()))
+        try:
+            plan = planner.plan(ids)
+        except jaxcache.CapacityError:
+            # Refused: nothing may have changed, and it was really too full.
+            assert dict(enumerate(planner.id_of_slot.tolist())) == before
+            assert len(set(ids.tolist()) | in_flight) > capacity
+            continue
+        hits, misses = model.plan(ids.tolist(), planner.released)
+        assert plan.hits == hits
+        assert plan.fetch_ids.tolist() == misses
+        assert plan.hits + plan.misses == plan.distinct == len(set(ids.tolist()))
+        # Same slots as the specification.
+        assert planner.id_of_slot.tolist() == [-1 if i is None else i for i in model.ids]
+        # Directory is a bijection between resident ids and occupied slots.
+        occupied = np.flatnonzero(planner.id_of_slot >= 0)
+        assert (planner.slot_of_id[planner.id_of_slot[occupied]] == occupied).all()
+        assert np.count_nonzero(planner.slot_of_id >= 0) == occupied.size
+        # Rows of in-flight plans never leave.
+        assert in_flight <= set(planner.id_of_slot.tolist())
+        # Every id maps to a slot that holds it.
+        assert (planner.id_of_slot[plan.unique_slots[plan.inverse]] == ids).all()
+        assert len(set(plan.unique_slots.tolist())) == plan.distinct
+
+
+def test_padding_ids_map_to_minus_one_and_are_not_counted():
+    cfg = jaxcache.CacheConfig(10, 2, 4, policy="lru", padding_id=-1)
+    planner = jaxcache.Planner(cfg)
+    plan = planner.plan(np.array([[3, -1, 3], [-1, -1, 5]]))
+    assert plan.inverse.tolist() == [[0, -1, 0], [-1, -1, 1]]
+    assert plan.lookups == 3
+    assert plan.fetch_ids.tolist() == [3, 5]
+
+
+def test_only_dirty_victims_are_written_back():
+    cfg = jaxcache.CacheConfig(10, 2, 2, policy="lru")
+    planner = jaxcache.Planner(cfg)
+    planner.plan(np.array([0]), train=True)  # 0 becomes dirty
+    planner.release(0)
+    planner.plan(np.array([1]), train=False)  # 1 stays clean
+    planner.release(1)
+    plan = planner.plan(np.array([2, 3]))  # evicts both
+    assert plan.evictions == 2
+    assert plan.evict_ids.tolist() == [0]
+
+
+def test_frequency_policy_evicts_the_rarest_row():
+    freq = np.array([100, 1, 50, 7, 0, 0])
+    cfg = jaxcache.CacheConfig(6, 2, 3, policy="frequency")
+    cache = jaxcache.EmbeddingCache(cfg, frequencies=freq)
+    assert sorted(cache.planner.resident_ids().tolist()) == [0, 2, 3]  # warmed with hottest
+    cache.planner.release(cache.planner.next_index - 1)
+    plan = cache.planner.plan(np.array([4]))
+    assert plan.fetch_ids.tolist() == [4]
+    assert 3 not in cache.planner.resident_ids().tolist()
+
+
+@pytest.mark.parametrize("policy", jaxcache.POLICIES)
+def test_warm_then_repeat_batch_is_all_hits(policy):
+    freq = np.arange(20)[::-1].copy()
+    cfg = jaxcache.CacheConfig(20, 2, 8, policy=policy)
+    planner = jaxcache.Planner(cfg, frequencies=None if policy == "lru" else freq)
+    planner.plan(np.array([1, 2, 3, 2]))
+    planner.release(0)
+    plan = planner.plan(np.array([3, 1, 2]))
+    assert (plan.hits, plan.misses, plan.access_hits) == (3, 0, 3)
