@@ -54,7 +54,7 @@ def test_bad_ids_raise_before_any_change(cache_and_state, ids, error, pattern):
         cache.prepare(state, ids)
     _assert_unchanged(cache, snapshot)
     # The state is still usable afterwards.
-    state, lookup = cache.prepare(state, np.array([1, 2]))
+    cache.prepare(state, np.array([1, 2]))
     assert cache.stats.last.hits == 2
 
 
