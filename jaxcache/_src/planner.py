@@ -113,7 +113,7 @@ class Planner:
     def __init__(self, config: CacheConfig, *, frequencies: np.ndarray | None = None) -> None:
         self.config = config
         capacity, n = config.capacity, config.num_embeddings
-        self.policy = policies.make_policy(config.policy, n, frequencies)
+        self.policy = policies.make_policy(config.policy, n, capacity, frequencies)
         self.slot_of_id = np.full(n, -1, np.int32)
         self.id_of_slot = np.full(capacity, -1, np.int64)
         self.last_use = np.full(capacity, -1, np.int64)
@@ -169,6 +169,7 @@ class Planner:
         ids = ids[: free.size]
         self.slot_of_id[ids] = free
         self.id_of_slot[free] = ids
+        self.policy.on_insert(self, free, ids)
         return ids, free.astype(np.int32)
 
     def plan(self, ids: np.ndarray, *, train: bool = True) -> Plan:
@@ -197,9 +198,10 @@ class Planner:
                 flat = flat[valid]
 
         slots = self.slot_of_id[flat]
-        is_miss = slots < 0
-        miss_ids = _sorted_unique(flat[is_miss])
-        hit_unique, _ = self._distinct(slots[~is_miss])
+        is_hit = slots >= 0
+        hit_unique, hit_inverse = self._distinct(slots[is_hit])
+        miss_lookups = flat[~is_hit] if hit_unique.size else flat
+        miss_ids = _sorted_unique(miss_lookups)
         distinct = hit_unique.size + miss_ids.size
         if distinct > self.capacity:
             raise CapacityError(
@@ -229,9 +231,15 @@ class Planner:
         self.slot_of_id[miss_ids] = victims
         self.id_of_slot[victims] = miss_ids
         self.dirty[victims] = False
+        self.policy.on_insert(self, victims, miss_ids)
 
-        slots = self.slot_of_id[flat]
-        unique_slots, inverse = self._distinct(slots)
+        # Distinct slots: the hits' (in order of appearance), then the new
+        # rows' (in id order). Missed lookups find theirs by binary search.
+        unique_slots = np.concatenate([hit_unique, victims]).astype(np.int32)
+        inverse = np.empty(flat.size, np.int32)
+        inverse[is_hit] = hit_inverse
+        if miss_ids.size:
+            inverse[~is_hit] = hit_unique.size + np.searchsorted(miss_ids, miss_lookups)
         self.last_use[unique_slots] = index
         if train:
             self.dirty[unique_slots] = True
@@ -241,7 +249,7 @@ class Planner:
             full = np.full(valid.shape, -1, np.int32)
             full[valid] = inverse
             inverse = full
-        access_hits = int(flat.size - np.count_nonzero(is_miss))
+        access_hits = int(np.count_nonzero(is_hit))
         return Plan(
             index=index,
             unique_slots=unique_slots.astype(np.int32),
@@ -265,8 +273,7 @@ class Planner:
         if count == 0:
             return np.empty(0, np.int64)
         candidates = np.flatnonzero(~protected)
-        ids = self.id_of_slot[candidates]
-        keys = np.where(ids < 0, -1, self.policy.priority(self, candidates, ids))
+        keys = np.where(self.id_of_slot[candidates] < 0, -1, self.policy.priority(self, candidates))
         if count < candidates.size:
             kth = np.partition(keys, count - 1)[count - 1]
             below = candidates[keys < kth]

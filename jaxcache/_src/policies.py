@@ -22,9 +22,12 @@ class Policy:
 
     name = ""
 
-    def priority(self, planner: Planner, slots: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        """``int64`` priority of the rows ``ids`` held in ``slots``."""
+    def priority(self, planner: Planner, slots: np.ndarray) -> np.ndarray:
+        """``int64`` priority of the rows held in ``slots``."""
         raise NotImplementedError
+
+    def on_insert(self, planner: Planner, slots: np.ndarray, ids: np.ndarray) -> None:
+        """Rows ``ids`` were just placed in ``slots``."""
 
     def record(self, planner: Planner, unique_slots: np.ndarray, inverse: np.ndarray) -> None:
         """Learns from a planned batch: its distinct slots and each lookup's index."""
@@ -35,16 +38,22 @@ class LRUPolicy(Policy):
 
     name = "lru"
 
-    def priority(self, planner, slots, ids):
+    def priority(self, planner, slots):
         return planner.last_use[slots]
 
 
 class _CountPolicy(Policy):
-    def __init__(self, counts: np.ndarray) -> None:
-        self.counts = counts
+    """Priority is a count per id, mirrored per slot so ranking reads ``[C]``."""
 
-    def priority(self, planner, slots, ids):
-        return self.counts[ids]
+    def __init__(self, counts: np.ndarray, capacity: int) -> None:
+        self.counts = counts
+        self.slot_counts = np.zeros(capacity, np.int64)
+
+    def priority(self, planner, slots):
+        return self.slot_counts[slots]
+
+    def on_insert(self, planner, slots, ids):
+        self.slot_counts[slots] = self.counts[ids]
 
 
 class FrequencyPolicy(_CountPolicy):
@@ -67,12 +76,15 @@ class LFUPolicy(_CountPolicy):
     name = "lfu"
 
     def record(self, planner, unique_slots, inverse):
-        occurrences = np.bincount(inverse, minlength=unique_slots.size)
-        self.counts[planner.id_of_slot[unique_slots]] += occurrences
+        ids = planner.id_of_slot[unique_slots]
+        self.counts[ids] += np.bincount(inverse, minlength=unique_slots.size)
+        self.slot_counts[unique_slots] = self.counts[ids]
 
 
-def make_policy(name: str, num_embeddings: int, frequencies: np.ndarray | None) -> Policy:
-    """Builds the policy ``name`` for a table of ``num_embeddings`` rows."""
+def make_policy(
+    name: str, num_embeddings: int, capacity: int, frequencies: np.ndarray | None
+) -> Policy:
+    """Builds the policy ``name`` for ``capacity`` slots over ``num_embeddings`` rows."""
     if frequencies is not None:
         frequencies = np.asarray(frequencies)
         if frequencies.shape != (num_embeddings,) or not np.issubdtype(
@@ -91,12 +103,12 @@ def make_policy(name: str, num_embeddings: int, frequencies: np.ndarray | None) 
         counts = np.zeros(num_embeddings, np.int64)
         if frequencies is not None:
             counts[:] = frequencies
-        return LFUPolicy(counts)
+        return LFUPolicy(counts, capacity)
     if name == "frequency":
         if frequencies is None:
             raise ValueError(
                 "policy='frequency' ranks rows by dataset counts: pass frequencies= "
                 "(e.g. jaxcache.FrequencyCounter(N).update_all(batches).counts), or use 'lfu'."
             )
-        return FrequencyPolicy(frequencies.astype(np.int64))
+        return FrequencyPolicy(frequencies.astype(np.int64), capacity)
     raise ValueError(f"unknown policy {name!r}; use 'frequency', 'lfu' or 'lru'.")
