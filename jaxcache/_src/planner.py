@@ -103,7 +103,7 @@ class Planner:
       >>> planner = jaxcache.Planner(cfg)
       >>> plan = planner.plan(np.array([7, 2, 7]))
       >>> plan.fetch_ids.tolist(), plan.inverse.tolist()
-      ([2, 7], [0, 1, 0])
+      ([2, 7], [1, 0, 1])
       >>> planner.release(plan.index)  # its step is done: rows may be evicted
       >>> plan = planner.plan(np.array([2, 5, 9]))  # 7 is the least recent
       >>> plan.hits, plan.fetch_ids.tolist(), int(planner.slot_of_id[7])
