@@ -5,18 +5,19 @@ rows lives on the accelerators. Training through the cache gives the same
 result as training with the whole table on device.
 """
 
-from jaxcache import nnx
+from jaxcache import linen, nnx
 from jaxcache._src.config import POLICIES, CacheConfig
 from jaxcache._src.device_ops import (
     CacheState,
     Lookup,
     apply_sparse,
+    embed,
     lookup_rows,
     pool,
     swap,
 )
 from jaxcache._src.engine import EmbeddingCache, bucket_size
-from jaxcache._src.frequency import FrequencyCounter
+from jaxcache._src.frequency import FrequencyCounter, hottest
 from jaxcache._src.host_table import HostTable, embed_init, normal_init, uniform_init
 from jaxcache._src.optimizers import (
     SGD,
@@ -31,6 +32,7 @@ from jaxcache._src.optimizers import (
     sgd,
 )
 from jaxcache._src.planner import CapacityError, Plan, Planner
+from jaxcache._src.replay import plot_curve, replay, sweep
 from jaxcache._src.stats import CacheStats, StepStats, compilations
 
 __version__ = "0.1.0"
@@ -59,13 +61,19 @@ __all__ = [
     "apply_sparse",
     "bucket_size",
     "compilations",
+    "embed",
     "embed_init",
+    "hottest",
+    "linen",
     "lookup_rows",
     "nnx",
     "normal_init",
+    "plot_curve",
     "pool",
+    "replay",
     "rowwise_adagrad",
     "sgd",
     "swap",
+    "sweep",
     "uniform_init",
 ]

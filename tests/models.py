@@ -36,10 +36,11 @@ class ReferenceEmbed(nnx.Module):
         )
 
     def __call__(self, ids, weights=None):
-        emb = self.table[...][ids]
+        real = ids >= 0  # negative ids are bag padding
+        emb = self.table[...][jnp.where(real, ids, 0)]
         if self.combiner is None:
             return emb
-        w = jnp.ones(ids.shape, emb.dtype) if weights is None else weights
+        w = real.astype(emb.dtype) if weights is None else real * weights
         total = jnp.einsum("...l,...ld->...d", w, emb)
         if self.combiner == "sum":
             return total
@@ -56,8 +57,8 @@ class Tower(nnx.Module):
         self.hidden = nnx.Linear(num_features * features, 16, rngs=rngs)
         self.out = nnx.Linear(16, 1, rngs=rngs)
 
-    def __call__(self, ids_or_lookup):
-        emb = self.embed(ids_or_lookup)
+    def __call__(self, ids_or_lookup, weights=None):
+        emb = self.embed(ids_or_lookup, weights)
         x = emb.reshape(emb.shape[0], -1)
         return self.out(nnx.relu(self.hidden(x)))[:, 0]
 
@@ -66,34 +67,37 @@ def bce(logits, labels):
     return optax.sigmoid_binary_cross_entropy(logits, labels).mean()
 
 
-def make_cached(cache: jaxcache.EmbeddingCache, num_features: int, *, seed: int = 0):
-    model = Tower(jaxcache.nnx.CachedEmbed(cache), num_features, cache.config.features, seed=seed)
+def make_cached(cache: jaxcache.EmbeddingCache, num_features: int, *, seed=0, combiner=None):
+    embed = jaxcache.nnx.CachedEmbed(cache, combiner=combiner)
+    model = Tower(embed, num_features, cache.config.features, seed=seed)
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
     @nnx.jit
-    def step(model, optimizer, lookup, labels):
+    def step(model, optimizer, lookup, labels, weights):
         def loss_fn(model, lookup):
-            return bce(model(lookup), labels)
+            return bce(model(lookup, weights), labels)
 
         loss, grads = jaxcache.nnx.value_and_grad(loss_fn)(model, lookup)
         optimizer.update(model, grads)
         return loss
 
-    def train(ids, labels):
+    def train(ids, labels, weights=None):
         lookup = model.embed.prepare(ids)
-        return step(model, optimizer, lookup, labels)
+        return step(model, optimizer, lookup, labels, weights)
 
     return model, train
 
 
-def make_reference(rows: np.ndarray, opt: jaxcache.SparseOptimizer, num_features: int, *, seed=0):
-    model = Tower(ReferenceEmbed(rows, opt), num_features, rows.shape[1], seed=seed)
+def make_reference(
+    rows, opt: jaxcache.SparseOptimizer, num_features: int, *, seed=0, combiner=None
+):
+    model = Tower(ReferenceEmbed(rows, opt, combiner), num_features, rows.shape[1], seed=seed)
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
     @nnx.jit
-    def step(model, optimizer, ids, touched, labels):
+    def step(model, optimizer, ids, touched, labels, weights):
         def loss_fn(model):
-            return bce(model(ids), labels)
+            return bce(model(ids, weights), labels)
 
         diff = nnx.DiffState(0, nnx.Any(nnx.Param, FullTable))
         loss, grads = nnx.value_and_grad(loss_fn, argnums=diff)(model)
@@ -110,8 +114,9 @@ def make_reference(rows: np.ndarray, opt: jaxcache.SparseOptimizer, num_features
         embed.opt_state.set_value({k: v.at[touched].set(new_state[k]) for k, v in state.items()})
         return loss
 
-    def train(ids, labels):
-        return step(model, optimizer, jnp.asarray(ids), jnp.asarray(np.unique(ids)), labels)
+    def train(ids, labels, weights=None):
+        touched = np.unique(ids[ids >= 0])
+        return step(model, optimizer, jnp.asarray(ids), jnp.asarray(touched), labels, weights)
 
     return model, train
 

@@ -83,7 +83,9 @@ def test_frequency_policy_needs_frequencies():
 
 def test_frequencies_of_wrong_shape():
     cfg = jaxcache.CacheConfig(100, 4, 10, policy="lfu")
-    with pytest.raises(ValueError, match=r"shape \(100,\), got int64 \(99,\)"):
+    with pytest.raises(
+        ValueError, match=r"shape \(100,\), one count per table row, got int64 \(99,\)"
+    ):
         jaxcache.EmbeddingCache(cfg, frequencies=np.zeros(99, np.int64))
 
 

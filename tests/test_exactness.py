@@ -93,3 +93,27 @@ def test_row_evicted_and_needed_again_keeps_its_updates():
     rows, state = model.embed.export()
     assert _max_diff(rows, reference.embed.table[...]) <= 1e-6
     assert state["count"][0] == 3
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+def test_weighted_bags_with_padding_match_full_table(combiner):
+    # [B, F, L] bags of varying length padded with -1, per-id weights.
+    n, bag = 3000, 4
+    rng = np.random.default_rng(5)
+    cfg = jaxcache.CacheConfig(
+        n, D, capacity=B * F * bag + 8, optimizer=OPTIMIZERS["adagrad"], padding_id=-1
+    )
+    table = jaxcache.HostTable(cfg, seed=2)
+    reference, ref_train = make_reference(np.array(table.rows), cfg.optimizer, F, combiner=combiner)
+    cached, cached_train = make_cached(
+        jaxcache.EmbeddingCache(cfg, table=table), F, combiner=combiner
+    )
+    for ids, y in zipf_batches(n, B * bag, F, 10, seed=4):
+        ids = ids.reshape(B, bag, F).transpose(0, 2, 1).copy()
+        ids[rng.random(ids.shape) < 0.3] = -1
+        ids[0, 0] = -1  # one empty bag
+        weights = rng.uniform(0.5, 2.0, ids.shape).astype(np.float32)
+        a = cached_train(ids, y[:B], weights)
+        b = ref_train(ids, y[:B], weights)
+        assert abs(float(a) - float(b)) <= 1e-6
+    assert_same_training(cached, reference, [])

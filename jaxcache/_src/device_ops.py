@@ -23,7 +23,18 @@ import jax.numpy as jnp
 
 from jaxcache._src.optimizers import SparseOptimizer
 
-__all__ = ["CacheState", "Lookup", "apply_sparse", "lookup_rows", "pool", "swap"]
+__all__ = [
+    "CacheState",
+    "Lookup",
+    "apply_sparse",
+    "attach_deltas",
+    "embed",
+    "find_lookups",
+    "lookup_rows",
+    "pool",
+    "swap",
+    "zero_deltas",
+]
 
 
 class CacheState(NamedTuple):
@@ -56,7 +67,8 @@ class Lookup:
         marks padding (a zero row, no gradient).
       delta: ``[U, D]`` zeros added to the distinct rows while differentiating,
         so the gradient of the loss w.r.t. it is the per-row gradient; set by
-        ``jaxcache.nnx.value_and_grad``, ``None`` otherwise.
+        the ``value_and_grad`` of ``jaxcache.nnx`` and ``jaxcache.linen``,
+        ``None`` otherwise.
       table: name of the table the slots belong to.
     """
 
@@ -187,3 +199,85 @@ def apply_sparse(
         return array.at[unique_slots].set(values.astype(array.dtype), mode="drop")
 
     return CacheState(write(state.rows, rows), {k: write(v, opt[k]) for k, v in state.opt.items()})
+
+
+def embed(
+    rows: jax.Array,
+    lookup: Lookup,
+    *,
+    table: str,
+    combiner: str | None = None,
+    weights: jax.Array | None = None,
+) -> jax.Array:
+    """The body of a cached embedding module's call: check, gather, pool.
+
+    Args:
+      rows: ``[C, D]`` cached rows of ``table``.
+      lookup: the batch's ``Lookup``; it must be for ``table``.
+      table: name of the table the module serves.
+      combiner: ``None`` (a row per id), ``"sum"`` or ``"mean"`` over the last id axis.
+      weights: optional per-id weights (pooled modes only).
+
+    Returns:
+      ``[*ids.shape, D]``, or ``[*ids.shape[:-1], D]`` with a combiner.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxcache
+      >>> lk = jaxcache.Lookup(jnp.array([1, 0]), jnp.array([[0, 1, 2]]), table="t")
+      >>> jaxcache.embed(jnp.eye(2), lk, table="t", combiner="sum").tolist()
+      [[1.0, 1.0]]
+    """
+    if lookup.table != table:
+        raise ValueError(
+            f"lookup is for table {lookup.table!r} but this module serves {table!r}; "
+            "prepare ids with the cache of the module that looks them up."
+        )
+    embeddings = lookup_rows(rows, lookup)
+    if combiner is None:
+        if weights is not None:
+            raise ValueError("weights need a combiner ('sum' or 'mean').")
+        return embeddings
+    return pool(embeddings, lookup, combiner, weights)
+
+
+def _is_lookup(x: object) -> bool:
+    return isinstance(x, Lookup)
+
+
+def find_lookups(args: object, features: dict[str, int], hint: str) -> list[Lookup]:
+    """The ``Lookup`` leaves of ``args``, checked: known tables, one per table.
+
+    Args:
+      args: any pytree (the arguments of a loss function).
+      features: row width ``D`` of each known table, by name.
+      hint: what to do when a lookup's table is unknown.
+    """
+    lookups = [x for x in jax.tree.leaves(args, is_leaf=_is_lookup) if _is_lookup(x)]
+    tables = [lookup.table for lookup in lookups]
+    for name in tables:
+        if name not in features:
+            raise ValueError(
+                f"a Lookup for table {name!r} was passed but nothing serves it "
+                f"(tables: {sorted(features)}); {hint}."
+            )
+    if len(set(tables)) != len(tables):
+        raise ValueError(
+            f"tables {tables} are looked up more than once in one step; prepare all ids of "
+            "a table as one array (one Lookup per table per step)."
+        )
+    return lookups
+
+
+def zero_deltas(lookups: list[Lookup], features: dict[str, int]) -> list[jax.Array]:
+    """A zero ``[U, D]`` delta per lookup: differentiating it gives the row gradients."""
+    return [
+        jnp.zeros((lk.unique_slots.shape[0], features[lk.table]), jnp.float32) for lk in lookups
+    ]
+
+
+def attach_deltas(args: object, deltas: list[jax.Array]) -> object:
+    """``args`` with each ``Lookup`` leaf carrying its delta (same order as ``find_lookups``)."""
+    it = iter(deltas)
+    return jax.tree.map(
+        lambda x: x.with_delta(next(it)) if _is_lookup(x) else x, args, is_leaf=_is_lookup
+    )

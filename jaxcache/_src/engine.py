@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxcache._src import device_ops
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.device_ops import CacheState, Lookup
+from jaxcache._src.frequency import hottest
 from jaxcache._src.host_table import HostTable
 from jaxcache._src.planner import Plan, Planner
 from jaxcache._src.stats import CacheStats, StepStats
@@ -123,8 +124,7 @@ class EmbeddingCache:
         if warm:
             if frequencies is None:
                 raise ValueError("warm=True needs frequencies= to know the hottest rows.")
-            order = np.argsort(-np.asarray(frequencies), kind="stable")[: config.capacity]
-            self.planner.warm(order[np.asarray(frequencies)[order] > 0])
+            self.planner.warm(hottest(frequencies, config.capacity))
 
     @classmethod
     def full_table(cls, config: CacheConfig, **kwargs) -> EmbeddingCache:

@@ -8,7 +8,27 @@ import numpy as np
 
 from jaxcache._src import validation
 
-__all__ = ["FrequencyCounter"]
+__all__ = ["FrequencyCounter", "hottest"]
+
+
+def hottest(counts: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` most frequent ids that occur at all, hottest first (ties: smaller id).
+
+    Args:
+      counts: non-negative access count per id.
+      k: how many ids at most.
+
+    Returns:
+      ``int64`` ids.
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> jaxcache.hottest(np.array([3, 0, 9, 3], np.uint32), 3).tolist()
+      [2, 0, 3]
+    """
+    counts = np.asarray(counts).astype(np.int64)  # negating unsigned counts would wrap
+    order = np.argsort(-counts, kind="stable")[:k]
+    return order[counts[order] > 0]
 
 
 class FrequencyCounter:
@@ -74,5 +94,4 @@ class FrequencyCounter:
 
     def hottest(self, k: int) -> np.ndarray:
         """The ``k`` most frequent ids that were seen at least once, hottest first."""
-        order = self.ranking()[:k]
-        return order[self.counts[order] > 0]
+        return hottest(self.counts, k)

@@ -6,7 +6,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -27,10 +26,6 @@ class CacheRows(nnx.Variable):
 
 class CacheOptState(nnx.Variable):
     """Per-row optimizer state of the cached rows, ``{name: [C, ...]}``."""
-
-
-def _is_lookup(x: Any) -> bool:
-    return isinstance(x, Lookup)
 
 
 class CachedEmbed(nnx.Module):
@@ -97,17 +92,13 @@ class CachedEmbed(nnx.Module):
           lookup: from ``prepare`` (of this module's cache).
           weights: optional per-id weights of the ids' shape (pooled modes).
         """
-        if lookup.table != self.cache.name:
-            raise ValueError(
-                f"lookup is for table {lookup.table!r} but this module serves "
-                f"{self.cache.name!r}; prepare ids with the module that looks them up."
-            )
-        embeddings = device_ops.lookup_rows(self.rows[...], lookup)
-        if self.combiner is None:
-            if weights is not None:
-                raise ValueError("weights need a combiner ('sum' or 'mean').")
-            return embeddings
-        return device_ops.pool(embeddings, lookup, self.combiner, weights)
+        return device_ops.embed(
+            self.rows[...],
+            lookup,
+            table=self.cache.name,
+            combiner=self.combiner,
+            weights=weights,
+        )
 
     def apply_gradients(self, lookup: Lookup, grads: jax.Array) -> None:
         """Sparse optimizer step on the rows of ``lookup`` (``grads``: ``[U, D]``)."""
@@ -176,32 +167,12 @@ def value_and_grad(
         for _, module in nnx.iter_modules(model):
             if isinstance(module, CachedEmbed):
                 modules.setdefault(module.cache.name, module)
-        lookups = [x for x in jax.tree.leaves(args, is_leaf=_is_lookup) if _is_lookup(x)]
-        tables = [lk.table for lk in lookups]
-        for table in tables:
-            if table not in modules:
-                raise ValueError(
-                    f"a Lookup for table {table!r} was passed but the model has no CachedEmbed "
-                    f"for it (tables: {sorted(modules)})."
-                )
-        if len(set(tables)) != len(tables):
-            raise ValueError(
-                f"tables {tables} are looked up more than once in one step; prepare all ids of "
-                "a table as one array (one Lookup per table per step)."
-            )
-        deltas = [
-            jnp.zeros(
-                (lk.unique_slots.shape[0], modules[lk.table].cache.config.features), jnp.float32
-            )
-            for lk in lookups
-        ]
+        features = {name: m.cache.config.features for name, m in modules.items()}
+        lookups = device_ops.find_lookups(args, features, "add a CachedEmbed for it to the model")
+        deltas = device_ops.zero_deltas(lookups, features)
 
         def inner(model, deltas, args):
-            it = iter(deltas)
-            args = jax.tree.map(
-                lambda x: x.with_delta(next(it)) if _is_lookup(x) else x, args, is_leaf=_is_lookup
-            )
-            return fn(model, *args)
+            return fn(model, *device_ops.attach_deltas(args, deltas))
 
         value, (grads, delta_grads) = nnx.value_and_grad(
             inner, argnums=(nnx.DiffState(0, wrt), 1), has_aux=has_aux

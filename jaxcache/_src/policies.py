@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxcache._src import validation
+
 if TYPE_CHECKING:
     from jaxcache._src.planner import Planner
 
@@ -86,17 +88,9 @@ def make_policy(
 ) -> Policy:
     """Builds the policy ``name`` for ``capacity`` slots over ``num_embeddings`` rows."""
     if frequencies is not None:
-        frequencies = np.asarray(frequencies)
-        if frequencies.shape != (num_embeddings,) or not np.issubdtype(
-            frequencies.dtype, np.integer
-        ):
-            raise ValueError(
-                f"frequencies must be an integer array of shape ({num_embeddings},), got "
-                f"{frequencies.dtype} {frequencies.shape}; count them with "
-                "jaxcache.FrequencyCounter."
-            )
-        if frequencies.size and frequencies.min() < 0:
-            raise ValueError("frequencies must be >= 0 (they are access counts).")
+        frequencies = validation.check_frequencies(
+            frequencies, num_embeddings, "count them with jaxcache.FrequencyCounter"
+        )
     if name == "lru":
         return LRUPolicy()
     if name == "lfu":
@@ -110,5 +104,5 @@ def make_policy(
                 "policy='frequency' ranks rows by dataset counts: pass frequencies= "
                 "(e.g. jaxcache.FrequencyCounter(N).update_all(batches).counts), or use 'lfu'."
             )
-        return FrequencyPolicy(frequencies.astype(np.int64), capacity)
+        return FrequencyPolicy(frequencies, capacity)
     raise ValueError(f"unknown policy {name!r}; use 'frequency', 'lfu' or 'lru'.")

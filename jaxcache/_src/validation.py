@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["check_ids"]
+__all__ = ["check_frequencies", "check_ids"]
 
 
 def check_ids(ids: object, num_embeddings: int, padding_id: int | None, name: str) -> np.ndarray:
@@ -47,3 +47,22 @@ def check_ids(ids: object, num_embeddings: int, padding_id: int | None, name: st
             f"({int(bad.sum())} bad value(s)); {hint}."
         )
     return array
+
+
+def check_frequencies(frequencies: object, num_embeddings: int, hint: str) -> np.ndarray:
+    """Returns access counts as ``int64 [N]``, or raises a clear error.
+
+    Args:
+      frequencies: one non-negative integer count per table row.
+      num_embeddings: ``N``.
+      hint: how the caller can get correct counts.
+    """
+    counts = np.asarray(frequencies)
+    if counts.shape != (num_embeddings,) or not np.issubdtype(counts.dtype, np.integer):
+        raise ValueError(
+            f"frequencies must be an integer array of shape ({num_embeddings},), one count per "
+            f"table row, got {counts.dtype} {counts.shape}; {hint}."
+        )
+    if counts.size and counts.min() < 0:
+        raise ValueError(f"frequencies must be >= 0 (access counts), got {int(counts.min())}.")
+    return counts.astype(np.int64)

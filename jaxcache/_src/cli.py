@@ -1,0 +1,234 @@
+"""The ``jaxcache`` command line.
+
+``jaxcache replay TRACE.npy --batch B --capacity C --policy P`` replays an id
+trace through the planner with no model and prints one JSON object per run;
+``--sweep`` gives one per capacity (a miss-ratio curve) and ``--plot`` draws
+it. Everything it computes comes from :mod:`jaxcache._src.replay`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pickle
+import sys
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from jaxcache._src import replay as replay_lib
+from jaxcache._src.config import POLICIES
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the ``jaxcache`` command line.
+
+    Args:
+      argv: the arguments after the program name; ``sys.argv[1:]`` when
+        ``None``.
+
+    Returns:
+      The exit status, ``0``. A bad argument exits with status ``2`` and a
+      message on stderr that names it and says what to do.
+
+    Examples:
+      >>> import os, tempfile, numpy as np
+      >>> from jaxcache._src.cli import main
+      >>> path = os.path.join(tempfile.mkdtemp(), "trace.npy")
+      >>> np.save(path, np.array([[0, 1], [0, 2], [1, 0], [2, 2], [0, 1]]))
+      >>> main(["replay", path, "--capacity", "2", "--policy", "lru"])  # doctest: +ELLIPSIS
+      {"policy": "lru", "capacity": 2, ..., "unique_hit_rate": 0.333..., ...}
+      0
+    """
+    parser = argparse.ArgumentParser(
+        prog="jaxcache", description="Tools for jaxcache's host-offloaded embedding tables."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    replay_parser = commands.add_parser(
+        "replay",
+        help="replay an id trace through the planner, with no model, to size a cache",
+        description=(
+            "Replays an id trace through the cache planner, with no model, and prints one JSON "
+            "object per run: hit rates, rows fetched and rows written back. Every batch is "
+            "planned as a training step."
+        ),
+    )
+    replay_parser.add_argument(
+        "trace",
+        help="a .npy array of integer ids: 1-D (split into batches of --batch ids) or 2-D "
+        "[steps, ids] (one batch per row)",
+    )
+    replay_parser.add_argument(
+        "--batch",
+        type=_positive_int,
+        help="ids per batch; required for a 1-D trace, re-splits a 2-D one",
+    )
+    size = replay_parser.add_mutually_exclusive_group(required=True)
+    size.add_argument(
+        "--capacity",
+        type=_capacity,
+        help="rows on device: a row count such as 5000 or a fraction of the table such as 0.02",
+    )
+    size.add_argument(
+        "--sweep",
+        type=_capacities,
+        metavar="C1,C2,...",
+        help="several capacities (row counts or fractions), one result each, e.g. "
+        "0.005,0.01,0.02,0.05",
+    )
+    replay_parser.add_argument(
+        "--policy",
+        type=_policies,
+        default=["lfu"],
+        metavar="P[,P...]",
+        help=f"eviction policy, or a comma list to compare: {', '.join(POLICIES)} (default: lfu)",
+    )
+    replay_parser.add_argument(
+        "--num-embeddings",
+        type=_positive_int,
+        help="rows in the table (default: length of --frequencies, else the largest id + 1)",
+    )
+    replay_parser.add_argument(
+        "--frequencies",
+        metavar="FILE.npy",
+        help="int [num_embeddings] dataset counts that the frequency policy ranks and warms by "
+        "(default: counted over the whole trace); they also seed lfu",
+    )
+    replay_parser.add_argument(
+        "--plot", metavar="OUT.png", help="also draw hit rate and miss ratio against capacity"
+    )
+    args = parser.parse_args(argv)
+    if args.command == "replay":
+        _replay(replay_parser, args)
+    return 0
+
+
+def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Checks each argument (blaming the right flag), replays, prints, plots."""
+    if args.plot is not None:
+        _check_plot(parser, args.plot)
+    capacity_flag = "--sweep" if args.sweep is not None else "--capacity"
+    capacities = args.sweep if args.sweep is not None else [args.capacity]
+    trace = _load(parser, "trace", args.trace)
+    frequencies = None
+    if args.frequencies is not None:
+        frequencies = _load(parser, "--frequencies", args.frequencies)
+    with _blame(parser, "trace"):
+        trace = replay_lib._check_trace(trace)
+    with _blame(parser, "--batch"):
+        replay_lib._split(trace, args.batch)
+    with _blame(parser, "--frequencies" if args.num_embeddings is None else "--num-embeddings"):
+        n = replay_lib._table_size(trace, args.num_embeddings, frequencies)
+    with _blame(parser, "--frequencies"):
+        replay_lib._check_frequencies(frequencies, n)
+    with _blame(parser, capacity_flag):
+        for capacity in capacities:
+            replay_lib._resolve_capacity(capacity, n)
+        results = replay_lib.sweep(
+            trace,
+            capacities=capacities,
+            policies=args.policy,
+            batch=args.batch,
+            num_embeddings=args.num_embeddings,
+            frequencies=frequencies,
+        )
+    for result in results:
+        print(json.dumps(result), flush=True)
+    if args.plot is not None:
+        with _blame(parser, "--plot", (OSError, ValueError)):
+            replay_lib.plot_curve(results, args.plot)
+
+
+def _check_plot(parser: argparse.ArgumentParser, path: str) -> None:
+    """Fails before the replay if ``--plot`` cannot be written."""
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        parser.error(f"argument --plot: no such folder {folder!r}; create it or pick another path.")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        parser.error(
+            "argument --plot: drawing needs matplotlib; install it with "
+            "pip install 'jaxcache[examples]', or leave --plot out."
+        )
+
+
+@contextlib.contextmanager
+def _blame(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    errors: tuple[type[Exception], ...] = (TypeError, ValueError),
+) -> Iterator[None]:
+    """Turns ``errors`` raised inside into a usage error about ``flag`` (exit 2)."""
+    try:
+        yield
+    except errors as error:
+        parser.error(f"argument {flag}: {error}")
+
+
+def _load(parser: argparse.ArgumentParser, flag: str, path: str) -> np.ndarray:
+    """The array saved at ``path`` with ``np.save``, or a usage error about ``flag``."""
+    if not os.path.isfile(path):
+        parser.error(
+            f"argument {flag}: no such file {path!r}; pass the path of a .npy array saved "
+            "with np.save."
+        )
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError, pickle.UnpicklingError) as error:
+        parser.error(
+            f"argument {flag}: cannot read {path!r} as a .npy array ({error}); save the ids "
+            "with np.save(path, ids)."
+        )
+    if not isinstance(array, np.ndarray):
+        array.close()
+        parser.error(
+            f"argument {flag}: {path!r} is an .npz archive; save one array with "
+            "np.save(path, ids) instead."
+        )
+    return array
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
+def _capacity(text: str) -> int | float:
+    """A row count (``"5000"``) or a fraction of the table (``"0.02"``)."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    raise argparse.ArgumentTypeError(
+        f"expected a row count such as 5000 or a fraction of the table such as 0.02, got {text!r}"
+    )
+
+
+def _capacities(text: str) -> list[int | float]:
+    return [_capacity(part.strip()) for part in text.split(",")]
+
+
+def _policies(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",")]
+    for name in names:
+        if name not in POLICIES:
+            raise argparse.ArgumentTypeError(
+                f"unknown policy {name!r}; use one of {', '.join(POLICIES)}, or a comma list "
+                "such as lru,frequency"
+            )
+    return names
+
+
+if __name__ == "__main__":
+    sys.exit(main())

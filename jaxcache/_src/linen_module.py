@@ -1,0 +1,403 @@
+"""Flax Linen shell: a cached embedding module and functional training helpers.
+
+A Linen module holds no state between calls, so the device half of each cache
+(its rows and their optimizer state) lives in the variable collection
+``COLLECTION`` of the model's variables, under the module's path and then the
+table's name::
+
+    variables["jaxcache"][*module_path][table] = {"rows": [C, D], "opt": {name: [C, ...]}}
+
+The table-name level lets the helpers find a table's state from the cache
+alone, wherever the module sits in the model: ``prepare``, ``flush`` and
+``export`` take the ``EmbeddingCache`` and the variables. ``value_and_grad``
+returns the updated variables instead of mutating a model: the functional
+counterpart of ``jaxcache.nnx.value_and_grad``.
+
+Every helper accepts either the model's variables (a dict that holds the
+``COLLECTION`` collection) or that collection alone, and returns the same kind.
+
+One training step::
+
+    variables, lookup = jaxcache.linen.prepare(cache, variables, ids)  # eager, host
+    loss, grads, variables = train_step(variables, lookup, labels)     # jit, device
+
+Examples:
+  >>> import jax, numpy as np, optax, jaxcache, jaxcache.linen
+  >>> import flax.linen as nn
+  >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=16))
+  >>> class Model(nn.Module):
+  ...     @nn.compact
+  ...     def __call__(self, lookup):
+  ...         return nn.Dense(1)(jaxcache.linen.CachedEmbed(cache, combiner="sum")(lookup))[:, 0]
+  >>> model, tx = Model(), optax.sgd(0.1)
+  >>> variables = model.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (2, 2)))
+  >>> opt_state = tx.init(variables["params"])
+  >>> @jax.jit
+  ... def train_step(variables, opt_state, lookup, labels):
+  ...     def loss_fn(params, variables, lookup):
+  ...         logits = model.apply({**variables, "params": params}, lookup)
+  ...         return ((logits - labels) ** 2).mean()
+  ...     grad_fn = jaxcache.linen.value_and_grad(loss_fn, cache)
+  ...     loss, grads, variables = grad_fn(variables["params"], variables, lookup)
+  ...     updates, opt_state = tx.update(grads, opt_state)
+  ...     params = optax.apply_updates(variables["params"], updates)
+  ...     return {**variables, "params": params}, opt_state, loss
+  >>> variables, lookup = jaxcache.linen.prepare(cache, variables, np.array([[1, 2], [3, 4]]))
+  >>> variables, opt_state, loss = train_step(variables, opt_state, lookup, np.ones(2))
+  >>> rows, opt = jaxcache.linen.export(cache, variables)
+  >>> rows.shape
+  (100, 4)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcache._src import device_ops
+from jaxcache._src.device_ops import CacheState, Lookup
+from jaxcache._src.engine import EmbeddingCache
+
+__all__ = [
+    "COLLECTION",
+    "CachedEmbed",
+    "export",
+    "flush",
+    "init_lookup",
+    "prepare",
+    "value_and_grad",
+]
+
+COLLECTION = "jaxcache"
+"""Name of the variable collection that holds the caches' device state."""
+
+Variables = Mapping[str, Any]
+_Path = tuple[str, ...]
+
+
+class CachedEmbed(nn.Module):
+    """An embedding lookup served from an ``EmbeddingCache``, used like ``nn.Embed``.
+
+    The module's variables are the device half of the cache, in the
+    ``COLLECTION`` collection under the table's name: ``{"rows": [C, D],
+    "opt": {name: [C, ...]}}``, filled from ``cache.init_state()`` by
+    ``init``. They are not ``params``: the rows are trained by the cache's
+    sparse optimizer through ``value_and_grad``, not by optax. Outside ``jit``,
+    ``prepare`` maps a batch of ids to slots and brings missing rows in;
+    inside the step, calling the module with the returned ``Lookup`` gathers
+    the rows. Serve each cache from one module.
+
+    Attributes:
+      cache: the engine (host table, planner, statistics).
+      combiner: ``None`` to return one row per id, or ``"sum"``/``"mean"`` to
+        pool the last axis of the ids (fixed-width bags).
+
+    Examples:
+      >>> import jax, numpy as np, jaxcache, jaxcache.linen
+      >>> cfg = jaxcache.CacheConfig(num_embeddings=1000, features=4, capacity=64)
+      >>> cache = jaxcache.EmbeddingCache(cfg)
+      >>> embed = jaxcache.linen.CachedEmbed(cache)
+      >>> variables = embed.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (2, 2)))
+      >>> jax.tree.map(jax.numpy.shape, variables)
+      {'jaxcache': {'embedding': {'opt': {}, 'rows': (64, 4)}}}
+      >>> variables, lookup = jaxcache.linen.prepare(cache, variables, np.array([[1, 2], [2, 999]]))
+      >>> embed.apply(variables, lookup).shape
+      (2, 2, 4)
+    """
+
+    cache: EmbeddingCache
+    combiner: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.combiner not in (None, "sum", "mean"):
+            raise ValueError(
+                f"combiner={self.combiner!r} is not supported; use None, 'sum' or 'mean'."
+            )
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, lookup: Lookup, weights: jax.Array | None = None) -> jax.Array:
+        """Rows ``[*ids.shape, D]``, or pooled ``[*ids.shape[:-1], D]`` with a combiner.
+
+        Args:
+          lookup: from ``prepare`` (of this module's cache), or ``init_lookup``.
+          weights: optional per-id weights of the ids' shape (pooled modes).
+        """
+        name = self.cache.name
+        if not self.is_initializing() and not self.has_variable(COLLECTION, name):
+            raise ValueError(
+                f"no {COLLECTION!r} variables for table {name!r} at {'/'.join(self.path)!r}; "
+                f"apply the model with the variables from model.init, {COLLECTION!r} "
+                "collection included."
+            )
+        state = self.variable(COLLECTION, name, self._init_state).value
+        return device_ops.embed(
+            state["rows"], lookup, table=name, combiner=self.combiner, weights=weights
+        )
+
+    def _init_state(self) -> dict[str, Any]:
+        return _as_variable(self.cache.init_state())
+
+
+def init_lookup(cache: EmbeddingCache, shape: Sequence[int]) -> Lookup:
+    """A ``Lookup`` of padding ids of ``shape``, to initialise a model with.
+
+    ``model.init`` needs an example input but runs before any batch can be
+    prepared (``prepare`` needs the state that ``init`` creates). This lookup
+    touches no cache state; every id is padding and looks up a zero row.
+
+    Args:
+      cache: the cache of the module it is passed to.
+      shape: shape of the ids, ``[B, ...]`` (``[B, L]`` bags with a combiner).
+
+    Returns:
+      The ``Lookup``.
+
+    Examples:
+      >>> import jax, jaxcache, jaxcache.linen
+      >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=16))
+      >>> lookup = jaxcache.linen.init_lookup(cache, (3, 2))
+      >>> embed = jaxcache.linen.CachedEmbed(cache, combiner="mean")
+      >>> variables = embed.init(jax.random.key(0), lookup)
+      >>> embed.apply(variables, lookup).tolist()
+      [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    """
+    size = cache.config.min_bucket
+    unique_slots = jnp.full((size,), cache.config.capacity, jnp.int32)
+    return Lookup(unique_slots, jnp.full(tuple(shape), size, jnp.int32), table=cache.name)
+
+
+def prepare(
+    cache: EmbeddingCache, variables: Variables, ids: np.ndarray, *, train: bool = True
+) -> tuple[Variables, Lookup]:
+    """Plans ``ids`` and swaps their missing rows in (eager, outside ``jit``).
+
+    The module is found by the cache's table name, wherever it sits in the
+    model. The old device state is donated: use only the returned variables.
+
+    Args:
+      cache: the cache of the module that looks the ids up.
+      variables: the model's variables, or their ``COLLECTION`` collection.
+      ids: integer ids ``[B, ...]`` (``[B, L]`` bags with a combiner).
+      train: the step will update these rows.
+
+    Returns:
+      ``(variables, lookup)``: the variables with the new device state, and
+      the ``Lookup`` to pass to the model inside the step.
+
+    Examples:
+      >>> import jax, numpy as np, jaxcache, jaxcache.linen
+      >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=16))
+      >>> embed = jaxcache.linen.CachedEmbed(cache)
+      >>> variables = embed.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (1, 3)))
+      >>> variables, lookup = jaxcache.linen.prepare(cache, variables, np.array([[7, 8, 7]]))
+      >>> lookup.shape, cache.stats.last.misses
+      ((1, 3), 2)
+    """
+    collection, rebuild = _split(variables)
+    path = _locate(collection, cache.name)
+    state, lookup = cache.prepare(_get_state(collection, path), ids, train=train)
+    return rebuild(_set_state(collection, path, state)), lookup
+
+
+def value_and_grad(
+    fn: Callable[..., Any],
+    caches: EmbeddingCache | Sequence[EmbeddingCache],
+    *,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any, Variables]]:
+    """Like ``jax.value_and_grad``, with the cached rows trained in the same step.
+
+    ``fn(params, variables, *args)`` computes the loss, typically with
+    ``model.apply({**variables, "params": params}, ...)``. Every ``Lookup``
+    found in ``args`` is differentiated through a zero ``delta`` of shape
+    ``[U, D]``, so the gradient of each distinct row costs ``O(U x D)``,
+    never ``O(C x D)``; the sparse optimizer of its cache is then applied to
+    those rows. The gradients returned are those of ``params`` only (for
+    optax); the updated rows come back in the returned variables, which
+    replace the ones passed in. Call it inside ``jit``.
+
+    Args:
+      fn: the loss ``fn(params, variables, *args) -> loss`` (or ``(loss, aux)``).
+      caches: the cache (or caches) of the tables ``fn`` looks up.
+      has_aux: ``fn`` returns ``(loss, aux)``.
+
+    Returns:
+      A function ``(params, variables, *args) -> (value, grads, variables)``,
+      where ``variables`` (the model's variables, or their ``COLLECTION``
+      collection) are passed to ``fn`` unchanged and returned with the looked
+      up rows and their optimizer state updated; ``value`` is ``(loss, aux)``
+      with ``has_aux``.
+
+    Examples:
+      >>> import jax, numpy as np, jaxcache, jaxcache.linen
+      >>> cfg = jaxcache.CacheConfig(100, 2, capacity=8, optimizer=jaxcache.sgd(1.0))
+      >>> cache = jaxcache.EmbeddingCache(cfg)
+      >>> embed = jaxcache.linen.CachedEmbed(cache, combiner="sum")
+      >>> variables = embed.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (1, 2)))
+      >>> def loss_fn(params, variables, lookup):
+      ...     return embed.apply(variables, lookup).sum()
+      >>> grad_fn = jax.jit(jaxcache.linen.value_and_grad(loss_fn, cache))
+      >>> variables, lookup = jaxcache.linen.prepare(cache, variables, np.array([[5, 5]]))
+      >>> before = cache.table.rows[5].copy()
+      >>> loss, grads, variables = grad_fn({}, variables, lookup)
+      >>> rows, _ = jaxcache.linen.export(cache, variables)
+      >>> np.allclose(rows[5], before - 2.0)  # id 5 appears twice: gradient 2, step 1.0
+      True
+    """
+    if isinstance(caches, EmbeddingCache):
+        caches = [caches]
+    by_table = {cache.name: cache for cache in caches}
+    if len(by_table) != len(caches):
+        names = [cache.name for cache in caches]
+        raise ValueError(f"caches {names} share a table name; give each CacheConfig its own name.")
+
+    def wrapped(params: Any, variables: Variables, *args: Any) -> tuple[Any, Any, Variables]:
+        features = {name: cache.config.features for name, cache in by_table.items()}
+        lookups = device_ops.find_lookups(
+            args, features, "pass its EmbeddingCache to value_and_grad"
+        )
+        collection, rebuild = _split(variables)
+        paths = [_locate(collection, lookup.table) for lookup in lookups]
+        deltas = device_ops.zero_deltas(lookups, features)
+
+        def inner(params, deltas):
+            return fn(params, variables, *device_ops.attach_deltas(args, deltas))
+
+        value, (grads, delta_grads) = jax.value_and_grad(inner, argnums=(0, 1), has_aux=has_aux)(
+            params, deltas
+        )
+        for lookup, path, grad in zip(lookups, paths, delta_grads, strict=True):
+            state = device_ops.apply_sparse(
+                _get_state(collection, path),
+                lookup.unique_slots,
+                grad,
+                by_table[lookup.table].config.optimizer,
+            )
+            collection = _set_state(collection, path, state)
+        return value, grads, rebuild(collection)
+
+    return wrapped
+
+
+def flush(cache: EmbeddingCache, variables: Variables) -> None:
+    """Writes every row changed on device back to the host table.
+
+    The variables are read, not donated, and stay valid.
+
+    Args:
+      cache: the cache to flush.
+      variables: the model's variables, or their ``COLLECTION`` collection.
+
+    Examples:
+      >>> import jax, numpy as np, jaxcache, jaxcache.linen
+      >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=16))
+      >>> embed = jaxcache.linen.CachedEmbed(cache)
+      >>> variables = embed.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (1,)))
+      >>> variables, _ = jaxcache.linen.prepare(cache, variables, np.array([3]))
+      >>> int(cache.planner.dirty.sum()), jaxcache.linen.flush(cache, variables)
+      (1, None)
+      >>> int(cache.planner.dirty.sum())
+      0
+    """
+    collection, _ = _split(variables)
+    cache.flush(_get_state(collection, _locate(collection, cache.name)))
+
+
+def export(cache: EmbeddingCache, variables: Variables) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The full table and optimizer state in id order (NumPy copies).
+
+    Flushes first, so the host table is also complete afterwards.
+
+    Args:
+      cache: the cache to export.
+      variables: the model's variables, or their ``COLLECTION`` collection.
+
+    Returns:
+      ``(rows [N, D], {name: [N, ...]})``.
+
+    Examples:
+      >>> import jax, jaxcache, jaxcache.linen
+      >>> cfg = jaxcache.CacheConfig(100, 4, capacity=16, optimizer=jaxcache.adagrad(0.1))
+      >>> cache = jaxcache.EmbeddingCache(cfg)
+      >>> embed = jaxcache.linen.CachedEmbed(cache)
+      >>> variables = embed.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (1,)))
+      >>> rows, opt = jaxcache.linen.export(cache, variables)
+      >>> rows.shape, opt["accumulator"].shape
+      ((100, 4), (100, 4))
+    """
+    collection, _ = _split(variables)
+    return cache.export(_get_state(collection, _locate(collection, cache.name)))
+
+
+# ------------------------------------------------------------- variable trees
+def _as_variable(state: CacheState) -> dict[str, Any]:
+    return {"rows": state.rows, "opt": dict(state.opt)}
+
+
+def _is_table_state(node: Any) -> bool:
+    return (
+        isinstance(node, Mapping)
+        and set(node) == {"rows", "opt"}
+        and isinstance(node["opt"], Mapping)
+        and not isinstance(node["rows"], Mapping)
+    )
+
+
+def _split(variables: Variables) -> tuple[Variables, Callable[[Variables], Variables]]:
+    """The cache collection of ``variables`` and a function putting a new one back."""
+    if not isinstance(variables, Mapping):
+        raise TypeError(
+            f"variables must be a dict of variables (from model.init) or its {COLLECTION!r} "
+            f"collection, got {type(variables).__name__}."
+        )
+    collection = variables.get(COLLECTION)
+    if isinstance(collection, Mapping):
+        return collection, lambda new: {**variables, COLLECTION: new}
+    return variables, lambda new: new
+
+
+def _locate(collection: Variables, table: str) -> _Path:
+    """Path of ``table``'s state in the collection (module path + table name)."""
+    found: dict[str, list[_Path]] = {}
+
+    def walk(node: Mapping[str, Any], path: _Path) -> None:
+        for key, value in node.items():
+            if _is_table_state(value):
+                found.setdefault(key, []).append((*path, key))
+            elif isinstance(value, Mapping):
+                walk(value, (*path, key))
+
+    walk(collection, ())
+    paths = found.get(table, [])
+    if not paths:
+        raise ValueError(
+            f"no device state for table {table!r} in the variables (tables found: "
+            f"{sorted(found)}); pass the variables from model.init of a model with a "
+            f"jaxcache.linen.CachedEmbed of this cache, or their {COLLECTION!r} collection."
+        )
+    if len(paths) > 1:
+        where = ["/".join(path[:-1]) for path in paths]
+        raise ValueError(
+            f"table {table!r} has device state in several modules {where}; serve each "
+            "EmbeddingCache from one CachedEmbed and give each table its own CacheConfig name."
+        )
+    return paths[0]
+
+
+def _get_state(collection: Variables, path: _Path) -> CacheState:
+    node: Any = collection
+    for key in path:
+        node = node[key]
+    return CacheState(node["rows"], dict(node["opt"]))
+
+
+def _set_state(collection: Variables, path: _Path, state: CacheState) -> dict[str, Any]:
+    head, *rest = path
+    value = _set_state(collection[head], tuple(rest), state) if rest else _as_variable(state)
+    return {**collection, head: value}

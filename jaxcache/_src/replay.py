@@ -1,0 +1,376 @@
+"""Replay of an id trace through the planner, with no model: sizing a cache.
+
+A trace is the ids a training run would look up, in order: 1-D (split into
+consecutive batches of ``batch`` ids) or 2-D ``[steps, ids]`` (one batch per
+row). Each batch is planned by the real :class:`jaxcache.Planner` as a
+training step (the rows it uses become dirty), and released at once since
+nothing is in flight. The counters say how much would cross the bus at a
+given capacity and policy; :func:`sweep` gives a miss-ratio curve over
+capacities and :func:`plot_curve` draws it.
+
+Shape letters: ``T`` ids in a trace, ``S`` steps (batches), ``B`` ids per
+batch, ``N`` table rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from jaxcache._src import validation
+from jaxcache._src.config import POLICIES, CacheConfig
+from jaxcache._src.frequency import hottest
+from jaxcache._src.planner import CapacityError, Planner
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["plot_curve", "replay", "sweep"]
+
+Result = dict[str, Any]
+
+
+def replay(
+    trace: np.ndarray,
+    *,
+    capacity: int | float,
+    policy: str = "lfu",
+    batch: int | None = None,
+    num_embeddings: int | None = None,
+    frequencies: np.ndarray | None = None,
+) -> Result:
+    """Plans every batch of ``trace`` through one cache and counts what moved.
+
+    Args:
+      trace: integer ids, ``[T]`` (split into batches of ``batch`` ids, the
+        last one possibly shorter) or ``[S, B]`` (one batch per row; with
+        ``batch`` the ids are re-split into batches of that size).
+      capacity: rows on device, or a fraction of ``num_embeddings`` in
+        ``(0, 1]``, as in :class:`jaxcache.CacheConfig`.
+      policy: ``"frequency"``, ``"lfu"`` or ``"lru"``.
+      batch: ids per batch; required for a 1-D trace.
+      num_embeddings: ``N``; defaults to ``len(frequencies)`` when they are
+        given, else to the largest id plus one.
+      frequencies: ``int [N]`` dataset access counts. The ``"frequency"``
+        policy ranks rows by them and is warmed with the hottest ones; when
+        not given they are counted over the whole trace. Passed explicitly,
+        they also seed ``"lfu"``; ``"lru"`` ignores them.
+
+    Returns:
+      A flat, JSON-ready dict: ``policy``, ``capacity``
+      (rows), ``capacity_fraction``, ``num_embeddings``, ``batches``,
+      ``lookups``, ``distinct`` (summed per batch), ``hits`` (distinct ids
+      resident), ``access_hits`` (lookups served by resident rows),
+      ``unique_hit_rate`` (hits over distinct), ``access_hit_rate``,
+      ``steady_unique_hit_rate`` (the same over the batches after the first
+      quarter), ``miss_ratio`` (``1 - unique_hit_rate``), ``rows_warmed``
+      (preloaded before the first batch), ``rows_fetched`` (misses),
+      ``rows_written_back`` (evicted rows used since they were fetched; rows
+      still resident at the end are not counted) and ``evictions``.
+
+    Raises:
+      TypeError, ValueError: a bad argument; the message names it.
+      CapacityError: a batch has more distinct ids than ``capacity``.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jaxcache import replay
+      >>> trace = np.array([0, 1, 0, 2, 1, 0, 2, 2, 0, 1])
+      >>> out = replay(trace, batch=2, capacity=2, policy="lru")
+      >>> out["hits"], out["distinct"], out["rows_fetched"], out["rows_written_back"]
+      (3, 9, 6, 4)
+      >>> round(out["unique_hit_rate"], 3), round(out["steady_unique_hit_rate"], 3)
+      (0.333, 0.429)
+    """
+    return sweep(
+        trace,
+        capacities=[capacity],
+        policies=[policy],
+        batch=batch,
+        num_embeddings=num_embeddings,
+        frequencies=frequencies,
+    )[0]
+
+
+def sweep(
+    trace: np.ndarray,
+    *,
+    capacities: Iterable[int | float],
+    policies: Iterable[str] = ("lfu",),
+    batch: int | None = None,
+    num_embeddings: int | None = None,
+    frequencies: np.ndarray | None = None,
+) -> list[Result]:
+    """Replays ``trace`` at every capacity for every policy: a miss-ratio curve.
+
+    The trace is checked, split and counted once. Arguments are as in
+    :func:`replay`; every argument is checked before the first replay.
+
+    Returns:
+      One :func:`replay` dict per ``(policy, capacity)``, policy-major, each
+      in the given order.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jaxcache import sweep
+      >>> trace = np.random.default_rng(0).zipf(1.3, size=4000) % 500
+      >>> curve = sweep(trace, batch=100, capacities=[0.2, 0.5, 1.0], policies=["lru"],
+      ...               num_embeddings=500)
+      >>> [r["capacity"] for r in curve]
+      [100, 250, 500]
+      >>> [r["hits"] <= s["hits"] for r, s in zip(curve, curve[1:])]
+      [True, True]
+    """
+    trace = _check_trace(trace)
+    batches = _split(trace, batch)
+    n = _table_size(trace, num_embeddings, frequencies)
+    frequencies = _check_frequencies(frequencies, n)
+    names = _check_policies(policies)
+    rows = [_resolve_capacity(capacity, n) for capacity in capacities]
+    counts = frequencies
+    if counts is None and "frequency" in names:
+        counts = np.bincount(trace.reshape(-1), minlength=n)
+    return [
+        _run(batches, n, capacity, name, frequencies, counts) for name in names for capacity in rows
+    ]
+
+
+def plot_curve(
+    results: Sequence[Result], path: str | None = None, *, title: str | None = None
+) -> Figure:
+    """Draws hit rate and miss ratio against capacity, one line per policy.
+
+    Needs matplotlib (``pip install 'jaxcache[examples]'``). The figure is
+    drawn without pyplot, so no global backend is changed.
+
+    Args:
+      results: dicts from :func:`sweep` or :func:`replay`.
+      path: where to save the figure (PNG, SVG, PDF by extension); not saved
+        when ``None``.
+      title: the figure's title; by default it names the trace's size.
+
+    Returns:
+      The ``matplotlib.figure.Figure``: hit rates on the left (solid: all
+      batches, dashed: steady state), miss ratio on a log scale on the right.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jaxcache import plot_curve, sweep
+      >>> trace = np.random.default_rng(0).integers(0, 50, size=600)
+      >>> curve = sweep(trace, batch=20, capacities=[20, 30, 40], policies=["lru", "lfu"],
+      ...               num_embeddings=50)
+      >>> fig = plot_curve(curve)
+      >>> [ax.get_xlabel() for ax in fig.axes]
+      ['capacity (rows of 50)', 'capacity (rows of 50)']
+    """
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import NullLocator
+    except ImportError as error:
+        raise ImportError(
+            "plot_curve needs matplotlib; install it with pip install 'jaxcache[examples]'."
+        ) from error
+    if not results:
+        raise ValueError("results is empty; pass the dicts returned by sweep() or replay().")
+    fig = Figure(figsize=(10, 4), layout="constrained")
+    hit_ax, miss_ax = fig.subplots(1, 2)
+    for color, name in enumerate(dict.fromkeys(r["policy"] for r in results)):
+        curve = sorted((r for r in results if r["policy"] == name), key=lambda r: r["capacity"])
+        x = [r["capacity"] for r in curve]
+        style = {"color": f"C{color}", "marker": "o"}
+        hit_ax.plot(x, [r["unique_hit_rate"] for r in curve], label=name, **style)
+        hit_ax.plot(
+            x, [r["steady_unique_hit_rate"] for r in curve], linestyle="--", alpha=0.6, **style
+        )
+        miss_ax.plot(x, [r["miss_ratio"] for r in curve], label=name, **style)
+    first = results[0]
+    xlabel = f"capacity (rows of {first['num_embeddings']:,})"
+    hit_ax.set(xlabel=xlabel, ylabel="hit rate (distinct ids)", ylim=(0, 1.02))
+    hit_ax.set_title("hit rate (dashed: after the first quarter)", fontsize="medium")
+    miss_ax.set(xlabel=xlabel, ylabel="miss ratio (distinct ids)")
+    miss_ax.set_title("miss ratio", fontsize="medium")
+    misses = [r["miss_ratio"] for r in results]
+    if min(misses) > 0:
+        miss_ax.set_yscale("log")
+    elif max(misses) > 0:  # a log scale that still shows a miss ratio of zero
+        miss_ax.set_yscale("symlog", linthresh=1e-3)
+    capacities = sorted({r["capacity"] for r in results})
+    for ax in (hit_ax, miss_ax):
+        if capacities[-1] >= 10 * capacities[0]:
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticks(capacities, [f"{c:,}" for c in capacities])
+        ax.tick_params(axis="x", labelrotation=45 if len(capacities) > 5 else 0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(title="policy")
+    fig.suptitle(title or f"Cache replay: {first['lookups']} lookups in {first['batches']} batches")
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def _run(
+    batches: list[np.ndarray],
+    num_embeddings: int,
+    capacity: int,
+    policy: str,
+    frequencies: np.ndarray | None,
+    counts: np.ndarray | None,
+) -> Result:
+    """Replays the checked ``batches`` through a fresh planner."""
+    config = CacheConfig(
+        num_embeddings=num_embeddings, features=1, capacity=capacity, policy=policy
+    )
+    planner = Planner(config, frequencies=counts if policy == "frequency" else frequencies)
+    rows_warmed = 0
+    if policy == "frequency":
+        # Warmed as EmbeddingCache does: the hottest rows that occur at all.
+        rows_warmed = planner.warm(hottest(counts, capacity))[0].size
+    steady_from = len(batches) // 4
+    lookups = distinct = hits = access_hits = fetched = written_back = evictions = 0
+    steady_distinct = steady_hits = 0
+    for step, ids in enumerate(batches):
+        try:
+            plan = planner.plan(ids, train=True)
+        except CapacityError as error:
+            raise CapacityError(f"batch {step} of the trace: {error}") from None
+        planner.release(plan.index)
+        lookups += plan.lookups
+        distinct += plan.distinct
+        hits += plan.hits
+        access_hits += plan.access_hits
+        fetched += plan.misses
+        written_back += plan.evict_ids.size
+        evictions += plan.evictions
+        if step >= steady_from:
+            steady_distinct += plan.distinct
+            steady_hits += plan.hits
+    hit_rate = _ratio(hits, distinct)
+    return {
+        "policy": policy,
+        "capacity": capacity,
+        "capacity_fraction": capacity / num_embeddings,
+        "num_embeddings": num_embeddings,
+        "batches": len(batches),
+        "lookups": lookups,
+        "distinct": distinct,
+        "hits": hits,
+        "access_hits": access_hits,
+        "unique_hit_rate": hit_rate,
+        "access_hit_rate": _ratio(access_hits, lookups),
+        "steady_unique_hit_rate": _ratio(steady_hits, steady_distinct),
+        "miss_ratio": 1.0 - hit_rate if distinct else 0.0,
+        "rows_warmed": int(rows_warmed),
+        "rows_fetched": fetched,
+        "rows_written_back": written_back,
+        "evictions": evictions,
+    }
+
+
+def _ratio(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+# Checks, one argument each, so the command line can say which flag is wrong.
+
+
+def _check_trace(trace: object) -> np.ndarray:
+    """``trace`` as an integer array of rank 1 or 2 with ids >= 0."""
+    array = np.asarray(trace)
+    if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(
+            f"trace must hold integer ids, got dtype {array.dtype}; convert it with "
+            "trace.astype(np.int64) if the values are whole ids."
+        )
+    if array.ndim not in (1, 2):
+        raise ValueError(
+            f"trace must be 1-D (ids, split into batches of `batch`) or 2-D [steps, ids] "
+            f"(one batch per row), got shape {array.shape}; reshape it, e.g. "
+            "trace.reshape(len(trace), -1) to keep one batch per step."
+        )
+    if array.size == 0:
+        raise ValueError(f"trace is empty (shape {array.shape}); it needs at least one id.")
+    if array.min() < 0:
+        where = tuple(int(i) for i in np.argwhere(array < 0)[0])
+        raise ValueError(
+            f"trace holds {int(array[where])} at index {where}; ids must be >= 0. Drop padding "
+            "ids before replaying, and reduce hashed ids modulo the vocabulary."
+        )
+    return array
+
+
+def _split(trace: np.ndarray, batch: int | None) -> list[np.ndarray]:
+    """The batches of a checked trace: rows of a 2-D trace, or ``batch``-sized chunks."""
+    if batch is None:
+        if trace.ndim == 2:
+            return list(trace)
+        raise ValueError(
+            f"batch is needed to split a 1-D trace of {trace.size} ids into batches; set it to "
+            "the ids per training step (e.g. 4096), or pass a 2-D trace [steps, ids]."
+        )
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise ValueError(f"batch={batch!r} must be a positive number of ids per step.")
+    flat = trace.reshape(-1)
+    full = flat.size - flat.size % batch
+    batches = list(flat[:full].reshape(-1, batch))
+    if full < flat.size:
+        batches.append(flat[full:])
+    return batches
+
+
+def _table_size(
+    trace: np.ndarray, num_embeddings: int | None, frequencies: np.ndarray | None
+) -> int:
+    """``N``: given, else the length of ``frequencies``, else the largest id plus one."""
+    largest = int(trace.max())
+    if num_embeddings is None:
+        if frequencies is None or np.ndim(frequencies) != 1:
+            return largest + 1
+        num_embeddings = len(frequencies)
+        if largest >= num_embeddings:
+            raise ValueError(
+                f"frequencies has {num_embeddings} counts but the trace's largest id is "
+                f"{largest}; it needs one count per table row (at least {largest + 1})."
+            )
+        return num_embeddings
+    if (
+        isinstance(num_embeddings, bool)
+        or not isinstance(num_embeddings, (int, np.integer))
+        or num_embeddings < 1
+    ):
+        raise ValueError(f"num_embeddings={num_embeddings!r} must be a positive number of rows.")
+    if largest >= num_embeddings:
+        raise ValueError(
+            f"num_embeddings={num_embeddings} is too small for the trace, whose largest id is "
+            f"{largest}; the table needs at least {largest + 1} rows (or leave it out)."
+        )
+    return int(num_embeddings)
+
+
+def _check_frequencies(frequencies: object, num_embeddings: int) -> np.ndarray | None:
+    """``int64 [N]`` counts >= 0, or ``None``."""
+    if frequencies is None:
+        return None
+    return validation.check_frequencies(
+        frequencies,
+        num_embeddings,
+        "count them with jaxcache.FrequencyCounter, or leave them out to count the trace",
+    )
+
+
+def _check_policies(names: Iterable[str]) -> list[str]:
+    """Distinct policy names, in order; each must be a known policy."""
+    names = [names] if isinstance(names, str) else list(dict.fromkeys(names))
+    if not names:
+        raise ValueError(f"no policy given; name at least one of {', '.join(POLICIES)}.")
+    for name in names:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; use one of {', '.join(POLICIES)}.")
+    return names
+
+
+def _resolve_capacity(capacity: int | float, num_embeddings: int) -> int:
+    """Rows for ``capacity`` (a row count or a fraction), checked by CacheConfig."""
+    return CacheConfig(num_embeddings=num_embeddings, features=1, capacity=capacity).capacity

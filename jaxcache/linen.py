@@ -1,0 +1,26 @@
+"""Flax Linen integration: ``CachedEmbed`` and functional helpers for a train step.
+
+The caches' device state lives in the ``COLLECTION`` variable collection;
+``prepare`` (eager) and ``value_and_grad`` (inside ``jit``) take and return
+the variables, ``flush`` and ``export`` read them.
+"""
+
+from jaxcache._src.linen_module import (
+    COLLECTION,
+    CachedEmbed,
+    export,
+    flush,
+    init_lookup,
+    prepare,
+    value_and_grad,
+)
+
+__all__ = [
+    "COLLECTION",
+    "CachedEmbed",
+    "export",
+    "flush",
+    "init_lookup",
+    "prepare",
+    "value_and_grad",
+]

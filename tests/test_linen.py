@@ -1,0 +1,301 @@
+"""The Flax Linen shell against a full-table reference, the NNX shell and NumPy."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxcache
+import jaxcache.linen
+from tests.models import bce, make_cached, zipf_batches
+
+N, D, B, F = 3000, 8, 32, 4
+STEPS = 15
+TOL = 1e-6
+
+
+class Tower(nn.Module):
+    """Embeddings of ``F`` features ``[B, F, D]`` -> flatten -> MLP -> logit (as models.Tower)."""
+
+    embed: nn.Module
+
+    @nn.compact
+    def __call__(self, ids_or_lookup):
+        emb = self.embed(ids_or_lookup)
+        x = emb.reshape(emb.shape[0], -1)
+        return nn.Dense(1, name="out")(nn.relu(nn.Dense(16, name="hidden")(x)))[:, 0]
+
+
+class FullEmbed(nn.Module):
+    """The whole table ``[N, D]`` in the ``"reference"`` collection; takes raw ids."""
+
+    num_embeddings: int
+    features: int
+
+    @nn.compact
+    def __call__(self, ids):
+        shape = (self.num_embeddings, self.features)
+        return self.variable("reference", "table", jnp.zeros, shape).value[ids]
+
+
+def make_linen(cache, params=None):
+    """A Linen ``Tower`` trained through ``cache``; the variables are kept in a dict."""
+    model = Tower(jaxcache.linen.CachedEmbed(cache))
+    tx = optax.adam(1e-2)
+    variables = model.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (B, F)))
+    held = {
+        "params": variables["params"] if params is None else params,
+        "cache": variables[jaxcache.linen.COLLECTION],
+    }
+    held["opt_state"] = tx.init(held["params"])
+
+    @jax.jit
+    def step(params, opt_state, cache_vars, lookup, labels):
+        def loss_fn(params, cache_vars, lookup):
+            logits = model.apply({"params": params, jaxcache.linen.COLLECTION: cache_vars}, lookup)
+            return bce(logits, labels)
+
+        grad_fn = jaxcache.linen.value_and_grad(loss_fn, cache)
+        loss, grads, cache_vars = grad_fn(params, cache_vars, lookup)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, cache_vars, loss
+
+    def train(ids, labels):
+        # prepare takes the collection alone as well as the full variables.
+        held["cache"], lookup = jaxcache.linen.prepare(cache, held["cache"], ids)
+        held["params"], held["opt_state"], held["cache"], loss = step(
+            held["params"], held["opt_state"], held["cache"], lookup, labels
+        )
+        return loss
+
+    return held, train
+
+
+def make_linen_reference(rows, optimizer, params):
+    """Full table, dense ``jax.grad`` w.r.t. it, the row rule on exactly the touched rows."""
+    model = Tower(FullEmbed(*rows.shape))
+    tx = optax.adam(1e-2)
+    held = {
+        "params": params,
+        "opt_state": tx.init(params),
+        "table": jnp.asarray(rows),
+        "table_opt": {
+            name: jnp.full((rows.shape[0], *spec.shape), spec.init, spec.dtype)
+            for name, spec in optimizer.state_spec(rows.shape[1]).items()
+        },
+    }
+
+    @jax.jit
+    def step(params, opt_state, table, table_opt, ids, touched, labels):
+        def loss_fn(params, table):
+            logits = model.apply({"params": params, "reference": {"embed": {"table": table}}}, ids)
+            return bce(logits, labels)
+
+        loss, (grads, table_grad) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, table)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        # The row rule is row-wise, so applying it to every row and keeping the
+        # touched ones is the same as applying it to the touched rows only.
+        new_table, new_opt = optimizer.update(table, table_grad, table_opt)
+        keep = touched[:, None]
+        table = jnp.where(keep, new_table, table)
+        table_opt = {
+            k: jnp.where(touched.reshape(-1, *[1] * (v.ndim - 1)), new_opt[k], v)
+            for k, v in table_opt.items()
+        }
+        return optax.apply_updates(params, updates), opt_state, table, table_opt, loss
+
+    def train(ids, labels):
+        touched = np.zeros(rows.shape[0], bool)
+        touched[ids.ravel()] = True
+        *state, loss = step(
+            held["params"],
+            held["opt_state"],
+            held["table"],
+            held["table_opt"],
+            ids,
+            touched,
+            labels,
+        )
+        held["params"], held["opt_state"], held["table"], held["table_opt"] = state
+        return loss
+
+    return held, train
+
+
+def max_diff(a, b) -> float:
+    diffs = jax.tree.map(lambda x, y: float(np.max(np.abs(np.asarray(x) - np.asarray(y)))), a, b)
+    return max(jax.tree.leaves(diffs), default=0.0)
+
+
+@pytest.mark.parametrize(
+    "optimizer", [jaxcache.adagrad(0.1), jaxcache.adam(0.05)], ids=["adagrad", "adam"]
+)
+def test_training_matches_full_table_reference_under_heavy_churn(optimizer):
+    cfg = jaxcache.CacheConfig(N, D, capacity=130, policy="lru", optimizer=optimizer)
+    cache = jaxcache.EmbeddingCache(cfg)
+    initial_rows = np.array(cache.table.rows)
+    held, train = make_linen(cache)
+    ref, ref_train = make_linen_reference(initial_rows, optimizer, held["params"])
+
+    for ids, labels in zipf_batches(N, B, F, STEPS, seed=1):
+        loss = train(ids, labels)
+        ref_loss = ref_train(ids, labels)
+        assert abs(float(loss) - float(ref_loss)) <= TOL
+
+    assert cache.stats.total.evictions > 3 * cfg.capacity  # rows really moved
+    rows, opt = jaxcache.linen.export(cache, held["cache"])
+    assert max_diff(rows, ref["table"]) <= TOL
+    assert max_diff(opt, ref["table_opt"]) <= TOL
+    assert max_diff(held["params"], ref["params"]) <= TOL
+    untouched = np.ones(N, bool)
+    for ids, _ in zipf_batches(N, B, F, STEPS, seed=1):
+        untouched[ids.ravel()] = False
+    np.testing.assert_array_equal(rows[untouched], initial_rows[untouched])
+
+
+def nnx_dense_params(model):
+    """The NNX ``Tower``'s dense parameters laid out as the Linen ``Tower``'s params."""
+    layers = {"hidden": model.hidden, "out": model.out}
+    return {
+        name: {"kernel": layer.kernel[...], "bias": layer.bias[...]}
+        for name, layer in layers.items()
+    }
+
+
+def test_linen_and_nnx_shells_train_the_same_table():
+    cfg = jaxcache.CacheConfig(N, D, capacity=130, optimizer=jaxcache.rowwise_adagrad(0.1))
+    nnx_cache, linen_cache = jaxcache.EmbeddingCache(cfg), jaxcache.EmbeddingCache(cfg)
+    nnx_model, nnx_train = make_cached(nnx_cache, F)
+    held, linen_train = make_linen(linen_cache, nnx_dense_params(nnx_model))
+
+    for ids, labels in zipf_batches(N, B, F, 10, seed=2):
+        nnx_train(ids, labels)
+        linen_train(ids, labels)
+
+    nnx_rows, nnx_opt = nnx_model.embed.export()
+    linen_rows, linen_opt = jaxcache.linen.export(linen_cache, held["cache"])
+    assert max_diff(linen_rows, nnx_rows) <= TOL
+    assert max_diff(linen_opt, nnx_opt) <= TOL
+    assert max_diff(held["params"], nnx_dense_params(nnx_model)) <= TOL
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+def test_pooled_bags_with_padding_match_numpy(combiner):
+    cfg = jaxcache.CacheConfig(50, 3, capacity=20, padding_id=-1)
+    cache = jaxcache.EmbeddingCache(cfg)
+    ids = np.array([[4, 7, -1, 7], [-1, -1, -1, -1], [0, 49, 13, -1], [2, -1, 2, 2]])
+    weights = np.random.default_rng(0).uniform(0.5, 2.0, ids.shape).astype(np.float32)
+    embed = jaxcache.linen.CachedEmbed(cache, combiner=combiner)
+    variables = embed.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, ids.shape))
+    variables, lookup = jaxcache.linen.prepare(cache, variables, ids, train=False)
+    out = np.asarray(jax.jit(embed.apply)(variables, lookup, weights))
+
+    real = (ids != -1) * weights
+    expected = np.einsum("bl,bld->bd", real, cache.table.rows[np.where(ids < 0, 0, ids)])
+    if combiner == "mean":
+        count = real.sum(-1, keepdims=True)
+        expected = expected / np.where(count == 0, 1, count)
+    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(out[1], 0.0)
+
+
+def test_padding_ids_look_up_zero_rows_without_a_combiner():
+    cfg = jaxcache.CacheConfig(50, 3, capacity=20, padding_id=-1)
+    cache = jaxcache.EmbeddingCache(cfg)
+    ids = np.array([[5, -1], [-1, 9]])
+    embed = jaxcache.linen.CachedEmbed(cache)
+    variables = embed.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, ids.shape))
+    variables, lookup = jaxcache.linen.prepare(cache, variables, ids, train=False)
+    out = np.asarray(embed.apply(variables, lookup))
+    np.testing.assert_array_equal(out[ids < 0], 0.0)
+    np.testing.assert_array_equal(out[ids >= 0], cache.table.rows[[5, 9]])
+    with pytest.raises(ValueError, match="weights need a combiner"):
+        embed.apply(variables, lookup, np.ones(ids.shape))
+
+
+class TwoTables(nn.Module):
+    """A user and an item table at different depths of the module tree."""
+
+    users: jaxcache.EmbeddingCache
+    items: jaxcache.EmbeddingCache
+
+    @nn.compact
+    def __call__(self, user_lookup, item_lookup):
+        user = jaxcache.linen.CachedEmbed(self.users, combiner="sum")(user_lookup)
+        item = nn.Sequential([jaxcache.linen.CachedEmbed(self.items, combiner="sum")])(item_lookup)
+        return jnp.concatenate([user, item], axis=-1)
+
+
+def test_two_tables_are_found_by_name_and_updated_by_their_own_optimizer():
+    def config(name, lr):
+        return jaxcache.CacheConfig(40, 2, capacity=8, optimizer=jaxcache.sgd(lr), name=name)
+
+    users = jaxcache.EmbeddingCache(config("user", 1.0))
+    items = jaxcache.EmbeddingCache(config("item", 0.5))
+    model = TwoTables(users, items)
+    variables = model.init(
+        jax.random.key(0),
+        jaxcache.linen.init_lookup(users, (1, 3)),
+        jaxcache.linen.init_lookup(items, (1, 2)),
+    )
+    before_users, before_items = np.array(users.table.rows), np.array(items.table.rows)
+    variables, user_lookup = jaxcache.linen.prepare(users, variables, np.array([[3, 3, 5]]))
+    variables, item_lookup = jaxcache.linen.prepare(items, variables, np.array([[7, 8]]))
+
+    def loss_fn(params, variables, user_lookup, item_lookup):
+        return model.apply({**variables, "params": params}, user_lookup, item_lookup).sum()
+
+    grad_fn = jax.jit(jaxcache.linen.value_and_grad(loss_fn, [users, items]))
+    _, grads, variables = grad_fn({}, variables, user_lookup, item_lookup)
+    assert grads == {}
+
+    user_rows, _ = jaxcache.linen.export(users, variables)
+    item_rows, _ = jaxcache.linen.export(items, variables)
+    # d(sum)/d(row) is the row's count in its bag; sgd steps by lr * count.
+    np.testing.assert_allclose(user_rows[[3, 5]], before_users[[3, 5]] - [[2.0], [1.0]])
+    np.testing.assert_allclose(item_rows[[7, 8]], before_items[[7, 8]] - 0.5)
+    untouched = np.setdiff1d(np.arange(40), [3, 5])
+    np.testing.assert_array_equal(user_rows[untouched], before_users[untouched])
+
+
+def test_a_lookup_for_another_table_raises():
+    cache_a = jaxcache.EmbeddingCache(jaxcache.CacheConfig(30, 2, capacity=8, name="a"))
+    cache_b = jaxcache.EmbeddingCache(jaxcache.CacheConfig(30, 2, capacity=8, name="b"))
+    embed = jaxcache.linen.CachedEmbed(cache_a)
+    variables = embed.init(jax.random.key(0), jaxcache.linen.init_lookup(cache_a, (2,)))
+    _, lookup_b = cache_b.prepare(cache_b.init_state(), np.array([1, 2]))
+
+    with pytest.raises(ValueError, match="lookup is for table 'b' but this module serves 'a'"):
+        embed.apply(variables, lookup_b)
+    with pytest.raises(ValueError, match="Lookup for table 'b' was passed but nothing serves it"):
+        jaxcache.linen.value_and_grad(lambda p, v, lk: embed.apply(v, lk).sum(), cache_a)(
+            {}, variables, lookup_b
+        )
+    with pytest.raises(ValueError, match=r"no device state for table 'b'.*tables found: \['a'\]"):
+        jaxcache.linen.prepare(cache_b, variables, np.array([1, 2]))
+
+
+def test_misuse_fails_early_with_a_fix():
+    cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(30, 2, capacity=8))
+    with pytest.raises(ValueError, match="combiner='max' is not supported"):
+        jaxcache.linen.CachedEmbed(cache, combiner="max")
+
+    embed = jaxcache.linen.CachedEmbed(cache)
+    lookup = jaxcache.linen.init_lookup(cache, (2,))
+    with pytest.raises(ValueError, match="'jaxcache' collection included"):
+        embed.apply({}, lookup)
+
+    class Twice(nn.Module):
+        @nn.compact
+        def __call__(self, lookup):
+            return jaxcache.linen.CachedEmbed(cache)(lookup) + jaxcache.linen.CachedEmbed(cache)(
+                lookup
+            )
+
+    variables = Twice().init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (2,)))
+    with pytest.raises(ValueError, match="several modules"):
+        jaxcache.linen.prepare(cache, variables, np.array([1, 2]))

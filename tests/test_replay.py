@@ -1,0 +1,311 @@
+"""Trace replay: counters worked out by hand, invariants, and the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jaxcache
+from jaxcache._src.cli import main
+from jaxcache._src.replay import plot_curve, replay, sweep
+
+KEYS = (
+    "policy",
+    "capacity",
+    "capacity_fraction",
+    "num_embeddings",
+    "batches",
+    "lookups",
+    "distinct",
+    "hits",
+    "access_hits",
+    "unique_hit_rate",
+    "access_hit_rate",
+    "steady_unique_hit_rate",
+    "miss_ratio",
+    "rows_warmed",
+    "rows_fetched",
+    "rows_written_back",
+    "evictions",
+)
+
+# Five batches of two ids over a table of three rows. Counts: id 0 x4, 1 x3, 2 x3.
+HAND_TRACE = np.array([0, 1, 0, 2, 1, 0, 2, 2, 0, 1])
+
+# Capacity 2. Victims are the unprotected slots of lowest priority, ties to the
+# lower slot; every batch trains, so every evicted row was used and goes back.
+#
+# lru (priority: last batch that used the slot), starts empty:
+#   b0 [0 1]  miss 0 1 -> s0=0 s1=1                   hits 0/2  fetch 2  back 0
+#   b1 [0 2]  hit 0; miss 2 evicts s1=1               hits 1/2  fetch 1  back 1
+#   b2 [1 0]  hit 0; miss 1 evicts s1=2               hits 1/2  fetch 1  back 1
+#   b3 [2 2]  miss 2; s0, s1 both last used in b2,
+#             the tie goes to s0: evicts 0            hits 0/1  fetch 1  back 1
+#   b4 [0 1]  hit 1; miss 0 evicts s0=2               hits 1/2  fetch 1  back 1
+#   total hits 3/9 distinct, 3/10 lookups; after the first quarter (b1..b4) 3/7.
+#
+# frequency (priority: dataset count 0:4 1:3 2:3), warmed with the two hottest,
+# s0=0 s1=1 (clean until used):
+#   b0 [0 1]  hit 0 1                                 hits 2/2  fetch 0  back 0
+#   b1 [0 2]  hit 0; miss 2 evicts s1=1 (count 3)     hits 1/2  fetch 1  back 1
+#   b2 [1 0]  hit 0; miss 1 evicts s1=2               hits 1/2  fetch 1  back 1
+#   b3 [2 2]  miss 2 evicts s1=1 (3 < 4)              hits 0/1  fetch 1  back 1
+#   b4 [0 1]  hit 0; miss 1 evicts s1=2               hits 1/2  fetch 1  back 1
+#   total hits 5/9 distinct, 5/10 lookups; b1..b4 3/7.
+HAND_EXPECTED = {
+    "lru": dict(
+        hits=3,
+        distinct=9,
+        access_hits=3,
+        lookups=10,
+        unique_hit_rate=3 / 9,
+        access_hit_rate=3 / 10,
+        steady_unique_hit_rate=3 / 7,
+        rows_warmed=0,
+        rows_fetched=6,
+        rows_written_back=4,
+        evictions=4,
+    ),
+    "frequency": dict(
+        hits=5,
+        distinct=9,
+        access_hits=5,
+        lookups=10,
+        unique_hit_rate=5 / 9,
+        access_hit_rate=5 / 10,
+        steady_unique_hit_rate=3 / 7,
+        rows_warmed=2,
+        rows_fetched=4,
+        rows_written_back=4,
+        evictions=4,
+    ),
+}
+
+
+def zipf_trace(size: int = 20_000, num_embeddings: int = 2_000, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    ranks = rng.zipf(1.15, size) % num_embeddings
+    return rng.permutation(num_embeddings)[ranks]  # hot rows scattered over the table
+
+
+@pytest.mark.parametrize("policy", jaxcache.POLICIES)
+def test_result_has_documented_keys(policy):
+    out = replay(HAND_TRACE, batch=2, capacity=2, policy=policy)
+    assert tuple(out) == KEYS
+    assert out["policy"] == policy
+    assert (out["capacity"], out["num_embeddings"], out["batches"]) == (2, 3, 5)
+    json.dumps(out)  # plain numbers only
+
+
+@pytest.mark.parametrize("policy", sorted(HAND_EXPECTED))
+def test_hand_computed_counts(policy):
+    out = replay(HAND_TRACE, batch=2, capacity=2, policy=policy)
+    assert {key: out[key] for key in HAND_EXPECTED[policy]} == HAND_EXPECTED[policy]
+    assert out["miss_ratio"] == 1 - out["unique_hit_rate"]
+
+
+def test_warmed_rows_never_used_are_evicted_clean():
+    # Explicit counts make 3 and 0 the hottest; the trace wants 1 and 2, which
+    # evict both warmed rows. Neither was used since its fetch: nothing goes back.
+    counts = np.array([1, 1, 1, 9])
+    out = replay(np.array([[1, 2]]), capacity=2, policy="frequency", frequencies=counts)
+    assert (out["rows_warmed"], out["rows_fetched"], out["evictions"]) == (2, 2, 2)
+    assert out["rows_written_back"] == 0
+
+
+@pytest.mark.parametrize("policy", jaxcache.POLICIES)
+@pytest.mark.parametrize("batch", [64, 48])
+def test_1d_trace_matches_2d_trace(policy, batch):
+    trace = zipf_trace(size=3_200, num_embeddings=300)
+    flat = replay(trace, batch=batch, capacity=0.5, policy=policy)
+    if trace.size % batch == 0:
+        rows = trace.reshape(-1, batch)
+        assert replay(rows, capacity=0.5, policy=policy) == flat
+    # A batch size re-splits a 2-D trace in reading order.
+    other = trace.reshape(-1, 32)
+    assert replay(other, batch=batch, capacity=0.5, policy=policy) == flat
+
+
+def test_sweep_is_a_miss_ratio_curve():
+    trace = zipf_trace()
+    capacities = [0.25, 0.3, 0.4, 0.6, 1.0]
+    curve = sweep(trace, batch=500, capacities=capacities, policies=["lru", "frequency"])
+    assert len(curve) == 2 * len(capacities)
+    assert [r["policy"] for r in curve] == ["lru"] * 5 + ["frequency"] * 5
+    lru = curve[: len(capacities)]
+    assert [r["capacity"] for r in lru] == [500, 600, 800, 1200, 2000]
+    rates = [r["unique_hit_rate"] for r in lru]
+    assert rates == sorted(rates)
+    assert rates[0] < rates[-1]
+    # The whole table fits: each id is fetched once and nothing is evicted.
+    full = lru[-1]
+    assert full["rows_fetched"] == np.unique(trace).size
+    assert full["rows_written_back"] == full["evictions"] == 0
+
+
+@pytest.mark.parametrize("policy", jaxcache.POLICIES)
+def test_only_used_rows_are_written_back(policy):
+    out = replay(zipf_trace(), batch=400, capacity=0.3, policy=policy)
+    assert 0 < out["rows_written_back"] <= out["evictions"]
+    assert out["rows_fetched"] == out["distinct"] - out["hits"]
+    if policy != "frequency":  # nothing warmed: every evicted row was used
+        assert out["rows_written_back"] == out["evictions"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(trace=np.ones(4), batch=2), TypeError, "integer ids, got dtype float64"),
+        (dict(trace=np.zeros((2, 2, 2), int)), ValueError, r"got shape \(2, 2, 2\)"),
+        (dict(trace=np.array([3, -1]), batch=2), ValueError, "holds -1 at index"),
+        (dict(trace=HAND_TRACE), ValueError, "batch is needed"),
+        (dict(trace=HAND_TRACE, batch=4), jaxcache.CapacityError, "batch 0 of the trace"),
+        (dict(trace=HAND_TRACE, batch=2, policy="fifo"), ValueError, "unknown policy 'fifo'"),
+        (dict(trace=HAND_TRACE, batch=2, num_embeddings=2), ValueError, "at least 3 rows"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(kwargs, error, match):
+    kwargs = {"capacity": 2, "policy": "lru", **kwargs}
+    with pytest.raises(error, match=match):
+        replay(**kwargs)
+
+
+@pytest.fixture
+def files(tmp_path):
+    np.save(tmp_path / "trace.npy", HAND_TRACE)
+    np.save(tmp_path / "float.npy", HAND_TRACE.astype(np.float32))
+    np.save(tmp_path / "rank3.npy", HAND_TRACE[:8].reshape(2, 2, 2))
+    np.save(tmp_path / "short_counts.npy", np.ones(2, np.int64))
+    np.save(tmp_path / "float_counts.npy", np.ones(3))
+    np.savez(tmp_path / "archive.npz", ids=HAND_TRACE)
+    (tmp_path / "text.npy").write_text("0 1 2")
+    return tmp_path
+
+
+def run_main(argv, files):
+    return main([arg.format(d=files) for arg in argv])
+
+
+def test_cli_prints_one_json_object_per_run(files, capsys):
+    argv = [
+        "replay",
+        "{d}/trace.npy",
+        "--batch",
+        "2",
+        "--sweep",
+        "2,3",
+        "--policy",
+        "lru,frequency",
+    ]
+    assert run_main(argv, files) == 0
+    lines = capsys.readouterr().out.splitlines()
+    results = [json.loads(line) for line in lines]
+    assert [(r["policy"], r["capacity"]) for r in results] == [
+        ("lru", 2),
+        ("lru", 3),
+        ("frequency", 2),
+        ("frequency", 3),
+    ]
+    assert results[0] == replay(HAND_TRACE, batch=2, capacity=2, policy="lru")
+
+
+def test_cli_plot_writes_a_png(files, capsys):
+    argv = ["replay", "{d}/trace.npy", "--batch", "2", "--sweep", "2,3", "--plot", "{d}/curve.png"]
+    assert run_main(argv, files) == 0
+    png = (files / "curve.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 1000
+
+
+def test_plot_curve_labels_axes():
+    curve = sweep(HAND_TRACE, batch=2, capacities=[2, 3], policies=["lru", "lfu"])
+    fig = plot_curve(curve, title="hand trace")
+    assert fig.get_suptitle() == "hand trace"
+    assert [ax.get_ylabel() for ax in fig.axes] == [
+        "hit rate (distinct ids)",
+        "miss ratio (distinct ids)",
+    ]
+    assert all(ax.get_xlabel() == "capacity (rows of 3)" for ax in fig.axes)
+
+
+BAD_INPUT = [
+    (["{d}/missing.npy", "--batch", "2", "--capacity", "2"], "argument trace: no such file"),
+    (["{d}/float.npy", "--batch", "2", "--capacity", "2"], "dtype float32; convert it"),
+    (["{d}/rank3.npy", "--capacity", "2"], "argument trace: trace must be 1-D"),
+    (["{d}/archive.npz", "--batch", "2", "--capacity", "2"], "is an .npz archive"),
+    (["{d}/text.npy", "--batch", "2", "--capacity", "2"], "cannot read"),
+    (["{d}/trace.npy", "--capacity", "2"], "argument --batch: batch is needed"),
+    (["{d}/trace.npy", "--batch", "0", "--capacity", "2"], "positive whole number, got '0'"),
+    (
+        ["{d}/trace.npy", "--batch", "4", "--capacity", "2"],
+        "argument --capacity: batch 0 of the trace: the batch has 3 distinct ids but capacity "
+        "is 2 rows; raise capacity to at least 3 or use smaller batches.",
+    ),
+    (["{d}/trace.npy", "--batch", "2", "--sweep", "3,2,1"], "argument --sweep: batch 0"),
+    (["{d}/trace.npy", "--batch", "2", "--capacity", "abc"], "a fraction of the table such as"),
+    (["{d}/trace.npy", "--batch", "2", "--capacity", "9"], "larger than the table"),
+    (["{d}/trace.npy", "--batch", "2", "--capacity", "1.5"], "neither a fraction in (0, 1]"),
+    (["{d}/trace.npy", "--batch", "2", "--capacity", "2", "--policy", "fifo"], "'fifo'; use one"),
+    (
+        ["{d}/trace.npy", "--batch", "2", "--capacity", "2", "--num-embeddings", "2"],
+        "argument --num-embeddings: num_embeddings=2 is too small",
+    ),
+    (
+        ["{d}/trace.npy", "--batch", "2", "--capacity", "2", "--frequencies", "{d}/no.npy"],
+        "argument --frequencies: no such file",
+    ),
+    (
+        [
+            "{d}/trace.npy",
+            "--batch",
+            "2",
+            "--capacity",
+            "2",
+            "--frequencies",
+            "{d}/short_counts.npy",
+        ],
+        "argument --frequencies: frequencies has 2 counts",
+    ),
+    (
+        [
+            "{d}/trace.npy",
+            "--batch",
+            "2",
+            "--capacity",
+            "2",
+            "--frequencies",
+            "{d}/float_counts.npy",
+        ],
+        "argument --frequencies: frequencies must be an integer array",
+    ),
+    (
+        ["{d}/trace.npy", "--batch", "2", "--capacity", "2", "--plot", "{d}/no/curve.png"],
+        "argument --plot: no such folder",
+    ),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_INPUT)
+def test_cli_bad_input_exits_2_with_a_message(files, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(["replay", *argv], files)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing replayed or printed before the error
+    assert message in captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_console_script_runs(files):
+    command = [sys.executable, "-m", "jaxcache._src.cli", "replay", str(files / "trace.npy")]
+    done = subprocess.run(
+        [*command, "--batch", "2", "--capacity", "2", "--policy", "lru"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == replay(HAND_TRACE, batch=2, capacity=2, policy="lru")
