@@ -16,7 +16,7 @@ from jaxcache._src.device_ops import (
     pool,
     swap,
 )
-from jaxcache._src.engine import EmbeddingCache, bucket_size
+from jaxcache._src.engine import EmbeddingCache, PipelineStopped, Staged, bucket_size
 from jaxcache._src.frequency import FrequencyCounter, hottest
 from jaxcache._src.host_table import HostTable, embed_init, normal_init, uniform_init
 from jaxcache._src.optimizers import (
@@ -33,7 +33,7 @@ from jaxcache._src.optimizers import (
 )
 from jaxcache._src.planner import CapacityError, Plan, Planner
 from jaxcache._src.replay import plot_curve, replay, sweep
-from jaxcache._src.stats import CacheStats, StepStats, compilations
+from jaxcache._src.stats import CacheStats, PhaseTimers, StepStats, compilations
 
 __version__ = "0.1.0"
 
@@ -50,11 +50,14 @@ __all__ = [
     "FrequencyCounter",
     "HostTable",
     "Lookup",
+    "PhaseTimers",
+    "PipelineStopped",
     "Plan",
     "Planner",
     "RowStateSpec",
     "RowwiseAdagrad",
     "SparseOptimizer",
+    "Staged",
     "StepStats",
     "adagrad",
     "adam",

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +32,26 @@ from jaxcache._src.host_table import HostTable
 from jaxcache._src.planner import Plan, Planner
 from jaxcache._src.stats import CacheStats, StepStats
 
-__all__ = ["EmbeddingCache", "bucket_size"]
+__all__ = ["EmbeddingCache", "PipelineStopped", "Staged", "bucket_size"]
+
+
+class PipelineStopped(Exception):
+    """Raised inside a producer thread when its pipeline is closed mid-wait."""
+
+
+class Staged(NamedTuple):
+    """A batch planned and transferred, waiting for its swap.
+
+    Attributes:
+      plan: the host plan.
+      moves: device ``(evict_slots, fetch_slots, fetch_rows, fetch_opt)`` for
+        ``swap``, or ``None`` when no row moves.
+      lookup: the batch's device ``Lookup``.
+    """
+
+    plan: Plan
+    moves: tuple[Any, ...] | None
+    lookup: Lookup
 
 
 def bucket_size(n: int, minimum: int, previous: int = 0) -> int:
@@ -116,7 +138,11 @@ class EmbeddingCache:
         self.mesh = mesh
         self.row_sharding = NamedSharding(mesh, PartitionSpec(axis))
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self._pending: list[tuple[np.ndarray, jax.Array, dict[str, jax.Array]]] = []
+        # Write-backs: evicted ids by plan index, from planning until landed,
+        # and the device rows read out by each applied swap.
+        self._write_back_lock = threading.Condition()
+        self._unlanded: dict[int, np.ndarray] = {}
+        self._dispatched: dict[int, tuple[jax.Array, dict[str, jax.Array]]] = {}
         self._fetch_bucket = 0
         self._unique_bucket = 0
         if warm is None:
@@ -158,7 +184,7 @@ class EmbeddingCache:
         Call it at the start (or after ``flush``): resident rows are copied
         from the host table, free slots hold zeros.
         """
-        if self.planner.dirty.any() or self._pending:
+        if self.planner.dirty.any() or self._unlanded:
             raise RuntimeError(
                 "the cache has rows changed on device; call flush(state) before building a "
                 "new device state from the host table."
@@ -181,7 +207,9 @@ class EmbeddingCache:
 
         Plans the batch, copies its missing rows (and optimizer state) to the
         device, swaps them into the victims' slots (the old state is donated)
-        and queues the dirty victims' write-back.
+        and queues the dirty victims' write-back. The unpipelined step: every
+        earlier batch counts as finished. ``jaxcache.prefetch`` runs ``stage``
+        ahead on a thread and ``apply`` in the training loop instead.
 
         Args:
           state: the device state (donated: do not use it afterwards).
@@ -192,13 +220,53 @@ class EmbeddingCache:
           ``(state, lookup)``: the new device state and the ``Lookup``.
         """
         self.planner.release(self.planner.next_index - 1)
-        plan = self.planner.plan(ids, train=train)
-        state = self.apply_plan(state, plan)
-        return state, self.device_lookup(plan)
+        staged = self.stage(ids, train=train)
+        return self.apply(state, staged), staged.lookup
 
-    def apply_plan(self, state: CacheState, plan: Plan) -> CacheState:
-        """Moves the rows ``plan`` needs: host gather, transfer, donated swap."""
-        self.land_write_backs()
+    def stage(
+        self, ids: np.ndarray, *, train: bool = True, stopped: Callable[[], bool] | None = None
+    ) -> Staged:
+        """Host half of a step: plan, land needed write-backs, gather, transfer.
+
+        Safe to run on a background thread while the device trains: it touches
+        the planner and the host table, never the device state. The staging
+        buffers are fresh arrays, never reused, so a device copy that aliases
+        them (``device_put`` on CPU may) can never see them change.
+
+        Args:
+          ids: integer ids ``[B, ...]``.
+          train: the step will update these rows.
+          stopped: polled while waiting for a write-back; when it returns
+            ``True`` the wait ends with ``PipelineStopped``.
+
+        Returns:
+          The ``Staged`` batch, to pass to ``apply`` in plan order.
+        """
+        timers = self.stats.timers
+        with timers.time("plan"):
+            plan = self.planner.plan(ids, train=train)
+        if len(plan.evict_ids):
+            with self._write_back_lock:
+                self._unlanded[plan.index] = plan.evict_ids
+        with timers.time("write_back"):
+            self._land(plan.fetch_ids, stopped)
+        cfg = self.config
+        moves = None
+        moved = max(plan.misses, len(plan.evict_ids))
+        if moved:
+            size = self._fetch_bucket = bucket_size(moved, cfg.min_bucket, self._fetch_bucket)
+            with timers.time("gather"):
+                rows, opt = self.table.gather(plan.fetch_ids)
+                host = (
+                    _pad(plan.evict_slots, size, cfg.capacity),
+                    _pad(plan.fetch_slots, size, cfg.capacity),
+                    _pad(rows, size, 0),
+                    {k: _pad(v, size, 0) for k, v in opt.items()},
+                )
+            with timers.time("transfer"):
+                moves = jax.device_put(host, self.replicated)
+        with timers.time("transfer"):
+            lookup = self.device_lookup(plan)
         self.stats.record(
             StepStats(
                 lookups=plan.lookups,
@@ -211,20 +279,23 @@ class EmbeddingCache:
                 rows_to_host=len(plan.evict_ids),
             )
         )
-        moved = max(plan.misses, len(plan.evict_ids))
-        if moved == 0:
+        return Staged(plan, moves, lookup)
+
+    def apply(self, state: CacheState, staged: Staged) -> CacheState:
+        """Device half of a step: the donated swap that brings ``staged`` rows in.
+
+        Call it in plan order, between the training steps, on the thread that
+        owns the device state. The victims' rows it reads out are queued for
+        write-back.
+        """
+        if staged.moves is None:
             return state
-        cfg = self.config
-        size = self._fetch_bucket = bucket_size(moved, cfg.min_bucket, self._fetch_bucket)
-        rows, opt = self.table.gather(plan.fetch_ids)
-        fetch_rows = _pad(rows, size, 0)
-        fetch_opt = {k: _pad(v, size, 0) for k, v in opt.items()}
-        fetch_slots = _pad(plan.fetch_slots, size, cfg.capacity)
-        evict_slots = _pad(plan.evict_slots, size, cfg.capacity)
-        staged = jax.device_put((evict_slots, fetch_slots, fetch_rows, fetch_opt), self.replicated)
-        state, evicted_rows, evicted_opt = device_ops.swap(state, *staged)
-        if len(plan.evict_ids):
-            self._pending.append((plan.evict_ids, evicted_rows, evicted_opt))
+        with self.stats.timers.time("swap"):
+            state, rows, opt = device_ops.swap(state, *staged.moves)
+        if len(staged.plan.evict_ids):
+            with self._write_back_lock:
+                self._dispatched[staged.plan.index] = (rows, opt)
+                self._write_back_lock.notify_all()
         return state
 
     def device_lookup(self, plan: Plan) -> Lookup:
@@ -238,13 +309,45 @@ class EmbeddingCache:
         return Lookup(unique_slots, inverse, table=self.name)
 
     def land_write_backs(self) -> None:
-        """Copies queued evicted rows into the host table (blocks until ready)."""
-        for ids, rows, opt in self._pending:
+        """Copies every dispatched write-back into the host table (blocks until ready).
+
+        Raises ``RuntimeError`` if a planned eviction was never applied.
+        """
+        with self.stats.timers.time("write_back"):
+            self._land(None, None)
+        if self._unlanded:
+            raise RuntimeError(
+                f"plans {sorted(self._unlanded)} evicted rows but were never applied to the "
+                "device state; apply every staged batch, in order, before flushing."
+            )
+
+    def _land(self, needed: np.ndarray | None, stopped: Callable[[], bool] | None) -> None:
+        """Lands write-backs: all dispatched ones when ``needed`` is ``None``;
+        else those ready now plus those evicting an id in ``needed`` (waiting
+        for their swap to be dispatched: a row is read only after its
+        write-back landed)."""
+        with self._write_back_lock:
+            must = {
+                index
+                for index, ids in self._unlanded.items()
+                if needed is not None and needed.size and np.isin(ids, needed).any()
+            }
+            while not must <= self._dispatched.keys():
+                if stopped is not None and stopped():
+                    raise PipelineStopped("stopped while waiting for a write-back")
+                self._write_back_lock.wait(timeout=0.05)
+            dispatched = sorted(self._dispatched.items())
+        for index, (rows, opt) in dispatched:
+            if needed is not None and index not in must:
+                if not (rows.is_ready() and all(v.is_ready() for v in opt.values())):
+                    continue
+            ids = self._unlanded[index]
             n = len(ids)
             self.table.scatter(
                 ids, np.asarray(rows)[:n], {k: np.asarray(v)[:n] for k, v in opt.items()}
             )
-        self._pending.clear()
+            with self._write_back_lock:
+                del self._unlanded[index], self._dispatched[index]
 
     # ---------------------------------------------------------------- export
     def flush(self, state: CacheState) -> None:

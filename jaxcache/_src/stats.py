@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
+import time
+from collections.abc import Iterator
 
 import jax
 
-__all__ = ["CacheStats", "StepStats", "compilations"]
+__all__ = ["CacheStats", "PhaseTimers", "StepStats", "compilations"]
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compile_lock = threading.Lock()
@@ -83,6 +86,45 @@ class StepStats:
         return self.access_hits / self.lookups if self.lookups else 0.0
 
 
+class PhaseTimers:
+    """Seconds and counts spent in each phase of the cache's work.
+
+    Phases: ``plan``, ``write_back`` and ``gather``, ``transfer`` (host side),
+    ``swap`` (dispatching the device swap) and ``wait`` (the training loop
+    waiting for a prefetched batch). With a pipeline the host phases run on a
+    background thread, so their time is hidden behind the device step unless
+    ``wait`` grows.
+
+    Examples:
+      >>> import jaxcache
+      >>> timers = jaxcache.PhaseTimers()
+      >>> with timers.time("plan"):
+      ...     pass
+      >>> timers.counts["plan"], timers.seconds["plan"] >= 0
+      (1, True)
+    """
+
+    PHASES = ("plan", "write_back", "gather", "transfer", "swap", "wait")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.counts = dict.fromkeys(self.PHASES, 0)
+
+    @contextlib.contextmanager
+    def time(self, phase: str) -> Iterator[None]:
+        """Adds the time spent in the ``with`` block to ``phase``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+            self.counts[phase] += 1
+
+    def mean_ms(self) -> dict[str, float]:
+        """Mean milliseconds per occurrence of each phase."""
+        return {k: 1e3 * self.seconds[k] / max(1, self.counts[k]) for k in self.PHASES}
+
+
 class CacheStats:
     """Cumulative and last-step counters of one cache.
 
@@ -91,6 +133,7 @@ class CacheStats:
       total: counts since the cache was built.
       last: counts of the last planned batch.
       steps: batches planned.
+      timers: ``PhaseTimers`` of the host and swap phases.
 
     Examples:
       >>> import jaxcache
@@ -106,6 +149,7 @@ class CacheStats:
         self.total = StepStats()
         self.last = StepStats()
         self.steps = 0
+        self.timers = PhaseTimers()
         self._compilations_at_start = compilations()
 
     def record(self, step: StepStats) -> None:
