@@ -16,7 +16,7 @@ from jaxcache._src.device_ops import (
     pool,
     swap,
 )
-from jaxcache._src.engine import EmbeddingCache, PipelineStopped, Staged, bucket_size
+from jaxcache._src.engine import EmbeddingCache, Staged, bucket_size
 from jaxcache._src.frequency import FrequencyCounter, hottest
 from jaxcache._src.host_table import HostTable, embed_init, normal_init, uniform_init
 from jaxcache._src.optimizers import (
@@ -31,6 +31,7 @@ from jaxcache._src.optimizers import (
     rowwise_adagrad,
     sgd,
 )
+from jaxcache._src.pipeline import CacheHolder, Prefetcher, prefetch
 from jaxcache._src.planner import CapacityError, Plan, Planner
 from jaxcache._src.replay import plot_curve, replay, sweep
 from jaxcache._src.stats import CacheStats, PhaseTimers, StepStats, compilations
@@ -43,6 +44,7 @@ __all__ = [
     "Adagrad",
     "Adam",
     "CacheConfig",
+    "CacheHolder",
     "CacheState",
     "CacheStats",
     "CapacityError",
@@ -51,7 +53,7 @@ __all__ = [
     "HostTable",
     "Lookup",
     "PhaseTimers",
-    "PipelineStopped",
+    "Prefetcher",
     "Plan",
     "Planner",
     "RowStateSpec",
@@ -72,6 +74,7 @@ __all__ = [
     "nnx",
     "normal_init",
     "plot_curve",
+    "prefetch",
     "pool",
     "replay",
     "rowwise_adagrad",

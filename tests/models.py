@@ -81,10 +81,13 @@ def make_cached(cache: jaxcache.EmbeddingCache, num_features: int, *, seed=0, co
         optimizer.update(model, grads)
         return loss
 
-    def train(ids, labels, weights=None):
-        lookup = model.embed.prepare(ids)
+    def train_lookup(lookup, labels, weights=None):
         return step(model, optimizer, lookup, labels, weights)
 
+    def train(ids, labels, weights=None):
+        return train_lookup(model.embed.prepare(ids), labels, weights)
+
+    train.with_lookup = train_lookup  # for loops fed by jaxcache.prefetch
     return model, train
 
 

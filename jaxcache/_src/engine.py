@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -32,11 +31,7 @@ from jaxcache._src.host_table import HostTable
 from jaxcache._src.planner import Plan, Planner
 from jaxcache._src.stats import CacheStats, StepStats
 
-__all__ = ["EmbeddingCache", "PipelineStopped", "Staged", "bucket_size"]
-
-
-class PipelineStopped(Exception):
-    """Raised inside a producer thread when its pipeline is closed mid-wait."""
+__all__ = ["EmbeddingCache", "Staged", "bucket_size"]
 
 
 class Staged(NamedTuple):
@@ -223,9 +218,7 @@ class EmbeddingCache:
         staged = self.stage(ids, train=train)
         return self.apply(state, staged), staged.lookup
 
-    def stage(
-        self, ids: np.ndarray, *, train: bool = True, stopped: Callable[[], bool] | None = None
-    ) -> Staged:
+    def stage(self, ids: np.ndarray, *, train: bool = True) -> Staged:
         """Host half of a step: plan, land needed write-backs, gather, transfer.
 
         Safe to run on a background thread while the device trains: it touches
@@ -236,8 +229,6 @@ class EmbeddingCache:
         Args:
           ids: integer ids ``[B, ...]``.
           train: the step will update these rows.
-          stopped: polled while waiting for a write-back; when it returns
-            ``True`` the wait ends with ``PipelineStopped``.
 
         Returns:
           The ``Staged`` batch, to pass to ``apply`` in plan order.
@@ -249,7 +240,7 @@ class EmbeddingCache:
             with self._write_back_lock:
                 self._unlanded[plan.index] = plan.evict_ids
         with timers.time("write_back"):
-            self._land(plan.fetch_ids, stopped)
+            self._land(plan.fetch_ids)
         cfg = self.config
         moves = None
         moved = max(plan.misses, len(plan.evict_ids))
@@ -314,28 +305,31 @@ class EmbeddingCache:
         Raises ``RuntimeError`` if a planned eviction was never applied.
         """
         with self.stats.timers.time("write_back"):
-            self._land(None, None)
+            self._land(None)
         if self._unlanded:
             raise RuntimeError(
                 f"plans {sorted(self._unlanded)} evicted rows but were never applied to the "
                 "device state; apply every staged batch, in order, before flushing."
             )
 
-    def _land(self, needed: np.ndarray | None, stopped: Callable[[], bool] | None) -> None:
+    def _land(self, needed: np.ndarray | None) -> None:
         """Lands write-backs: all dispatched ones when ``needed`` is ``None``;
-        else those ready now plus those evicting an id in ``needed`` (waiting
-        for their swap to be dispatched: a row is read only after its
-        write-back landed)."""
+        else those ready now plus those evicting an id in ``needed``.
+
+        A row is read only after its write-back landed: when an earlier plan
+        evicted a row this one fetches, this waits until that plan's swap is
+        dispatched (the training loop applies plans in order, so it comes).
+        """
         with self._write_back_lock:
             must = {
                 index
                 for index, ids in self._unlanded.items()
                 if needed is not None and needed.size and np.isin(ids, needed).any()
             }
+            if not must <= self._dispatched.keys():
+                self.stats.write_back_waits += 1
             while not must <= self._dispatched.keys():
-                if stopped is not None and stopped():
-                    raise PipelineStopped("stopped while waiting for a write-back")
-                self._write_back_lock.wait(timeout=0.05)
+                self._write_back_lock.wait()
             dispatched = sorted(self._dispatched.items())
         for index, (rows, opt) in dispatched:
             if needed is not None and index not in must:

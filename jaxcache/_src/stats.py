@@ -134,6 +134,8 @@ class CacheStats:
       last: counts of the last planned batch.
       steps: batches planned.
       timers: ``PhaseTimers`` of the host and swap phases.
+      write_back_waits: times a prefetched batch needed a row whose eviction
+        had not been applied yet, and waited for it (look-ahead cost).
 
     Examples:
       >>> import jaxcache
@@ -150,6 +152,7 @@ class CacheStats:
         self.last = StepStats()
         self.steps = 0
         self.timers = PhaseTimers()
+        self.write_back_waits = 0
         self._compilations_at_start = compilations()
 
     def record(self, step: StepStats) -> None:
@@ -187,5 +190,6 @@ class CacheStats:
             bytes_to_device=self.bytes_to_device,
             bytes_to_host=self.bytes_to_host,
             compilations=self.compilations,
+            write_back_waits=self.write_back_waits,
         )
         return out

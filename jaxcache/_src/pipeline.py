@@ -1,0 +1,335 @@
+"""The prefetch pipeline: host work for the next batches overlaps the device step.
+
+Stage by stage, for batch ``t + k`` while the device runs step ``t``:
+
+* **producer thread** — ``EmbeddingCache.stage``: plan the batch (distinct ids,
+  hits, misses, victims among rows no in-flight batch uses), land the
+  write-back of any row it is about to fetch again, gather the missing rows
+  and their optimizer state into fresh staging buffers and start their
+  ``device_put``.
+* **training loop** (``next()``) — ``EmbeddingCache.apply``: the donated swap
+  that writes the fetched rows into their slots and reads the victims out for
+  write-back, dispatched in plan order between training steps. The device
+  state is only ever touched on this thread.
+
+Rows of batches planned but not yet handed to the training loop are protected
+from eviction; a batch is released when the loop asks for the next one (its
+step has been dispatched, and device order puts every later swap after it).
+Because swaps run in plan order between steps, the pipelined run computes
+exactly what the unpipelined run computes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Protocol
+
+from jaxcache._src.device_ops import CacheState
+from jaxcache._src.engine import EmbeddingCache, Staged
+from jaxcache._src.planner import CapacityError
+
+__all__ = ["CacheHolder", "Prefetcher", "prefetch"]
+
+_POLL_SECONDS = 0.05
+_OPEN: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
+
+
+class CacheHolder(Protocol):
+    """What the pipeline needs of a table: its engine and its device state.
+
+    ``jaxcache.nnx.CachedEmbed`` is one.
+    """
+
+    cache: EmbeddingCache
+
+    def get_state(self) -> CacheState: ...
+
+    def set_state(self, state: CacheState) -> None: ...
+
+
+class PipelineStopped(Exception):
+    """Ends a producer that was waiting for capacity when its pipeline closed."""
+
+
+class _End:
+    """The source is exhausted."""
+
+
+class _Failure:
+    """The producer failed (or was stopped) while staging a batch."""
+
+    def __init__(self, error: BaseException, partial: dict[str, Staged]) -> None:
+        self.error = error
+        self.partial = partial
+
+
+class Prefetcher(Iterator[dict[str, Any]]):
+    """Iterates over ``batches`` with each table's ids replaced by a ready ``Lookup``.
+
+    Use ``jaxcache.prefetch`` to build one. It is an iterator and a context
+    manager; leaving the ``with`` block (or ``close()``) stops the thread and
+    applies every batch already staged, so the device state matches the
+    planner and ``flush()`` leaves the host table complete.
+
+    Args:
+      batches: iterable of mappings (e.g. dicts of NumPy arrays).
+      tables: batch key -> table holder (``jaxcache.nnx.CachedEmbed``); the
+        ids under that key are planned for that table.
+      lookahead: batches staged ahead of the training loop; ``0`` runs
+        everything in the loop (the unpipelined path, same results).
+      train: the steps update the looked-up rows.
+    """
+
+    def __init__(
+        self,
+        batches: Iterable[Mapping[str, Any]],
+        tables: Mapping[str, CacheHolder],
+        *,
+        lookahead: int = 2,
+        train: bool = True,
+    ) -> None:
+        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+            raise ValueError(
+                f"lookahead={lookahead!r} must be an integer >= 0 (0 = no background thread)."
+            )
+        if not tables:
+            raise ValueError("tables is empty; map each batch key holding ids to its module.")
+        for key, holder in tables.items():
+            if not all(hasattr(holder, a) for a in ("cache", "get_state", "set_state")):
+                raise TypeError(
+                    f"tables[{key!r}] is a {type(holder).__name__}, not a cached table; pass "
+                    "the jaxcache.nnx.CachedEmbed that looks those ids up."
+                )
+        caches = [holder.cache for holder in tables.values()]
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError(
+                "two batch keys map to the same cache; concatenate their ids into one array "
+                "(one plan per table per step)."
+            )
+        self.lookahead = lookahead
+        self.train = train
+        self._tables = dict(tables)
+        self._source = iter(batches)
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._permits = threading.Semaphore(max(lookahead, 1))
+        self._stop = threading.Event()
+        self._released = threading.Condition()
+        self._staging = threading.Lock()
+        self._handed_out: dict[str, Staged] = {}
+        self._closed = False
+        self._done = False
+        self._thread: threading.Thread | None = None
+        if lookahead > 0:
+            self._thread = threading.Thread(
+                target=self._produce, name="jaxcache-prefetch", daemon=True
+            )
+            _OPEN.add(self)
+            self._thread.start()
+
+    # ------------------------------------------------------------ consumer
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._closed or self._done:
+            raise StopIteration
+        self._release_handed_out()
+        if self._thread is None:
+            item = self._stage_now()
+        else:
+            item = self._take()
+        if isinstance(item, _End):
+            self._done = True
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self._apply(item.partial)
+            self.close()
+            raise item.error
+        batch, staged = item
+        self._apply(staged)
+        self._handed_out = staged
+        out = dict(batch)
+        for key, s in staged.items():
+            out[key] = s.lookup
+        return out
+
+    def _take(self) -> Any:
+        start = time.perf_counter()
+        item = self._queue.get()
+        waited = time.perf_counter() - start
+        for holder in self._tables.values():
+            timers = holder.cache.stats.timers
+            timers.seconds["wait"] += waited
+            timers.counts["wait"] += 1
+        if not isinstance(item, (_End, _Failure)):
+            self._permits.release()
+        return item
+
+    def _stage_now(self) -> Any:
+        try:
+            batch = next(self._source)
+        except StopIteration:
+            return _End()
+        staged: dict[str, Staged] = {}
+        for key, holder in self._tables.items():
+            holder.cache.planner.release(holder.cache.planner.next_index - 1)
+            staged[key] = holder.cache.stage(_ids(batch, key), train=self.train)
+        return batch, staged
+
+    def _apply(self, staged: Mapping[str, Staged]) -> None:
+        for key, s in staged.items():
+            holder = self._tables[key]
+            holder.set_state(holder.cache.apply(holder.get_state(), s))
+
+    def _release_handed_out(self) -> None:
+        # The loop asks for the next batch: the last one's step is dispatched.
+        with self._released:
+            for key, s in self._handed_out.items():
+                self._tables[key].cache.planner.release(s.plan.index)
+            self._handed_out = {}
+            self._released.notify_all()
+
+    # ------------------------------------------------------------ producer
+    def _produce(self) -> None:
+        staged: dict[str, Staged] = {}
+        try:
+            while True:
+                while not self._permits.acquire(timeout=_POLL_SECONDS):
+                    if self._stop.is_set():
+                        return
+                if self._stop.is_set():
+                    return
+                try:
+                    batch = next(self._source)
+                except StopIteration:
+                    self._queue.put(_End())
+                    return
+                with self._staging:
+                    if self._stop.is_set():
+                        return
+                    staged = {}
+                    for key, holder in self._tables.items():
+                        staged[key] = self._stage_with_retry(holder.cache, _ids(batch, key))
+                    self._queue.put((batch, staged))
+                    staged = {}
+        except BaseException as error:  # re-raised in the training loop
+            self._queue.put(_Failure(error, staged))
+
+    def _stage_with_retry(self, cache: EmbeddingCache, ids: Any) -> Staged:
+        """Stages ``ids``; while in-flight batches hold too many rows, waits for them.
+
+        The look-ahead window shrinks instead of failing: the batch waits
+        until the training loop releases earlier batches. Only a batch that
+        cannot fit with nothing in flight raises ``CapacityError``.
+        """
+        while True:
+            try:
+                return cache.stage(ids, train=self.train)
+            except CapacityError:
+                planner = cache.planner
+                with self._released:
+                    if planner.released >= planner.next_index - 1:
+                        raise
+                    released = planner.released
+                    while planner.released == released:
+                        if self._stop.is_set():
+                            raise PipelineStopped("stopped while waiting for capacity") from None
+                        self._released.wait(timeout=_POLL_SECONDS)
+
+    # ------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        """Stops the thread and applies every batch it already staged.
+
+        Idempotent. Returns promptly: the producer polls the stop flag while
+        it waits, and a batch being staged takes milliseconds.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        with self._released:
+            self._released.notify_all()
+        if self._thread is not None:
+            # Apply what is queued until the producer is gone or idle: applying
+            # also dispatches the swaps a staging batch may wait on. Once the
+            # producer holds no staging lock it never stages again (it checks
+            # the stop flag under that lock).
+            while True:
+                self._drain()
+                self._thread.join(timeout=_POLL_SECONDS)
+                if not self._thread.is_alive():
+                    break
+                if self._staging.acquire(blocking=False):
+                    self._staging.release()
+                    break
+            self._drain()
+        _OPEN.discard(self)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Failure):
+                self._apply(item.partial)
+            elif not isinstance(item, _End):
+                self._apply(item[1])
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _ids(batch: Mapping[str, Any], key: str) -> Any:
+    try:
+        return batch[key]
+    except (KeyError, TypeError):
+        raise KeyError(
+            f"the batch has no ids under {key!r}; it must be a mapping with that key "
+            f"(keys: {sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__})."
+        ) from None
+
+
+def prefetch(
+    batches: Iterable[Mapping[str, Any]],
+    tables: Mapping[str, CacheHolder],
+    *,
+    lookahead: int = 2,
+    train: bool = True,
+) -> Prefetcher:
+    """Prepares the next ``lookahead`` batches on a host thread while the device trains.
+
+    Args:
+      batches: iterable of mappings (e.g. dicts of NumPy arrays).
+      tables: batch key -> table module (``jaxcache.nnx.CachedEmbed``).
+      lookahead: batches staged ahead; ``0`` for the unpipelined path.
+      train: the steps update the looked-up rows.
+
+    Returns:
+      A ``Prefetcher``: iterate it (ideally in a ``with`` block).
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> cfg = jaxcache.CacheConfig(num_embeddings=1000, features=4, capacity=100)
+      >>> embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg))
+      >>> batches = ({"ids": np.arange(8).reshape(4, 2) + i} for i in range(5))
+      >>> with jaxcache.prefetch(batches, {"ids": embed}, lookahead=2) as pipeline:
+      ...     shapes = [embed(batch["ids"]).shape for batch in pipeline]
+      >>> shapes[0], len(shapes)
+      ((4, 2, 4), 5)
+    """
+    return Prefetcher(batches, tables, lookahead=lookahead, train=train)
+
+
+@atexit.register
+def _close_open_pipelines() -> None:
+    for pipeline in list(_OPEN):
+        pipeline.close()

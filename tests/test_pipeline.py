@@ -1,0 +1,196 @@
+"""The prefetch pipeline: identical results to the unpipelined run, clean shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import jaxcache
+from tests.models import dense_params, make_cached, make_reference, zipf_batches
+
+N, D, B, F = 20000, 8, 32, 4
+
+
+def _batches(steps, seed=0):
+    return [{"ids": ids, "y": y} for ids, y in zipf_batches(N, B, F, steps, seed=seed)]
+
+
+def _train(policy, capacity, lookahead, batches, opt=None):
+    opt = opt or jaxcache.adagrad(0.2)
+    cfg = jaxcache.CacheConfig(N, D, capacity=capacity, policy=policy, optimizer=opt)
+    # Counts from a sample of the stream, so the warmed rows do not cover it all.
+    freq = jaxcache.FrequencyCounter(N).update_all(b["ids"] for b in batches[:3]).counts
+    cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, seed=1), frequencies=freq)
+    model, train = make_cached(cache, F)
+    with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=lookahead) as pipeline:
+        losses = [np.asarray(train.with_lookup(b["ids"], b["y"])) for b in pipeline]
+    rows, state = model.embed.export()
+    return cache, model, losses, rows, state
+
+
+@pytest.mark.parametrize("policy", jaxcache.POLICIES)
+def test_pipelined_is_bit_identical_to_unpipelined(policy):
+    batches = _batches(20)
+    runs = {k: _train(policy, 130 * (k + 1) + 10, k, batches) for k in (0, 1, 2, 4)}
+    _, base_model, base_losses, base_rows, base_state = runs[0]
+    for k, (cache, model, losses, rows, state) in runs.items():
+        assert cache.stats.total.evictions > 100  # rows really move
+        np.testing.assert_array_equal(rows, base_rows)
+        for name in state:
+            np.testing.assert_array_equal(state[name], base_state[name])
+        for a, b in zip(dense_params(model), dense_params(base_model), strict=True):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(np.array(losses), np.array(base_losses)), k
+    # ... and the unpipelined run matches the full-table reference.
+    reference, ref_train = make_reference(
+        np.array(jaxcache.HostTable(runs[0][0].config, seed=1).rows), jaxcache.adagrad(0.2), F
+    )
+    for b in batches:
+        ref_train(b["ids"], b["y"])
+    assert np.abs(base_rows - np.asarray(reference.embed.table[...])).max() <= 1e-6
+
+
+@pytest.mark.parametrize("lookahead", [1, 2, 4])
+def test_window_larger_than_capacity_shrinks_instead_of_failing(lookahead):
+    # Capacity fits one batch only: the producer must wait for each release.
+    batches = _batches(8, seed=3)
+    _, _, losses, rows, _ = _train("lru", 130, lookahead, batches)
+    _, _, base_losses, base_rows, _ = _train("lru", 130, 0, batches)
+    np.testing.assert_array_equal(rows, base_rows)
+    np.testing.assert_array_equal(np.array(losses), np.array(base_losses))
+
+
+def test_producer_error_surfaces_in_the_loop_with_its_traceback():
+    def source():
+        yield {"ids": np.array([[1, 2]])}
+        yield {"ids": np.array([[1, N + 5]])}  # out of range: raised by the planner
+
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(jaxcache.CacheConfig(N, D, 50)))
+    pipeline = jaxcache.prefetch(source(), {"ids": embed}, lookahead=2)
+    next(pipeline)
+    with pytest.raises(ValueError, match=f"holds {N + 5}") as info:
+        next(pipeline)
+    assert any("check_ids" in entry.name for entry in info.traceback)
+    assert not pipeline._thread.is_alive()
+    embed.flush()  # the host table is consistent
+
+
+def _no_prefetch_threads():
+    return not any(t.name == "jaxcache-prefetch" for t in threading.enumerate())
+
+
+def test_close_mid_epoch_is_prompt_and_leaves_no_thread():
+    def endless():
+        rng = np.random.default_rng(0)
+        while True:
+            yield {"ids": rng.integers(0, N, size=(B, F))}
+
+    cfg = jaxcache.CacheConfig(N, D, 600, optimizer=jaxcache.sgd(0.1))
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg))
+    with jaxcache.prefetch(endless(), {"ids": embed}, lookahead=3) as pipeline:
+        for i, batch in enumerate(pipeline):
+            embed(batch["ids"])
+            if i == 5:
+                start = time.perf_counter()
+                break
+    assert time.perf_counter() - start < 1.0
+    assert _no_prefetch_threads()
+    # Every staged batch was applied, so the device matches the planner.
+    rows, _ = embed.export()
+    np.testing.assert_array_equal(rows, embed.cache.table.rows)
+    slots = np.flatnonzero(embed.cache.planner.id_of_slot >= 0)
+    np.testing.assert_array_equal(
+        np.asarray(embed.rows[...])[slots], rows[embed.cache.planner.id_of_slot[slots]]
+    )
+
+
+def test_close_while_the_source_blocks():
+    release = threading.Event()
+
+    def slow():
+        yield {"ids": np.array([[1, 2]])}
+        release.wait(5)
+        yield {"ids": np.array([[3, 4]])}
+
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(jaxcache.CacheConfig(N, D, 50)))
+    pipeline = jaxcache.prefetch(slow(), {"ids": embed}, lookahead=2)
+    next(pipeline)
+    start = time.perf_counter()
+    pipeline.close()
+    assert time.perf_counter() - start < 1.0
+    release.set()
+    pipeline._thread.join(2)
+    assert _no_prefetch_threads()
+    assert embed.cache.planner.next_index == 1  # the late batch was never planned
+
+
+def test_abandoned_pipeline_does_not_hang_exit(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "abandon.py"
+    script.write_text(
+        "import numpy as np, jaxcache\n"
+        "cfg = jaxcache.CacheConfig(1000, 4, 100)\n"
+        "embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg))\n"
+        "batches = ({'ids': np.arange(8).reshape(4, 2) + i} for i in range(10**9))\n"
+        "p = jaxcache.prefetch(batches, {'ids': embed}, lookahead=2)\n"
+        "next(p)\n"
+        "print('left')\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "left" in out.stdout
+
+
+def test_row_evicted_and_needed_again_waits_for_its_write_back():
+    # Capacity 3, look-ahead 2, a slow training loop: plan 3 evicts the
+    # updated row 0 and plan 4 needs it while plan 3's swap is still queued.
+    # The producer must wait for that swap and land the write-back first.
+    cfg = jaxcache.CacheConfig(10, 4, 3, policy="lru", optimizer=jaxcache.adam(0.1))
+    rows0 = np.array(jaxcache.HostTable(cfg, seed=0).rows)
+    ids = [[[0]], [[1]], [[2]], [[3]], [[0]], [[1]]]
+    batches = [{"ids": np.array(i), "y": np.ones(1, np.float32)} for i in ids]
+    cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, seed=0))
+    model, train = make_cached(cache, 1)
+    with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=2) as pipeline:
+        for b in pipeline:
+            train.with_lookup(b["ids"], b["y"]).block_until_ready()
+            time.sleep(0.2)  # the producer runs ahead
+    reference, ref_train = make_reference(rows0, cfg.optimizer, 1)
+    for b in batches:
+        ref_train(b["ids"], b["y"])
+    rows, state = model.embed.export()
+    assert state["count"][0] == 2
+    assert np.abs(rows - np.asarray(reference.embed.table[...])).max() <= 1e-6
+    assert cache.stats.write_back_waits >= 1
+
+
+def test_no_recompilation_with_the_pipeline():
+    cfg = jaxcache.CacheConfig(5000, 8, 600, policy="lfu", optimizer=jaxcache.adagrad(0.1))
+    cache = jaxcache.EmbeddingCache(cfg)
+    model, train = make_cached(cache, 4)
+    batches = ({"ids": i, "y": y} for i, y in zipf_batches(5000, 32, 4, 300, seed=3))
+    with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=2) as pipeline:
+        for step, b in enumerate(pipeline):
+            if step == 60:
+                warm = jaxcache.compilations()
+            train.with_lookup(b["ids"], b["y"])
+    assert jaxcache.compilations() == warm
+    timers = cache.stats.timers
+    assert timers.counts["plan"] == 300 and timers.counts["wait"] == 301  # + end of data
+
+
+def test_bad_arguments():
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(jaxcache.CacheConfig(N, D, 50)))
+    with pytest.raises(ValueError, match="lookahead=-1 must be an integer >= 0"):
+        jaxcache.prefetch([], {"ids": embed}, lookahead=-1)
+    with pytest.raises(TypeError, match=r"tables\['ids'\] is a int"):
+        jaxcache.prefetch([], {"ids": 3})
+    with pytest.raises(ValueError, match="same cache"):
+        jaxcache.prefetch([], {"a": embed, "b": embed})
+    with pytest.raises(KeyError, match="no ids under 'ids'"):
+        next(jaxcache.prefetch([{"x": 1}], {"ids": embed}, lookahead=0))
