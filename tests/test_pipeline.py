@@ -194,3 +194,62 @@ def test_bad_arguments():
         jaxcache.prefetch([], {"a": embed, "b": embed})
     with pytest.raises(KeyError, match="no ids under 'ids'"):
         next(jaxcache.prefetch([{"x": 1}], {"ids": embed}, lookahead=0))
+
+
+def _callback_model(cache):
+    import optax
+    from flax import nnx
+
+    from tests.models import Tower, bce
+
+    model = Tower(jaxcache.nnx.CachedEmbed(cache), F, D)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, ids, labels):
+        lookup = model.embed.lookup_ids(ids)  # slots obtained inside the step
+
+        def loss_fn(model, lookup):
+            return bce(model(lookup), labels)
+
+        loss, grads = jaxcache.nnx.value_and_grad(loss_fn)(model, lookup)
+        optimizer.update(model, grads)
+        return loss
+
+    return model, optimizer, step
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_host_callback_form_matches_prepared_slots(lookahead):
+    batches = _batches(16, seed=7)
+    cfg = jaxcache.CacheConfig(N, D, 300, policy="lfu", optimizer=jaxcache.adagrad(0.2))
+    cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, seed=1))
+    model, optimizer, step = _callback_model(cache)
+    with jaxcache.prefetch(
+        batches, {"ids": model.embed}, lookahead=lookahead, callback=True
+    ) as pipeline:
+        losses = [np.asarray(step(model, optimizer, b["ids"], b["y"])) for b in pipeline]
+    _, _, base_losses, base_rows, base_state = _train("lfu", 300, 0, batches)
+    rows, state = model.embed.export()
+    assert cache.stats.total.evictions > 100
+    np.testing.assert_array_equal(rows, base_rows)
+    np.testing.assert_array_equal(state["accumulator"], base_state["accumulator"])
+    np.testing.assert_array_equal(np.array(losses), np.array(base_losses))
+
+
+def test_host_callback_pipeline_closed_early_applies_staged_batches():
+    batches = _batches(30, seed=8)
+    cfg = jaxcache.CacheConfig(N, D, 600, policy="lru", optimizer=jaxcache.sgd(0.5))
+    cache = jaxcache.EmbeddingCache(cfg)
+    model, optimizer, step = _callback_model(cache)
+    with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=3, callback=True) as p:
+        for i, b in enumerate(p):
+            if i == 4:
+                break  # handed out, never stepped
+            step(model, optimizer, b["ids"], b["y"])
+    assert cache.take_offers() == []
+    rows, _ = model.embed.export()
+    slots = np.flatnonzero(cache.planner.id_of_slot >= 0)
+    np.testing.assert_array_equal(
+        np.asarray(model.embed.rows[...])[slots], rows[cache.planner.id_of_slot[slots]]
+    )

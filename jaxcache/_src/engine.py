@@ -13,6 +13,7 @@ One step, unpipelined::
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import threading
@@ -31,7 +32,25 @@ from jaxcache._src.host_table import HostTable
 from jaxcache._src.planner import Plan, Planner
 from jaxcache._src.stats import CacheStats, StepStats
 
-__all__ = ["EmbeddingCache", "Staged", "bucket_size"]
+__all__ = ["EmbeddingCache", "HostStaged", "Staged", "bucket_size"]
+
+
+class HostStaged(NamedTuple):
+    """A batch planned and gathered on the host, padded, not yet transferred.
+
+    Attributes:
+      plan: the host plan.
+      ids: the ids it was planned for.
+      moves: ``(evict_slots, fetch_slots, fetch_rows, fetch_opt)`` or ``None``.
+      unique_slots: ``int32 [U]`` padded with ``C``.
+      inverse: ``int32`` of the ids' shape, padding as ``U``.
+    """
+
+    plan: Plan
+    ids: np.ndarray
+    moves: tuple[Any, ...] | None
+    unique_slots: np.ndarray
+    inverse: np.ndarray
 
 
 class Staged(NamedTuple):
@@ -138,6 +157,10 @@ class EmbeddingCache:
         self._write_back_lock = threading.Condition()
         self._unlanded: dict[int, np.ndarray] = {}
         self._dispatched: dict[int, tuple[jax.Array, dict[str, jax.Array]]] = {}
+        # The host-callback form: batches staged ahead, and one planner user at a time.
+        self._offers: collections.deque[HostStaged] = collections.deque()
+        self._offer_lock = threading.Lock()
+        self._plan_lock = threading.Lock()
         self._fetch_bucket = 0
         self._unique_bucket = 0
         if warm is None:
@@ -233,8 +256,31 @@ class EmbeddingCache:
         Returns:
           The ``Staged`` batch, to pass to ``apply`` in plan order.
         """
+        return self.to_device(self.stage_host(ids, train=train))
+
+    def to_device(self, host: HostStaged) -> Staged:
+        """Starts the transfer of a host-staged batch (``device_put``, asynchronous)."""
+        with self.stats.timers.time("transfer"):
+            moves = None if host.moves is None else jax.device_put(host.moves, self.replicated)
+            unique_slots, inverse = jax.device_put(
+                (host.unique_slots, host.inverse), self.replicated
+            )
+        return Staged(host.plan, moves, Lookup(unique_slots, inverse, table=self.name))
+
+    def stage_host(self, ids: np.ndarray, *, train: bool = True, size: int | None = None):
+        """``stage`` without the transfer: the padded host arrays of a step.
+
+        Args:
+          ids: integer ids ``[B, ...]``.
+          train: the step will update these rows.
+          size: pad every per-step list to exactly this many rows (the
+            host-callback form needs one fixed shape); default: buckets.
+
+        Returns:
+          A ``HostStaged``.
+        """
         timers = self.stats.timers
-        with timers.time("plan"):
+        with timers.time("plan"), self._plan_lock:
             plan = self.planner.plan(ids, train=train)
         if len(plan.evict_ids):
             with self._write_back_lock:
@@ -244,20 +290,24 @@ class EmbeddingCache:
         cfg = self.config
         moves = None
         moved = max(plan.misses, len(plan.evict_ids))
-        if moved:
-            size = self._fetch_bucket = bucket_size(moved, cfg.min_bucket, self._fetch_bucket)
+        if moved or size is not None:
+            rows_size = size
+            if rows_size is None:
+                rows_size = self._fetch_bucket = bucket_size(
+                    moved, cfg.min_bucket, self._fetch_bucket
+                )
             with timers.time("gather"):
                 rows, opt = self.table.gather(plan.fetch_ids)
-                host = (
-                    _pad(plan.evict_slots, size, cfg.capacity),
-                    _pad(plan.fetch_slots, size, cfg.capacity),
-                    _pad(rows, size, 0),
-                    {k: _pad(v, size, 0) for k, v in opt.items()},
+                moves = (
+                    _pad(plan.evict_slots, rows_size, cfg.capacity),
+                    _pad(plan.fetch_slots, rows_size, cfg.capacity),
+                    _pad(rows, rows_size, 0),
+                    {k: _pad(v, rows_size, 0) for k, v in opt.items()},
                 )
-            with timers.time("transfer"):
-                moves = jax.device_put(host, self.replicated)
-        with timers.time("transfer"):
-            lookup = self.device_lookup(plan)
+        if size is None:
+            size = self._unique_bucket = bucket_size(
+                plan.distinct, cfg.min_bucket, self._unique_bucket
+            )
         self.stats.record(
             StepStats(
                 lookups=plan.lookups,
@@ -270,7 +320,64 @@ class EmbeddingCache:
                 rows_to_host=len(plan.evict_ids),
             )
         )
-        return Staged(plan, moves, lookup)
+        return HostStaged(
+            plan,
+            np.asarray(ids),
+            moves,
+            _pad(plan.unique_slots, size, cfg.capacity),
+            np.where(plan.inverse < 0, size, plan.inverse).astype(np.int32),
+        )
+
+    # ------------------------------------------------------- host callbacks
+    def offer(self, staged: HostStaged) -> None:
+        """Queues a batch staged ahead for the host-callback form (in plan order)."""
+        with self._offer_lock:
+            self._offers.append(staged)
+
+    def take_offers(self) -> list[HostStaged]:
+        """Removes and returns the offered batches no step has consumed."""
+        with self._offer_lock:
+            offers = list(self._offers)
+            self._offers.clear()
+        return offers
+
+    def callback_stage(self, ids: np.ndarray, *, train: bool = True):
+        """Host side of ``CachedEmbed.lookup_ids``, run by ``io_callback`` in the step.
+
+        Serves the batch a pipeline offered (it must be these ids), or plans
+        it on the spot. Every list is padded to ``ids.size`` so the callback
+        has one fixed output shape.
+
+        Returns:
+          ``(plan index, unique_slots, inverse, evict_slots, fetch_slots,
+          fetch_rows, fetch_opt)`` as NumPy arrays.
+        """
+        ids = np.asarray(ids)
+        with self._offer_lock:
+            host = self._offers.popleft() if self._offers else None
+        if host is not None:
+            if host.ids.shape != ids.shape or not np.array_equal(host.ids, ids):
+                raise RuntimeError(
+                    "the step looked up ids that differ from the batch the pipeline prepared; "
+                    "pass each step the batch the pipeline yields, in order."
+                )
+        else:
+            self.planner.release(self.planner.next_index - 1)
+            host = self.stage_host(ids, train=train, size=ids.size)
+        return (np.int32(host.plan.index), host.unique_slots, host.inverse, *host.moves)
+
+    def callback_write_back(self, index: np.ndarray, rows: np.ndarray, opt: dict) -> None:
+        """Lands the rows evicted by plan ``index`` (run by ``io_callback`` in the step)."""
+        with self._write_back_lock:
+            ids = self._unlanded.get(int(index))
+        if ids is not None:
+            n = len(ids)
+            self.table.scatter(
+                ids, np.asarray(rows)[:n], {k: np.asarray(v)[:n] for k, v in opt.items()}
+            )
+            with self._write_back_lock:
+                del self._unlanded[int(index)]
+                self._write_back_lock.notify_all()
 
     def apply(self, state: CacheState, staged: Staged) -> CacheState:
         """Device half of a step: the donated swap that brings ``staged`` rows in.
@@ -288,16 +395,6 @@ class EmbeddingCache:
                 self._dispatched[staged.plan.index] = (rows, opt)
                 self._write_back_lock.notify_all()
         return state
-
-    def device_lookup(self, plan: Plan) -> Lookup:
-        """The plan's slots as a device ``Lookup`` (padded to a bucket)."""
-        size = self._unique_bucket = bucket_size(
-            plan.distinct, self.config.min_bucket, self._unique_bucket
-        )
-        unique_slots = _pad(plan.unique_slots, size, self.config.capacity)
-        inverse = np.where(plan.inverse < 0, size, plan.inverse).astype(np.int32)
-        unique_slots, inverse = jax.device_put((unique_slots, inverse), self.replicated)
-        return Lookup(unique_slots, inverse, table=self.name)
 
     def land_write_backs(self) -> None:
         """Copies every dispatched write-back into the host table (blocks until ready).
@@ -326,9 +423,13 @@ class EmbeddingCache:
                 for index, ids in self._unlanded.items()
                 if needed is not None and needed.size and np.isin(ids, needed).any()
             }
-            if not must <= self._dispatched.keys():
+
+            def missing() -> bool:  # evicted, not yet read out by a swap, not landed
+                return any(i in self._unlanded and i not in self._dispatched for i in must)
+
+            if missing():
                 self.stats.write_back_waits += 1
-            while not must <= self._dispatched.keys():
+            while missing():
                 self._write_back_lock.wait()
             dispatched = sorted(self._dispatched.items())
         for index, (rows, opt) in dispatched:

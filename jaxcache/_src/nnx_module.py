@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import io_callback
 
 from jaxcache._src import device_ops
 from jaxcache._src.device_ops import CacheState, Lookup
@@ -84,6 +86,53 @@ class CachedEmbed(nnx.Module):
         state, lookup = self.cache.prepare(self.get_state(), ids, train=train)
         self.set_state(state)
         return lookup
+
+    def lookup_ids(self, ids: jax.Array, *, train: bool = True) -> Lookup:
+        """The host-callback form of ``prepare``, for use inside the jitted step.
+
+        For input pipelines that cannot be changed to call ``prepare``: the raw
+        ids go into the step, and an ordered ``jax.experimental.io_callback``
+        obtains their slots from the host (from a batch ``jaxcache.prefetch``
+        staged with ``callback=True``, or planned on the spot), then the swap
+        runs inside the step and a second callback writes evicted rows back.
+        Same results as ``prepare``; slower, because every list is padded to
+        the batch size and the callbacks serialize host and device work. Under
+        a sharded ``jit`` a callback runs on one device (see the docs).
+
+        Ids travel into the step as JAX integers: with 64-bit types disabled
+        they must be below ``2**31``.
+
+        Args:
+          ids: integer ids ``[B, ...]`` (traced).
+          train: the step will update these rows.
+
+        Returns:
+          The ``Lookup`` to pass to the module in the same step.
+        """
+        cache = self.cache
+        cfg = cache.config
+        n = int(np.prod(ids.shape))
+        opt_specs = {
+            name: jax.ShapeDtypeStruct((n, *spec.shape), spec.dtype)
+            for name, spec in cfg.optimizer.state_spec(cfg.features).items()
+        }
+        slots = jax.ShapeDtypeStruct((n,), np.int32)
+        shapes = (
+            jax.ShapeDtypeStruct((), np.int32),
+            slots,
+            jax.ShapeDtypeStruct(ids.shape, np.int32),
+            slots,
+            slots,
+            jax.ShapeDtypeStruct((n, cfg.features), cfg.row_dtype),
+            opt_specs,
+        )
+        index, unique_slots, inverse, *moves = io_callback(
+            functools.partial(cache.callback_stage, train=train), shapes, ids, ordered=True
+        )
+        state, rows, opt = device_ops.swap(self.get_state(), *moves)
+        io_callback(cache.callback_write_back, None, index, rows, opt, ordered=True)
+        self.set_state(state)
+        return Lookup(unique_slots, inverse, table=cache.name)
 
     def __call__(self, lookup: Lookup, weights: jax.Array | None = None) -> jax.Array:
         """Rows ``[*ids.shape, D]``, or pooled ``[*ids.shape[:-1], D]`` with a combiner.

@@ -29,8 +29,11 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
+import jax
+import numpy as np
+
 from jaxcache._src.device_ops import CacheState
-from jaxcache._src.engine import EmbeddingCache, Staged
+from jaxcache._src.engine import EmbeddingCache, HostStaged, Staged
 from jaxcache._src.planner import CapacityError
 
 __all__ = ["CacheHolder", "Prefetcher", "prefetch"]
@@ -83,6 +86,9 @@ class Prefetcher(Iterator[dict[str, Any]]):
       lookahead: batches staged ahead of the training loop; ``0`` runs
         everything in the loop (the unpipelined path, same results).
       train: the steps update the looked-up rows.
+      callback: the training step looks ids up with ``CachedEmbed.lookup_ids``
+        (the host-callback form): batches keep their raw ids, and the step's
+        callback is served the batch staged here.
     """
 
     def __init__(
@@ -92,6 +98,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         *,
         lookahead: int = 2,
         train: bool = True,
+        callback: bool = False,
     ) -> None:
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
             raise ValueError(
@@ -113,6 +120,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
             )
         self.lookahead = lookahead
         self.train = train
+        self.callback = callback
         self._tables = dict(tables)
         self._source = iter(batches)
         self._queue: queue.Queue[Any] = queue.Queue()
@@ -151,8 +159,12 @@ class Prefetcher(Iterator[dict[str, Any]]):
             self.close()
             raise item.error
         batch, staged = item
-        self._apply(staged)
         self._handed_out = staged
+        if self.callback:
+            for key, s in staged.items():
+                self._tables[key].cache.offer(s)
+            return dict(batch)
+        self._apply(staged)
         out = dict(batch)
         for key, s in staged.items():
             out[key] = s.lookup
@@ -175,15 +187,20 @@ class Prefetcher(Iterator[dict[str, Any]]):
             batch = next(self._source)
         except StopIteration:
             return _End()
+        if self.callback:  # the step's callback plans on the spot
+            return batch, {}
         staged: dict[str, Staged] = {}
         for key, holder in self._tables.items():
             holder.cache.planner.release(holder.cache.planner.next_index - 1)
             staged[key] = holder.cache.stage(_ids(batch, key), train=self.train)
         return batch, staged
 
-    def _apply(self, staged: Mapping[str, Staged]) -> None:
+    def _apply(self, staged: Mapping[str, Staged | HostStaged]) -> None:
+        """Swaps staged batches in through the device path, in order."""
         for key, s in staged.items():
             holder = self._tables[key]
+            if isinstance(s, HostStaged):
+                s = holder.cache.to_device(s)
             holder.set_state(holder.cache.apply(holder.get_state(), s))
 
     def _release_handed_out(self) -> None:
@@ -229,6 +246,9 @@ class Prefetcher(Iterator[dict[str, Any]]):
         """
         while True:
             try:
+                if self.callback:
+                    ids = np.asarray(ids)
+                    return cache.stage_host(ids, train=self.train, size=ids.size)
                 return cache.stage(ids, train=self.train)
             except CapacityError:
                 planner = cache.planner
@@ -268,6 +288,13 @@ class Prefetcher(Iterator[dict[str, Any]]):
                     self._staging.release()
                     break
             self._drain()
+        if self.callback:
+            # Batches handed out whose step never ran: wait for the steps that
+            # did run (their callbacks consume offers), then swap the rest in.
+            for key, holder in self._tables.items():
+                jax.block_until_ready(holder.get_state())
+                for staged in holder.cache.take_offers():
+                    self._apply({key: staged})
         _OPEN.discard(self)
 
     def _drain(self) -> None:
@@ -304,6 +331,7 @@ def prefetch(
     *,
     lookahead: int = 2,
     train: bool = True,
+    callback: bool = False,
 ) -> Prefetcher:
     """Prepares the next ``lookahead`` batches on a host thread while the device trains.
 
@@ -312,6 +340,8 @@ def prefetch(
       tables: batch key -> table module (``jaxcache.nnx.CachedEmbed``).
       lookahead: batches staged ahead; ``0`` for the unpipelined path.
       train: the steps update the looked-up rows.
+      callback: serve ``CachedEmbed.lookup_ids`` (the host-callback form)
+        instead of replacing ids by lookups.
 
     Returns:
       A ``Prefetcher``: iterate it (ideally in a ``with`` block).
@@ -326,7 +356,7 @@ def prefetch(
       >>> shapes[0], len(shapes)
       ((4, 2, 4), 5)
     """
-    return Prefetcher(batches, tables, lookahead=lookahead, train=train)
+    return Prefetcher(batches, tables, lookahead=lookahead, train=train, callback=callback)
 
 
 @atexit.register
