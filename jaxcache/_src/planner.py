@@ -234,12 +234,14 @@ class Planner:
         self.policy.on_insert(self, victims, miss_ids)
 
         # Distinct slots: the hits' (in order of appearance), then the new
-        # rows' (in id order). Missed lookups find theirs by binary search.
+        # rows' (in id order). Missed lookups reach theirs through the
+        # directory and the rank scratch, in linear time.
         unique_slots = np.concatenate([hit_unique, victims]).astype(np.int32)
         inverse = np.empty(flat.size, np.int32)
         inverse[is_hit] = hit_inverse
         if miss_ids.size:
-            inverse[~is_hit] = hit_unique.size + np.searchsorted(miss_ids, miss_lookups)
+            self._rank[victims] = np.arange(hit_unique.size, unique_slots.size, dtype=np.int32)
+            inverse[~is_hit] = self._rank[self.slot_of_id[miss_lookups]]
         self.last_use[unique_slots] = index
         if train:
             self.dirty[unique_slots] = True
