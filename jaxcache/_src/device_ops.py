@@ -43,6 +43,13 @@ class CacheState(NamedTuple):
     Attributes:
       rows: ``[C, D]`` cached rows.
       opt: ``{name: [C, ...]}`` their optimizer state.
+
+    Examples:
+      >>> import jaxcache
+      >>> cfg = jaxcache.CacheConfig(100, 4, capacity=8, optimizer=jaxcache.adagrad(0.1))
+      >>> state = jaxcache.EmbeddingCache(cfg).init_state()
+      >>> state.rows.shape, state.opt["accumulator"].shape
+      ((8, 4), (8, 4))
     """
 
     rows: jax.Array
@@ -70,6 +77,13 @@ class Lookup:
         the ``value_and_grad`` of ``jaxcache.nnx`` and ``jaxcache.linen``,
         ``None`` otherwise.
       table: name of the table the slots belong to.
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8))
+      >>> state, lookup = cache.prepare(cache.init_state(), np.array([[5, 9, 5]]))
+      >>> lookup.shape, lookup.inverse.tolist(), lookup.unique_slots.shape
+      ((1, 3), [[0, 1, 0]], (64,))
     """
 
     unique_slots: jax.Array
@@ -152,6 +166,14 @@ def swap(
 
     Returns:
       ``(state, evicted_rows [P, D], evicted_opt)``; padding reads zeros.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxcache
+      >>> state = jaxcache.CacheState(jnp.arange(6.0).reshape(3, 2), {})
+      >>> state, out, _ = jaxcache.swap(state, jnp.array([1, 3]), jnp.array([1, 3]),
+      ...                               jnp.array([[9.0, 9.0], [7.0, 7.0]]), {})
+      >>> out.tolist(), state.rows.tolist()  # slot 3 is padding: read 0, write dropped
+      ([[2.0, 3.0], [0.0, 0.0]], [[0.0, 1.0], [9.0, 9.0], [4.0, 5.0]])
     """
 
     def read(array):
@@ -186,6 +208,14 @@ def apply_sparse(
 
     Returns:
       The updated state.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxcache
+      >>> state = jaxcache.CacheState(jnp.zeros((3, 2)), {})
+      >>> grads = jnp.ones((2, 2))
+      >>> state = jaxcache.apply_sparse(state, jnp.array([2, 3]), grads, jaxcache.sgd(0.5))
+      >>> state.rows.tolist()  # only slot 2 changed; 3 is padding
+      [[0.0, 0.0], [0.0, 0.0], [-0.5, -0.5]]
     """
 
     def read(array):

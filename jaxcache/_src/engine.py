@@ -61,6 +61,15 @@ class Staged(NamedTuple):
       moves: device ``(evict_slots, fetch_slots, fetch_rows, fetch_opt)`` for
         ``swap``, or ``None`` when no row moves.
       lookup: the batch's device ``Lookup``.
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8))
+      >>> state = cache.init_state()
+      >>> staged = cache.stage(np.array([1, 2, 3]))  # host side, any thread
+      >>> state = cache.apply(state, staged)  # device side, in plan order
+      >>> staged.plan.misses, staged.lookup.shape
+      (3, (3,))
     """
 
     plan: Plan

@@ -23,11 +23,28 @@ class CacheRows(nnx.Variable):
 
     Not an ``nnx.Param``: the rows are trained by the cache's sparse optimizer,
     not by the dense optax optimizer, and filtered out of it by type.
+
+    Examples:
+      >>> import jaxcache
+      >>> from flax import nnx
+      >>> cfg = jaxcache.CacheConfig(100, 4, capacity=8)
+      >>> embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg))
+      >>> nnx.state(embed, jaxcache.nnx.CacheRows)["rows"].shape, len(nnx.state(embed, nnx.Param))
+      ((8, 4), 0)
     """
 
 
 class CacheOptState(nnx.Variable):
-    """Per-row optimizer state of the cached rows, ``{name: [C, ...]}``."""
+    """Per-row optimizer state of the cached rows, ``{name: [C, ...]}``.
+
+    Examples:
+      >>> import jaxcache
+      >>> from flax import nnx
+      >>> cfg = jaxcache.CacheConfig(100, 4, capacity=8, optimizer=jaxcache.adam(0.01))
+      >>> embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg))
+      >>> sorted(embed.opt_state.get_value())
+      ['count', 'mu', 'nu']
+    """
 
 
 class CachedEmbed(nnx.Module):

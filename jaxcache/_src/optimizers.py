@@ -44,6 +44,12 @@ class RowStateSpec(NamedTuple):
       shape: shape after the row axis, ``()`` for a scalar per row.
       dtype: NumPy dtype of the state.
       init: value every row starts with.
+
+    Examples:
+      >>> import jaxcache
+      >>> spec = jaxcache.adagrad(0.1).state_spec(8)["accumulator"]
+      >>> spec.shape, spec.dtype.name, spec.init
+      ((8,), 'float32', 0.1)
     """
 
     shape: tuple[int, ...]
@@ -58,7 +64,20 @@ def _check_positive(name: str, value: float) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class SparseOptimizer:
-    """Base class of the sparse row optimizers."""
+    """Base class of the sparse row optimizers.
+
+    A subclass names its per-row state in ``state_spec`` and maps touched
+    rows, their gradients and their state to new ones in ``update``.
+
+    Examples:
+      >>> import dataclasses, jax.numpy as jnp, jaxcache
+      >>> @dataclasses.dataclass(frozen=True)
+      ... class SignSGD(jaxcache.SparseOptimizer):
+      ...     def update(self, rows, grads, state):
+      ...         return rows - self.learning_rate * jnp.sign(grads), state
+      >>> SignSGD(0.5).update(jnp.zeros((1, 2)), jnp.array([[3.0, -1.0]]), {})[0].tolist()
+      [[-0.5, 0.5]]
+    """
 
     learning_rate: float
 
@@ -79,7 +98,13 @@ class SparseOptimizer:
 
 @dataclasses.dataclass(frozen=True)
 class SGD(SparseOptimizer):
-    """Plain stochastic gradient descent: ``row -= lr * grad``."""
+    """Plain stochastic gradient descent: ``row -= lr * grad``.
+
+    Examples:
+      >>> import jaxcache
+      >>> jaxcache.SGD(0.1) == jaxcache.sgd(0.1)
+      True
+    """
 
     def update(self, rows, grads, state):
         new = rows.astype(jnp.float32) - self.learning_rate * grads.astype(jnp.float32)
@@ -91,6 +116,14 @@ class Adagrad(SparseOptimizer):
     """Element-wise Adagrad, the same rule as ``optax.adagrad``.
 
     ``acc += g**2; row -= lr * g / sqrt(acc + eps)``.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxcache
+      >>> opt = jaxcache.Adagrad(1.0, initial_accumulator_value=0.0, eps=0.0)
+      >>> rows, state = opt.update(jnp.zeros((1, 2)), jnp.array([[2.0, -4.0]]),
+      ...                          {"accumulator": jnp.zeros((1, 2))})
+      >>> rows.tolist(), state["accumulator"].tolist()
+      ([[-1.0, 1.0]], [[4.0, 16.0]])
     """
 
     initial_accumulator_value: float = 0.1
@@ -116,6 +149,14 @@ class RowwiseAdagrad(SparseOptimizer):
 
     ``acc += mean(g**2); row -= lr * g / (sqrt(acc) + eps)``. It keeps one float
     per row instead of ``D``, so moving a row's state costs almost nothing.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxcache
+      >>> opt = jaxcache.RowwiseAdagrad(1.0, eps=0.0)
+      >>> rows, state = opt.update(jnp.zeros((1, 2)), jnp.array([[3.0, 4.0]]),
+      ...                          {"accumulator": jnp.zeros(1)})
+      >>> state["accumulator"].tolist()  # mean of the squared gradient
+      [12.5]
     """
 
     initial_accumulator_value: float = 0.0
@@ -142,6 +183,15 @@ class Adam(SparseOptimizer):
     A row's moments decay only on steps that touch it and its bias correction
     uses its own update count, so a row updated ``k`` times follows exactly
     ``optax.adam`` applied ``k`` times to that row alone.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxcache
+      >>> opt = jaxcache.Adam(0.1)
+      >>> state = {"mu": jnp.zeros((1, 2)), "nu": jnp.zeros((1, 2)),
+      ...          "count": jnp.zeros(1, jnp.int32)}
+      >>> rows, state = opt.update(jnp.zeros((1, 2)), jnp.array([[1.0, -1.0]]), state)
+      >>> [round(x, 3) for x in rows[0].tolist()], state["count"].tolist()
+      ([-0.1, 0.1], [1])
     """
 
     b1: float = 0.9

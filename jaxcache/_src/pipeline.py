@@ -46,6 +46,19 @@ class CacheHolder(Protocol):
     """What the pipeline needs of a table: its engine and its device state.
 
     ``jaxcache.nnx.CachedEmbed`` is one.
+
+    Examples:
+      >>> import jaxcache
+      >>> class Holder:  # a plain container works too
+      ...     def __init__(self, cache):
+      ...         self.cache, self.state = cache, cache.init_state()
+      ...     def get_state(self):
+      ...         return self.state
+      ...     def set_state(self, state):
+      ...         self.state = state
+      >>> holder = Holder(jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8)))
+      >>> [b["ids"].shape for b in jaxcache.prefetch([{"ids": [[1, 2]]}], {"ids": holder})]
+      [(1, 2)]
     """
 
     cache: EmbeddingCache
@@ -89,6 +102,16 @@ class Prefetcher(Iterator[dict[str, Any]]):
       callback: the training step looks ids up with ``CachedEmbed.lookup_ids``
         (the host-callback form): batches keep their raw ids, and the step's
         callback is served the batch staged here.
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> embed = jaxcache.nnx.CachedEmbed(
+      ...     jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=16)))
+      >>> batches = [{"ids": np.array([[i, i + 1]])} for i in range(4)]
+      >>> with jaxcache.Prefetcher(batches, {"ids": embed}, lookahead=1) as pipeline:
+      ...     first = next(pipeline)
+      >>> type(first["ids"]).__name__, embed.cache.stats.steps >= 1
+      ('Lookup', True)
     """
 
     def __init__(

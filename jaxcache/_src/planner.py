@@ -24,7 +24,17 @@ __all__ = ["CapacityError", "Plan", "Planner"]
 
 
 class CapacityError(ValueError):
-    """A batch needs more rows on device than the cache can give it."""
+    """A batch needs more rows on device than the cache can give it.
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> planner = jaxcache.Planner(jaxcache.CacheConfig(100, 2, capacity=3))
+      >>> try:
+      ...     planner.plan(np.arange(5))
+      ... except jaxcache.CapacityError as error:
+      ...     print(str(error)[:50])
+      the batch has 5 distinct ids but capacity is 3 rows
+    """
 
 
 class Plan(NamedTuple):
@@ -44,6 +54,13 @@ class Plan(NamedTuple):
       hits: distinct ids that were resident.
       access_hits: lookups served by resident rows.
       evictions: resident rows replaced (clean ones included).
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> planner = jaxcache.Planner(jaxcache.CacheConfig(100, 2, capacity=4))
+      >>> plan = planner.plan(np.array([[8, 3], [3, 3]]))
+      >>> plan.distinct, plan.misses, plan.lookups, plan.inverse.tolist()
+      (2, 2, 4, [[1, 0], [0, 0]])
     """
 
     index: int

@@ -59,6 +59,12 @@ class StepStats:
       evictions: resident rows replaced.
       rows_to_device: rows copied host -> device.
       rows_to_host: rows copied device -> host (dirty evictions and flushes).
+
+    Examples:
+      >>> import jaxcache
+      >>> step = jaxcache.StepStats(lookups=8, distinct=4, hits=3, access_hits=7)
+      >>> step.hit_rate, step.access_hit_rate
+      (0.75, 0.875)
     """
 
     lookups: int = 0
