@@ -32,7 +32,7 @@ class CapacityError(ValueError):
       >>> try:
       ...     planner.plan(np.arange(5))
       ... except jaxcache.CapacityError as error:
-      ...     print(str(error)[:50])
+      ...     print(str(error).split(";")[0])
       the batch has 5 distinct ids but capacity is 3 rows
     """
 
