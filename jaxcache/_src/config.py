@@ -11,6 +11,7 @@ from jaxcache._src import optimizers
 
 __all__ = ["POLICIES", "CacheConfig"]
 
+#: Names of the eviction policies ``CacheConfig(policy=...)`` accepts.
 POLICIES = ("frequency", "lfu", "lru")
 
 
@@ -82,7 +83,7 @@ class CacheConfig:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes that move per row: the row plus its optimizer state."""
+        """Bytes moved per row (the row plus its optimizer state)."""
         total = self.features * self.row_dtype.itemsize
         for spec in self.optimizer.state_spec(self.features).values():
             total += math.prod(spec.shape) * np.dtype(spec.dtype).itemsize

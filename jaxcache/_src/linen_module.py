@@ -73,6 +73,7 @@ __all__ = [
     "value_and_grad",
 ]
 
+#: Name of the Linen variable collection that holds the cached rows and their state.
 COLLECTION = "jaxcache"
 """Name of the variable collection that holds the caches' device state."""
 

@@ -83,7 +83,7 @@ class StepStats:
 
     @property
     def hit_rate(self) -> float:
-        """Hits over distinct ids: the share of rows that did not cross the bus."""
+        """Hits over distinct ids (the share of rows that did not cross the bus)."""
         return self.hits / self.distinct if self.distinct else 0.0
 
     @property
