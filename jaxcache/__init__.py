@@ -5,7 +5,7 @@ rows lives on the accelerators. Training through the cache gives the same
 result as training with the whole table on device.
 """
 
-from jaxcache import linen, nnx
+from jaxcache import linen, models, nnx
 from jaxcache._src.config import POLICIES, CacheConfig
 from jaxcache._src.device_ops import (
     CacheState,
@@ -19,6 +19,7 @@ from jaxcache._src.device_ops import (
 from jaxcache._src.engine import EmbeddingCache, Staged, bucket_size
 from jaxcache._src.frequency import FrequencyCounter, hottest
 from jaxcache._src.host_table import HostTable, embed_init, normal_init, uniform_init
+from jaxcache._src.metrics import roc_auc
 from jaxcache._src.optimizers import (
     SGD,
     Adagrad,
@@ -35,10 +36,17 @@ from jaxcache._src.pipeline import CacheHolder, Prefetcher, prefetch
 from jaxcache._src.planner import CapacityError, Plan, Planner
 from jaxcache._src.replay import plot_curve, replay, sweep
 from jaxcache._src.stats import CacheStats, PhaseTimers, StepStats, compilations
+from jaxcache._src.synthetic import (
+    CRITEO_KAGGLE_CARDINALITIES,
+    DCNV2_BAG_SIZES,
+    SyntheticCriteo,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CRITEO_KAGGLE_CARDINALITIES",
+    "DCNV2_BAG_SIZES",
     "POLICIES",
     "SGD",
     "Adagrad",
@@ -61,6 +69,7 @@ __all__ = [
     "SparseOptimizer",
     "Staged",
     "StepStats",
+    "SyntheticCriteo",
     "adagrad",
     "adam",
     "apply_sparse",
@@ -71,12 +80,14 @@ __all__ = [
     "hottest",
     "linen",
     "lookup_rows",
+    "models",
     "nnx",
     "normal_init",
     "plot_curve",
     "prefetch",
     "pool",
     "replay",
+    "roc_auc",
     "rowwise_adagrad",
     "sgd",
     "swap",

@@ -153,6 +153,9 @@ def dense_optimizer(name: str, learning_rate: float) -> optax.GradientTransforma
     Examples:
       >>> import jaxcache
       >>> tx = jaxcache.models.dense_optimizer("adam", 1e-3)
+      >>> jaxcache.models.dense_optimizer("sgd", 0.1)
+      Traceback (most recent call last):
+      ValueError: optimizer='sgd' is not supported; use 'adagrad' or 'adam'.
     """
     if name == "adagrad":
         return optax.adagrad(learning_rate)
