@@ -147,7 +147,24 @@ def pool(
     raise ValueError(f"combiner={combiner!r} is not supported; use 'sum', 'mean' or None.")
 
 
+@jax.jit
+def _read(state: CacheState, slots: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def read(array):
+        return array.at[slots].get(mode="fill", fill_value=0)
+
+    return read(state.rows), {k: read(v) for k, v in state.opt.items()}
+
+
 @functools.partial(jax.jit, donate_argnums=0)
+def _write(
+    state: CacheState, slots: jax.Array, rows: jax.Array, opt: dict[str, jax.Array]
+) -> CacheState:
+    def write(array, values):
+        return array.at[slots].set(values.astype(array.dtype), mode="drop")
+
+    return CacheState(write(state.rows, rows), {k: write(v, opt[k]) for k, v in state.opt.items()})
+
+
 def swap(
     state: CacheState,
     evict_slots: jax.Array,
@@ -156,6 +173,12 @@ def swap(
     fetch_opt: dict[str, jax.Array],
 ) -> tuple[CacheState, jax.Array, dict[str, jax.Array]]:
     """Reads the evicted rows out, then writes the fetched rows in (donated).
+
+    Two programs, not one: when a single program both reads the victims and
+    updates the donated buffer in place, XLA copies the whole ``[C, D]``
+    cache to keep the read safe, so the swap would cost ``O(C x D)``. Read
+    first, then the donated in-place write: ``O(P x D)``, ordered by the
+    runtime because the write waits for every reader of the buffer it takes.
 
     Args:
       state: the cache; its buffers are donated and updated in place.
@@ -175,18 +198,8 @@ def swap(
       >>> out.tolist(), state.rows.tolist()  # slot 3 is padding: read 0, write dropped
       ([[2.0, 3.0], [0.0, 0.0]], [[0.0, 1.0], [9.0, 9.0], [4.0, 5.0]])
     """
-
-    def read(array):
-        return array.at[evict_slots].get(mode="fill", fill_value=0)
-
-    def write(array, values):
-        return array.at[fetch_slots].set(values.astype(array.dtype), mode="drop")
-
-    evicted_rows = read(state.rows)
-    evicted_opt = {k: read(v) for k, v in state.opt.items()}
-    rows = write(state.rows, fetch_rows)
-    opt = {k: write(v, fetch_opt[k]) for k, v in state.opt.items()}
-    return CacheState(rows, opt), evicted_rows, evicted_opt
+    evicted_rows, evicted_opt = _read(state, evict_slots)
+    return _write(state, fetch_slots, fetch_rows, fetch_opt), evicted_rows, evicted_opt
 
 
 def apply_sparse(
