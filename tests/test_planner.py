@@ -53,19 +53,22 @@ class DictPlanner:
         return len(distinct) - len(misses), misses
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     policy=st.sampled_from(jaxcache.POLICIES),
     capacity=st.integers(4, 24),
     seed=st.integers(0, 2**31 - 1),
     lags=st.lists(st.integers(0, 2), min_size=1, max_size=30),
+    reserve=st.sampled_from([1, 3, 4096]),
 )
-def test_planner_matches_dict_model(policy, capacity, seed, lags):
+def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve):
     n = 40
     rng = np.random.default_rng(seed)
     frequencies = rng.integers(0, 50, n)
     cfg = jaxcache.CacheConfig(n, 1, capacity, policy=policy)
-    planner = jaxcache.Planner(cfg, frequencies=frequencies if policy != "lru" else None)
+    planner = jaxcache.Planner(
+        cfg, frequencies=frequencies if policy != "lru" else None, reserve=reserve
+    )
     model = DictPlanner(capacity, policy, frequencies if policy != "lru" else None)
     for lag in lags:
         # Release all but the last `lag` plans, as a pipeline with look-ahead does.

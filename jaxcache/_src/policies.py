@@ -1,8 +1,9 @@
 """Eviction policies: the priority of a resident row (lowest is evicted first).
 
 A policy gives each resident row an integer priority and may learn from every
-planned batch. Priorities never decrease while a row stays resident, so the
-planner can pick victims with one partial sort.
+planned batch. Priorities never decrease while a row stays resident: the
+planner relies on it to keep a small reserve of victim candidates instead of
+sorting every slot on every step.
 """
 
 from __future__ import annotations
