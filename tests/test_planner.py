@@ -13,7 +13,9 @@ import jaxcache
 class DictPlanner:
     """Slots as a Python list, one id at a time: the specification."""
 
-    def __init__(self, capacity, policy, frequencies):
+    def __init__(self, capacity, policy, frequencies, devices=1):
+        local = capacity // devices
+        self.tie = [(s % local) * devices + s // local for s in range(capacity)]
         self.ids = [None] * capacity
         self.last_use = [-1] * capacity
         self.policy = policy
@@ -39,7 +41,8 @@ class DictPlanner:
         protected = {s for s in range(len(self.ids)) if self.last_use[s] > released}
         protected |= {resident[i] for i in distinct if i in resident}
         candidates = sorted(
-            (s for s in range(len(self.ids)) if s not in protected), key=lambda s: (self.key(s), s)
+            (s for s in range(len(self.ids)) if s not in protected),
+            key=lambda s: (self.key(s), self.tie[s]),
         )
         victims = sorted(candidates[: len(misses)])
         for slot, new in zip(victims, misses, strict=True):
@@ -60,16 +63,17 @@ class DictPlanner:
     seed=st.integers(0, 2**31 - 1),
     lags=st.lists(st.integers(0, 2), min_size=1, max_size=30),
     reserve=st.sampled_from([1, 3, 4096]),
+    devices=st.sampled_from([1, 2, 4]),
 )
-def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve):
+def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devices):
     n = 40
+    capacity = capacity // devices * devices
     rng = np.random.default_rng(seed)
     frequencies = rng.integers(0, 50, n)
     cfg = jaxcache.CacheConfig(n, 1, capacity, policy=policy)
-    planner = jaxcache.Planner(
-        cfg, frequencies=frequencies if policy != "lru" else None, reserve=reserve
-    )
-    model = DictPlanner(capacity, policy, frequencies if policy != "lru" else None)
+    counts = frequencies if policy != "lru" else None
+    planner = jaxcache.Planner(cfg, frequencies=counts, reserve=reserve, devices=devices)
+    model = DictPlanner(capacity, policy, counts, devices)
     for lag in lags:
         # Release all but the last `lag` plans, as a pipeline with look-ahead does.
         released = planner.next_index - 1 - lag
@@ -142,3 +146,11 @@ def test_warm_then_repeat_batch_is_all_hits(policy):
     planner.release(0)
     plan = planner.plan(np.array([3, 1, 2]))
     assert (plan.hits, plan.misses, plan.access_hits) == (3, 0, 3)
+
+
+def test_new_rows_spread_over_devices():
+    cfg = jaxcache.CacheConfig(1000, 1, 64, policy="lru")
+    planner = jaxcache.Planner(cfg, devices=4)
+    plan = planner.plan(np.arange(40))
+    per_device = np.bincount(plan.fetch_slots // 16, minlength=4)
+    assert per_device.tolist() == [10, 10, 10, 10]

@@ -35,6 +35,10 @@ class CacheConfig:
       min_bucket: smallest padded size of the per-step row lists; they are
         padded to powers of two at or above it so shapes stay static.
       name: names the table; lookups carry it to find their module.
+      route_capacity: with rows split over several devices, how many rows one
+        device takes from one owner per step through the fast ``all_to_all``
+        path; the rest take an exact overflow path. ``None`` sizes it from
+        each batch (padded to buckets), so nothing overflows.
 
     Examples:
       >>> import jaxcache
@@ -52,6 +56,7 @@ class CacheConfig:
     padding_id: int | None = None
     min_bucket: int = 64
     name: str = "embedding"
+    route_capacity: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("num_embeddings", "features", "min_bucket"):

@@ -20,7 +20,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
+from jaxcache._src import routing
 from jaxcache._src.optimizers import SparseOptimizer
 
 __all__ = [
@@ -58,43 +60,63 @@ class CacheState(NamedTuple):
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["unique_slots", "inverse", "delta"],
-    meta_fields=["table"],
+    data_fields=["requests", "overflow", "inverse", "owner_slots", "owner_inverse", "delta"],
+    meta_fields=["table", "mesh", "axis"],
 )
 @dataclasses.dataclass(frozen=True)
 class Lookup:
-    """A batch of ids already mapped to cache slots (device arrays).
+    """A batch of ids already mapped to cache slots and routed (device arrays).
 
-    Produced on the host by ``EmbeddingCache.prepare``; consumed inside the
-    jitted step. It is a pytree, so it can sit anywhere in a batch.
+    Produced on the host by ``EmbeddingCache.prepare`` (or ``stage``);
+    consumed inside the jitted step. It is a pytree, so it can sit anywhere in
+    a batch. The cache's rows are split over the ``n`` devices of ``axis``
+    and so is the batch; the arrays say which rows each device fetches from
+    which owner (see ``jaxcache._src.routing``). One device is a mesh of one.
 
     Attributes:
-      unique_slots: ``int32 [U]`` slot of each distinct id, padded with ``C``.
-      inverse: ``int32`` of the ids' shape: index into ``unique_slots``; ``U``
-        marks padding (a zero row, no gradient).
-      delta: ``[U, D]`` zeros added to the distinct rows while differentiating,
-        so the gradient of the loss w.r.t. it is the per-row gradient; set by
-        the ``value_and_grad`` of ``jaxcache.nnx`` and ``jaxcache.linen``,
-        ``None`` otherwise.
-      table: name of the table the slots belong to.
+      requests: ``int32 [n, n, K]`` local slots each device asks each owner for.
+      overflow: ``int32 [O]`` global slots beyond ``K``, shared by all devices.
+      inverse: ``int32`` of the ids' shape: each id's row in its device's
+        received rows ``[R = n K + O]``; ``R`` marks padding (a zero row, no
+        gradient).
+      owner_slots: ``int32 [n, V]`` distinct local slots each owner updates.
+      owner_inverse: ``int32 [n, R]`` where each gradient an owner receives adds.
+      delta: ``[n, R, D]`` zeros added to the received rows while
+        differentiating, so the gradient w.r.t. it is the per-row gradient;
+        set by the ``value_and_grad`` of ``jaxcache.nnx`` and
+        ``jaxcache.linen``, ``None`` otherwise.
+      table: name of the table.
+      mesh: the device mesh of the table's rows.
+      axis: the mesh axis the rows and the batch are split over.
 
     Examples:
       >>> import numpy as np, jaxcache
       >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8))
       >>> state, lookup = cache.prepare(cache.init_state(), np.array([[5, 9, 5]]))
-      >>> lookup.shape, lookup.inverse.tolist(), lookup.unique_slots.shape
-      ((1, 3), [[0, 1, 0]], (64,))
+      >>> lookup.shape, lookup.inverse.tolist(), lookup.requests.shape
+      ((1, 3), [[0, 1, 0]], (1, 1, 64))
     """
 
-    unique_slots: jax.Array
+    requests: jax.Array
+    overflow: jax.Array
     inverse: jax.Array
+    owner_slots: jax.Array
+    owner_inverse: jax.Array
     delta: jax.Array | None = None
     table: str = "embedding"
+    mesh: Mesh | None = None
+    axis: str = "rows"
 
     @property
     def shape(self) -> tuple[int, ...]:
         """Shape of the looked-up ids."""
         return tuple(self.inverse.shape)
+
+    @property
+    def received(self) -> int:
+        """``R``: rows each device receives (``n K + O``)."""
+        n, _, k = self.requests.shape
+        return n * k + self.overflow.shape[0]
 
     def with_delta(self, delta: jax.Array | None) -> Lookup:
         """The same lookup with ``delta`` attached."""
@@ -104,17 +126,35 @@ class Lookup:
 def lookup_rows(rows: jax.Array, lookup: Lookup) -> jax.Array:
     """Rows of each looked-up id: ``[*ids.shape, D]`` (zeros for padding).
 
+    Runs under ``jax.shard_map`` over ``lookup.mesh``: each device fetches
+    the rows of its share of the batch from their owners (``all_to_all``).
+
     Examples:
-      >>> import jax.numpy as jnp, jaxcache
-      >>> rows = jnp.arange(6.0).reshape(3, 2)
-      >>> lk = jaxcache.Lookup(jnp.array([2, 0, 3]), jnp.array([[0, 1], [1, 3]]))
-      >>> jaxcache.lookup_rows(rows, lk).tolist()
-      [[[4.0, 5.0], [0.0, 1.0]], [[0.0, 1.0], [0.0, 0.0]]]
+      >>> import numpy as np, jaxcache
+      >>> cfg = jaxcache.CacheConfig(10, 2, capacity=4, padding_id=-1)
+      >>> rows = np.arange(20.0, dtype=np.float32).reshape(10, 2)
+      >>> cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, rows=rows))
+      >>> state, lookup = cache.prepare(cache.init_state(), np.array([[7, 2], [2, -1]]))
+      >>> jaxcache.lookup_rows(state.rows, lookup).tolist()
+      [[[14.0, 15.0], [4.0, 5.0]], [[4.0, 5.0], [0.0, 0.0]]]
     """
-    distinct = rows.at[lookup.unique_slots].get(mode="fill", fill_value=0)
+    spec = PartitionSpec(lookup.axis)
+    axis = lookup.axis
+
+    def body(rows, requests, overflow, inverse, *delta):
+        received = routing.routed_gather(rows, requests, overflow, axis)
+        if delta:
+            received = received + delta[0][0].astype(received.dtype)
+        return received.at[inverse].get(mode="fill", fill_value=0)
+
+    args = [rows, lookup.requests, lookup.overflow, lookup.inverse]
+    specs = [spec, spec, PartitionSpec(), spec]
     if lookup.delta is not None:
-        distinct = distinct + lookup.delta.astype(distinct.dtype)
-    return distinct.at[lookup.inverse].get(mode="fill", fill_value=0)
+        args.append(lookup.delta)
+        specs.append(spec)
+    return jax.shard_map(
+        body, mesh=lookup.mesh, in_specs=tuple(specs), out_specs=spec, check_vma=False
+    )(*args)
 
 
 def pool(
@@ -129,14 +169,16 @@ def pool(
     number of real ids, and an empty bag pools to zeros.
 
     Examples:
-      >>> import jax.numpy as jnp, jaxcache
-      >>> rows = jnp.arange(6.0).reshape(3, 2)
-      >>> lk = jaxcache.Lookup(jnp.array([2, 0, 3]), jnp.array([[0, 1], [1, 3]]))
-      >>> emb = jaxcache.lookup_rows(rows, lk)
-      >>> jaxcache.pool(emb, lk, "mean").tolist()
-      [[2.0, 3.0], [0.0, 1.0]]
+      >>> import numpy as np, jaxcache
+      >>> cfg = jaxcache.CacheConfig(10, 2, capacity=4, padding_id=-1)
+      >>> rows = np.arange(20.0, dtype=np.float32).reshape(10, 2)
+      >>> cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, rows=rows))
+      >>> state, lookup = cache.prepare(cache.init_state(), np.array([[7, 2], [2, -1]]))
+      >>> emb = jaxcache.lookup_rows(state.rows, lookup)
+      >>> jaxcache.pool(emb, lookup, "mean").tolist()
+      [[9.0, 10.0], [4.0, 5.0]]
     """
-    real = (lookup.inverse < lookup.unique_slots.shape[0]).astype(embeddings.dtype)
+    real = (lookup.inverse < lookup.received).astype(embeddings.dtype)
     w = real if weights is None else real * weights.astype(embeddings.dtype)
     total = jnp.einsum("...l,...ld->...d", w, embeddings)
     if combiner == "sum":
@@ -204,44 +246,62 @@ def swap(
 
 def apply_sparse(
     state: CacheState,
-    unique_slots: jax.Array,
+    lookup: Lookup,
     grads: jax.Array,
     optimizer: SparseOptimizer,
 ) -> CacheState:
-    """Applies ``optimizer`` to the rows ``unique_slots`` only.
+    """Applies ``optimizer`` to the rows ``lookup`` touched, on their owners.
 
-    ``O(U x D)`` work: the touched rows and their state are gathered, updated
-    and scattered back; padding slots (``C``) are dropped.
+    ``O(rows touched x D)`` work: gradients travel back to the devices that own
+    the rows (``all_to_all``), are summed per row there, and the touched rows
+    and their state are gathered, updated and scattered back; padding is
+    dropped.
 
     Args:
       state: the cache.
-      unique_slots: ``int32 [U]`` distinct slots, padded with ``C``.
-      grads: ``[U, D]`` summed gradient of each.
+      lookup: the batch's ``Lookup``.
+      grads: ``[n, R, D]`` gradient of each row each device received (the
+        gradient of the lookup's ``delta``).
       optimizer: the sparse optimizer.
 
     Returns:
       The updated state.
 
     Examples:
-      >>> import jax.numpy as jnp, jaxcache
-      >>> state = jaxcache.CacheState(jnp.zeros((3, 2)), {})
-      >>> grads = jnp.ones((2, 2))
-      >>> state = jaxcache.apply_sparse(state, jnp.array([2, 3]), grads, jaxcache.sgd(0.5))
-      >>> state.rows.tolist()  # only slot 2 changed; 3 is padding
-      [[0.0, 0.0], [0.0, 0.0], [-0.5, -0.5]]
+      >>> import jax.numpy as jnp, numpy as np, jaxcache
+      >>> cfg = jaxcache.CacheConfig(10, 2, capacity=4, optimizer=jaxcache.sgd(0.5))
+      >>> cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(
+      ...     cfg, rows=np.zeros((10, 2), np.float32)))
+      >>> state, lookup = cache.prepare(cache.init_state(), np.array([3, 3]))
+      >>> grads = jnp.ones((1, lookup.received, 2))
+      >>> state = jaxcache.apply_sparse(state, lookup, grads, cfg.optimizer)
+      >>> rows, _ = cache.export(state)
+      >>> rows[3].tolist(), rows[4].tolist()
+      ([-0.5, -0.5], [0.0, 0.0])
     """
+    spec = PartitionSpec(lookup.axis)
+    k = lookup.requests.shape[2]
 
-    def read(array):
-        return array.at[unique_slots].get(mode="fill", fill_value=0)
+    def body(rows, opt, grads, owner_slots, owner_inverse):
+        return routing.routed_apply(
+            rows,
+            opt,
+            grads,
+            owner_slots,
+            owner_inverse,
+            per_destination=k,
+            optimizer=optimizer,
+            axis=lookup.axis,
+        )
 
-    rows, opt = optimizer.update(
-        read(state.rows), grads, {k: read(v) for k, v in state.opt.items()}
-    )
-
-    def write(array, values):
-        return array.at[unique_slots].set(values.astype(array.dtype), mode="drop")
-
-    return CacheState(write(state.rows, rows), {k: write(v, opt[k]) for k, v in state.opt.items()})
+    rows, opt = jax.shard_map(
+        body,
+        mesh=lookup.mesh,
+        in_specs=(spec, spec, spec, spec, spec),
+        out_specs=(spec, spec),
+        check_vma=False,
+    )(state.rows, state.opt, grads, lookup.owner_slots, lookup.owner_inverse)
+    return CacheState(rows, opt)
 
 
 def embed(
@@ -265,10 +325,13 @@ def embed(
       ``[*ids.shape, D]``, or ``[*ids.shape[:-1], D]`` with a combiner.
 
     Examples:
-      >>> import jax.numpy as jnp, jaxcache
-      >>> lk = jaxcache.Lookup(jnp.array([1, 0]), jnp.array([[0, 1, 2]]), table="t")
-      >>> jaxcache.embed(jnp.eye(2), lk, table="t", combiner="sum").tolist()
-      [[1.0, 1.0]]
+      >>> import numpy as np, jaxcache
+      >>> cfg = jaxcache.CacheConfig(10, 2, capacity=4, padding_id=-1, name="t")
+      >>> rows = np.arange(20.0, dtype=np.float32).reshape(10, 2)
+      >>> cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, rows=rows))
+      >>> state, lookup = cache.prepare(cache.init_state(), np.array([[7, 2, -1]]))
+      >>> jaxcache.embed(state.rows, lookup, table="t", combiner="sum").tolist()
+      [[18.0, 20.0]]
     """
     if lookup.table != table:
         raise ValueError(
@@ -312,9 +375,10 @@ def find_lookups(args: object, features: dict[str, int], hint: str) -> list[Look
 
 
 def zero_deltas(lookups: list[Lookup], features: dict[str, int]) -> list[jax.Array]:
-    """A zero ``[U, D]`` delta per lookup: differentiating it gives the row gradients."""
+    """A zero ``[n, R, D]`` delta per lookup: differentiating it gives the row gradients."""
     return [
-        jnp.zeros((lk.unique_slots.shape[0], features[lk.table]), jnp.float32) for lk in lookups
+        jnp.zeros((lk.requests.shape[0], lk.received, features[lk.table]), jnp.float32)
+        for lk in lookups
     ]
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxcache._src import device_ops
+from jaxcache._src import device_ops, routing
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.device_ops import CacheState, Lookup
 from jaxcache._src.frequency import hottest
@@ -42,15 +42,13 @@ class HostStaged(NamedTuple):
       plan: the host plan.
       ids: the ids it was planned for.
       moves: ``(evict_slots, fetch_slots, fetch_rows, fetch_opt)`` or ``None``.
-      unique_slots: ``int32 [U]`` padded with ``C``.
-      inverse: ``int32`` of the ids' shape, padding as ``U``.
+      route: which rows each device fetches from which owner.
     """
 
     plan: Plan
     ids: np.ndarray
     moves: tuple[Any, ...] | None
-    unique_slots: np.ndarray
-    inverse: np.ndarray
+    route: routing.HostRoute
 
 
 class Staged(NamedTuple):
@@ -152,13 +150,27 @@ class EmbeddingCache:
                 f"table has {table.config.num_embeddings} rows but config.num_embeddings is "
                 f"{config.num_embeddings}; build the HostTable from the same config."
             )
-        self.config = config
-        self.table = table if table is not None else HostTable(config, seed=seed)
-        self.planner = Planner(config, frequencies=frequencies)
-        self.stats = CacheStats(config.row_bytes)
         if mesh is None:
             mesh = Mesh(np.array(jax.devices()[:1]), (axis,))
+        if axis not in mesh.shape:
+            raise ValueError(f"axis={axis!r} is not an axis of the mesh {dict(mesh.shape)}.")
+        devices = mesh.shape[axis]
+        if config.capacity % devices:
+            rounded = -(-config.capacity // devices) * devices
+            if rounded > config.num_embeddings:
+                raise ValueError(
+                    f"capacity={config.capacity} does not split over {devices} devices and "
+                    f"rounding it up exceeds the table; use a multiple of {devices}."
+                )
+            config = dataclasses.replace(config, capacity=rounded)
+        self.config = config
+        self.table = table if table is not None else HostTable(config, seed=seed)
+        self.planner = Planner(config, frequencies=frequencies, devices=devices)
+        self.stats = CacheStats(config.row_bytes)
         self.mesh = mesh
+        self.axis = axis
+        self.devices = devices
+        self.local_capacity = config.capacity // devices
         self.row_sharding = NamedSharding(mesh, PartitionSpec(axis))
         self.replicated = NamedSharding(mesh, PartitionSpec())
         # Write-backs: evicted ids by plan index, from planning until landed,
@@ -171,7 +183,7 @@ class EmbeddingCache:
         self._offer_lock = threading.Lock()
         self._plan_lock = threading.Lock()
         self._fetch_bucket = 0
-        self._unique_bucket = 0
+        self._route_buckets = (0, 0, 0)  # K, V, O in use
         if warm is None:
             warm = config.policy == "frequency"
         if warm:
@@ -271,10 +283,58 @@ class EmbeddingCache:
         """Starts the transfer of a host-staged batch (``device_put``, asynchronous)."""
         with self.stats.timers.time("transfer"):
             moves = None if host.moves is None else jax.device_put(host.moves, self.replicated)
-            unique_slots, inverse = jax.device_put(
-                (host.unique_slots, host.inverse), self.replicated
+            lookup = self._device_lookup(host.route)
+        return Staged(host.plan, moves, lookup)
+
+    def _device_lookup(self, route: routing.HostRoute) -> Lookup:
+        rows, replicated = self.row_sharding, self.replicated
+        requests, overflow, inverse, owner_slots, owner_inverse = jax.device_put(
+            route[:5], (rows, replicated, rows, rows, rows)
+        )
+        return Lookup(
+            requests,
+            overflow,
+            inverse,
+            owner_slots,
+            owner_inverse,
+            table=self.name,
+            mesh=self.mesh,
+            axis=self.axis,
+        )
+
+    def empty_lookup(self, shape: tuple[int, ...]) -> Lookup:
+        """A ``Lookup`` of padding ids only, of the ids' ``shape``.
+
+        For building a model before the first batch (``model.init``); it
+        touches no cache state and looks up zero rows.
+
+        Examples:
+          >>> import jaxcache
+          >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8))
+          >>> lookup = cache.empty_lookup((2, 3))
+          >>> jaxcache.lookup_rows(cache.init_state().rows, lookup).shape
+          (2, 3, 4)
+        """
+        self._check_batch(shape)
+        ids = np.zeros((0,), np.int32)
+        route = routing.plan_route(
+            ids,
+            np.full(shape, -1, np.int32),
+            devices=self.devices,
+            local_capacity=self.local_capacity,
+            per_destination=1,
+            overflow_size=0,
+            owner_size=1,
+        )
+        return self._device_lookup(route)
+
+    def _check_batch(self, shape: tuple[int, ...]) -> None:
+        if len(shape) and shape[0] % self.devices:
+            raise ValueError(
+                f"ids of shape {tuple(shape)} do not split over the {self.devices} devices of "
+                f"axis {self.axis!r}; the batch size (leading axis) must be a multiple of "
+                f"{self.devices}."
             )
-        return Staged(host.plan, moves, Lookup(unique_slots, inverse, table=self.name))
 
     def stage_host(self, ids: np.ndarray, *, train: bool = True, size: int | None = None):
         """``stage`` without the transfer: the padded host arrays of a step.
@@ -289,8 +349,11 @@ class EmbeddingCache:
           A ``HostStaged``.
         """
         timers = self.stats.timers
-        with timers.time("plan"), self._plan_lock:
-            plan = self.planner.plan(ids, train=train)
+        self._check_batch(np.shape(ids))
+        with timers.time("plan"):
+            with self._plan_lock:
+                plan = self.planner.plan(ids, train=train)
+            route = self._route(plan, size)
         if len(plan.evict_ids):
             with self._write_back_lock:
                 self._unlanded[plan.index] = plan.evict_ids
@@ -313,10 +376,6 @@ class EmbeddingCache:
                     _pad(rows, rows_size, 0),
                     {k: _pad(v, rows_size, 0) for k, v in opt.items()},
                 )
-        if size is None:
-            size = self._unique_bucket = bucket_size(
-                plan.distinct, cfg.min_bucket, self._unique_bucket
-            )
         self.stats.record(
             StepStats(
                 lookups=plan.lookups,
@@ -327,14 +386,44 @@ class EmbeddingCache:
                 evictions=plan.evictions,
                 rows_to_device=plan.misses,
                 rows_to_host=len(plan.evict_ids),
+                overflow=route.overflowed,
             )
         )
-        return HostStaged(
-            plan,
-            np.asarray(ids),
-            moves,
-            _pad(plan.unique_slots, size, cfg.capacity),
-            np.where(plan.inverse < 0, size, plan.inverse).astype(np.int32),
+        return HostStaged(plan, np.asarray(ids), moves, route)
+
+    def _route(self, plan: Plan, size: int | None) -> routing.HostRoute:
+        """Routes ``plan`` over the devices, with padded sizes from buckets (or
+        the fixed ``size`` of the host-callback form: no overflow possible)."""
+        n, cl = self.devices, self.local_capacity
+        if size is not None:
+            per_device = size // n
+            k, v, o = per_device, size, 0
+        else:
+            k_need, v_need = routing.route_needs(
+                plan.unique_slots, plan.inverse, devices=n, local_capacity=cl
+            )
+            k_prev, v_prev, o_prev = self._route_buckets
+            minimum = max(1, self.config.min_bucket // n)
+            if self.config.route_capacity is not None:
+                k = self.config.route_capacity
+            else:
+                k = bucket_size(k_need, minimum, k_prev)
+            v = bucket_size(v_need, minimum, v_prev)
+            overflowing = 0
+            if k_need > k:
+                overflowing = routing.overflow_count(
+                    plan.unique_slots, plan.inverse, devices=n, local_capacity=cl, k=k
+                )
+            o = bucket_size(overflowing, 8, o_prev) if overflowing or o_prev else 0
+            self._route_buckets = (k, v, o)
+        return routing.plan_route(
+            plan.unique_slots,
+            plan.inverse,
+            devices=n,
+            local_capacity=cl,
+            per_destination=k,
+            overflow_size=o,
+            owner_size=v,
         )
 
     # ------------------------------------------------------- host callbacks
@@ -358,8 +447,9 @@ class EmbeddingCache:
         has one fixed output shape.
 
         Returns:
-          ``(plan index, unique_slots, inverse, evict_slots, fetch_slots,
-          fetch_rows, fetch_opt)`` as NumPy arrays.
+          ``(plan index, requests, overflow, inverse, owner_slots,
+          owner_inverse, evict_slots, fetch_slots, fetch_rows, fetch_opt)``
+          as NumPy arrays.
         """
         ids = np.asarray(ids)
         with self._offer_lock:
@@ -373,7 +463,7 @@ class EmbeddingCache:
         else:
             self.planner.release(self.planner.next_index - 1)
             host = self.stage_host(ids, train=train, size=ids.size)
-        return (np.int32(host.plan.index), host.unique_slots, host.inverse, *host.moves)
+        return (np.int32(host.plan.index), *host.route[:5], *host.moves)
 
     def callback_write_back(self, index: np.ndarray, rows: np.ndarray, opt: dict) -> None:
         """Lands the rows evicted by plan ``index`` (run by ``io_callback`` in the step)."""
@@ -481,6 +571,79 @@ class EmbeddingCache:
         """
         self.flush(state)
         return np.array(self.table.rows), {k: np.array(v) for k, v in self.table.state.items()}
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Host state of the cache besides the table, for a checkpoint.
+
+        The planner's directory and policy (``Planner.state_dict``), the
+        padded sizes in use (they fix the compiled shapes) and the
+        statistics. Take it after ``flush``, with no batch in flight.
+
+        Examples:
+          >>> import numpy as np, jaxcache
+          >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8))
+          >>> state, _ = cache.prepare(cache.init_state(), np.array([1, 2]))
+          >>> cache.flush(state)
+          >>> saved = cache.state_dict()
+          >>> saved["planner"]["next_index"], saved["stats"]["total"]["misses"]
+          (1, 2)
+        """
+        self._check_idle()
+        stats = self.stats
+        return {
+            "planner": self.planner.state_dict(),
+            "buckets": {"fetch": self._fetch_bucket, "route": list(self._route_buckets)},
+            "stats": {
+                "total": dataclasses.asdict(stats.total),
+                "last": dataclasses.asdict(stats.last),
+                "steps": stats.steps,
+                "write_back_waits": stats.write_back_waits,
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores a ``state_dict``; the host table must already hold the rows.
+
+        The planner always (onto any capacity, see ``Planner.load_state_dict``);
+        the padded sizes and the statistics when ``state`` has them. Build the
+        device state afterwards with ``init_state``.
+
+        Examples:
+          >>> import numpy as np, jaxcache
+          >>> cfg = jaxcache.CacheConfig(100, 4, capacity=8)
+          >>> cache = jaxcache.EmbeddingCache(cfg)
+          >>> state, _ = cache.prepare(cache.init_state(), np.array([1, 2]))
+          >>> cache.flush(state)
+          >>> other = jaxcache.EmbeddingCache(cfg, table=cache.table)
+          >>> other.load_state_dict(cache.state_dict())
+          >>> other.planner.resident_ids().tolist(), other.stats.total.misses
+          ([1, 2], 2)
+        """
+        self._check_idle()
+        self.planner.load_state_dict(state["planner"])
+        buckets = state.get("buckets")
+        if buckets is not None:
+            self._fetch_bucket = int(buckets["fetch"])
+            route = tuple(int(size) for size in buckets["route"])
+            if len(route) == len(self._route_buckets):
+                self._route_buckets = route
+        saved = state.get("stats")
+        if saved is not None:
+            fields = [f.name for f in dataclasses.fields(StepStats)]
+            self.stats.total = StepStats(**{k: int(saved["total"].get(k, 0)) for k in fields})
+            self.stats.last = StepStats(**{k: int(saved["last"].get(k, 0)) for k in fields})
+            self.stats.steps = int(saved["steps"])
+            self.stats.write_back_waits = int(saved["write_back_waits"])
+
+    def _check_idle(self) -> None:
+        with self._write_back_lock:
+            busy = sorted(set(self._unlanded) | set(self._dispatched))
+        if busy or self._offers:
+            raise RuntimeError(
+                f"batches are in flight (plans {busy}, {len(self._offers)} offered); close the "
+                "pipeline and call flush(state) before saving or restoring the cache."
+            )
 
 
 def _pad(values: np.ndarray, size: int, fill: int | float) -> np.ndarray:

@@ -56,7 +56,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxcache._src import device_ops
@@ -168,9 +167,7 @@ def init_lookup(cache: EmbeddingCache, shape: Sequence[int]) -> Lookup:
       >>> embed.apply(variables, lookup).tolist()
       [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
     """
-    size = cache.config.min_bucket
-    unique_slots = jnp.full((size,), cache.config.capacity, jnp.int32)
-    return Lookup(unique_slots, jnp.full(tuple(shape), size, jnp.int32), table=cache.name)
+    return cache.empty_lookup(tuple(shape))
 
 
 def prepare(
@@ -276,7 +273,7 @@ def value_and_grad(
         for lookup, path, grad in zip(lookups, paths, delta_grads, strict=True):
             state = device_ops.apply_sparse(
                 _get_state(collection, path),
-                lookup.unique_slots,
+                lookup,
                 grad,
                 by_table[lookup.table].config.optimizer,
             )

@@ -128,28 +128,36 @@ class CachedEmbed(nnx.Module):
         """
         cache = self.cache
         cfg = cache.config
-        n = int(np.prod(ids.shape))
+        size = int(np.prod(ids.shape))
+        devices = cache.devices
         opt_specs = {
-            name: jax.ShapeDtypeStruct((n, *spec.shape), spec.dtype)
+            name: jax.ShapeDtypeStruct((size, *spec.shape), spec.dtype)
             for name, spec in cfg.optimizer.state_spec(cfg.features).items()
         }
-        slots = jax.ShapeDtypeStruct((n,), np.int32)
+
+        def int32(*shape):
+            return jax.ShapeDtypeStruct(shape, np.int32)
+
+        # Fixed sizes: K = the ids of one device, no overflow, V = all ids.
         shapes = (
-            jax.ShapeDtypeStruct((), np.int32),
-            slots,
-            jax.ShapeDtypeStruct(ids.shape, np.int32),
-            slots,
-            slots,
-            jax.ShapeDtypeStruct((n, cfg.features), cfg.row_dtype),
+            int32(),
+            int32(devices, devices, size // devices),
+            int32(0),
+            int32(*ids.shape),
+            int32(devices, size),
+            int32(devices, size),
+            int32(size),
+            int32(size),
+            jax.ShapeDtypeStruct((size, cfg.features), cfg.row_dtype),
             opt_specs,
         )
-        index, unique_slots, inverse, *moves = io_callback(
+        index, *route, evict, fetch, rows, opt = io_callback(
             functools.partial(cache.callback_stage, train=train), shapes, ids, ordered=True
         )
-        state, rows, opt = device_ops.swap(self.get_state(), *moves)
+        state, rows, opt = device_ops.swap(self.get_state(), evict, fetch, rows, opt)
         io_callback(cache.callback_write_back, None, index, rows, opt, ordered=True)
         self.set_state(state)
-        return Lookup(unique_slots, inverse, table=cache.name)
+        return Lookup(*route, table=cache.name, mesh=cache.mesh, axis=cache.axis)
 
     def __call__(self, lookup: Lookup, weights: jax.Array | None = None) -> jax.Array:
         """Rows ``[*ids.shape, D]``, or pooled ``[*ids.shape[:-1], D]`` with a combiner.
@@ -169,9 +177,7 @@ class CachedEmbed(nnx.Module):
     def apply_gradients(self, lookup: Lookup, grads: jax.Array) -> None:
         """Sparse optimizer step on the rows of ``lookup`` (``grads``: ``[U, D]``)."""
         self.set_state(
-            device_ops.apply_sparse(
-                self.get_state(), lookup.unique_slots, grads, self.cache.config.optimizer
-            )
+            device_ops.apply_sparse(self.get_state(), lookup, grads, self.cache.config.optimizer)
         )
 
     def flush(self) -> None:
@@ -184,8 +190,12 @@ class CachedEmbed(nnx.Module):
 
 
 def value_and_grad(
-    fn: Callable[..., Any], *, has_aux: bool = False, wrt: Any = nnx.Param
-) -> Callable[..., tuple[Any, nnx.State]]:
+    fn: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    wrt: Any = nnx.Param,
+    apply_rows: bool = True,
+) -> Callable[..., tuple[Any, ...]]:
     """Like ``nnx.value_and_grad``, with the cached rows trained in the same step.
 
     ``fn(model, *args)`` must take the model first; every ``Lookup`` found in
@@ -199,6 +209,11 @@ def value_and_grad(
       fn: the loss function ``fn(model, *args) -> loss`` (or ``(loss, aux)``).
       has_aux: ``fn`` returns ``(loss, aux)``.
       wrt: filter of the dense variables to differentiate.
+      apply_rows: apply the sparse optimizer to the rows (the default). With
+        ``False`` the rows are left alone and the function returns
+        ``(value, grads, row_grads)``, ``row_grads`` mapping each table's name
+        to ``(lookup, grad)`` for ``CachedEmbed.apply_gradients``: for updates
+        applied conditionally (``update_if_finite``).
 
     Returns:
       A function ``(model, *args) -> (value, grads)``.
@@ -243,6 +258,9 @@ def value_and_grad(
         value, (grads, delta_grads) = nnx.value_and_grad(
             inner, argnums=(nnx.DiffState(0, wrt), 1), has_aux=has_aux
         )(model, deltas, args)
+        if not apply_rows:
+            row_grads = zip(lookups, delta_grads, strict=True)
+            return value, grads, {lookup.table: (lookup, grad) for lookup, grad in row_grads}
         for lookup, grad in zip(lookups, delta_grads, strict=True):
             modules[lookup.table].apply_gradients(lookup, grad)
         return value, grads

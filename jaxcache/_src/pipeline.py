@@ -145,6 +145,10 @@ class Prefetcher(Iterator[dict[str, Any]]):
         self.train = train
         self.callback = callback
         self._tables = dict(tables)
+        # The producer thread reads only these, never the holders: a Flax NNX
+        # module may be mid-transform on the training thread (inside nnx.jit
+        # its attributes are briefly taken apart).
+        self._caches = {key: holder.cache for key, holder in tables.items()}
         self._source = iter(batches)
         self._queue: queue.Queue[Any] = queue.Queue()
         self._permits = threading.Semaphore(max(lookahead, 1))
@@ -185,7 +189,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         self._handed_out = staged
         if self.callback:
             for key, s in staged.items():
-                self._tables[key].cache.offer(s)
+                self._caches[key].offer(s)
             return dict(batch)
         self._apply(staged)
         out = dict(batch)
@@ -197,8 +201,8 @@ class Prefetcher(Iterator[dict[str, Any]]):
         start = time.perf_counter()
         item = self._queue.get()
         waited = time.perf_counter() - start
-        for holder in self._tables.values():
-            timers = holder.cache.stats.timers
+        for cache in self._caches.values():
+            timers = cache.stats.timers
             timers.seconds["wait"] += waited
             timers.counts["wait"] += 1
         if not isinstance(item, (_End, _Failure)):
@@ -213,24 +217,24 @@ class Prefetcher(Iterator[dict[str, Any]]):
         if self.callback:  # the step's callback plans on the spot
             return batch, {}
         staged: dict[str, Staged] = {}
-        for key, holder in self._tables.items():
-            holder.cache.planner.release(holder.cache.planner.next_index - 1)
-            staged[key] = holder.cache.stage(_ids(batch, key), train=self.train)
+        for key, cache in self._caches.items():
+            cache.planner.release(cache.planner.next_index - 1)
+            staged[key] = cache.stage(_ids(batch, key), train=self.train)
         return batch, staged
 
     def _apply(self, staged: Mapping[str, Staged | HostStaged]) -> None:
         """Swaps staged batches in through the device path, in order."""
         for key, s in staged.items():
-            holder = self._tables[key]
+            holder, cache = self._tables[key], self._caches[key]
             if isinstance(s, HostStaged):
-                s = holder.cache.to_device(s)
-            holder.set_state(holder.cache.apply(holder.get_state(), s))
+                s = cache.to_device(s)
+            holder.set_state(cache.apply(holder.get_state(), s))
 
     def _release_handed_out(self) -> None:
         # The loop asks for the next batch: the last one's step is dispatched.
         with self._released:
             for key, s in self._handed_out.items():
-                self._tables[key].cache.planner.release(s.plan.index)
+                self._caches[key].planner.release(s.plan.index)
             self._handed_out = {}
             self._released.notify_all()
 
@@ -253,8 +257,8 @@ class Prefetcher(Iterator[dict[str, Any]]):
                     if self._stop.is_set():
                         return
                     staged = {}
-                    for key, holder in self._tables.items():
-                        staged[key] = self._stage_with_retry(holder.cache, _ids(batch, key))
+                    for key, cache in self._caches.items():
+                        staged[key] = self._stage_with_retry(cache, _ids(batch, key))
                     self._queue.put((batch, staged))
                     staged = {}
         except BaseException as error:  # re-raised in the training loop
@@ -316,7 +320,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
             # did run (their callbacks consume offers), then swap the rest in.
             for key, holder in self._tables.items():
                 jax.block_until_ready(holder.get_state())
-                for staged in holder.cache.take_offers():
+                for staged in self._caches[key].take_offers():
                     self._apply({key: staged})
         _OPEN.discard(self)
 

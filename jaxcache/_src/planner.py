@@ -14,12 +14,13 @@ a batch, ``M`` misses, ``E`` dirty evictions.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from jaxcache._src import policies, validation
 from jaxcache._src.config import CacheConfig
+from jaxcache._src.frequency import hottest
 
 __all__ = ["CapacityError", "Plan", "Planner"]
 
@@ -108,6 +109,9 @@ class Planner:
         of ``"lfu"`` counts (optional).
       reserve: victim candidates kept between full scans of the slots (at
         least twice the misses of a step); it changes speed, never the choice.
+      devices: devices the slots are split over (contiguous blocks of
+        ``C / devices``); ties between equal keys alternate devices so new
+        rows spread evenly.
 
     Attributes:
       slot_of_id: ``int32 [N]``, ``-1`` when the id is not resident.
@@ -131,7 +135,12 @@ class Planner:
     """
 
     def __init__(
-        self, config: CacheConfig, *, frequencies: np.ndarray | None = None, reserve: int = 4096
+        self,
+        config: CacheConfig,
+        *,
+        frequencies: np.ndarray | None = None,
+        reserve: int = 4096,
+        devices: int = 1,
     ) -> None:
         self.config = config
         capacity, n = config.capacity, config.num_embeddings
@@ -148,6 +157,14 @@ class Planner:
         self._rank = np.empty(capacity, np.int32)
         # Victim candidates (see _snapshot) and the (key, slot) bound they cover.
         self.reserve = int(reserve)
+        if capacity % devices:
+            raise ValueError(
+                f"capacity={capacity} does not split over {devices} devices; use a multiple "
+                f"of {devices}."
+            )
+        local = capacity // devices
+        slots = np.arange(capacity)
+        self._tie = (slots % local) * devices + slots // local
         self._candidates: np.ndarray | None = None
         self._threshold: tuple[int, int] | None = None
 
@@ -163,6 +180,115 @@ class Planner:
     def resident_ids(self) -> np.ndarray:
         """Ids currently in a slot, in slot order."""
         return self.id_of_slot[self.id_of_slot >= 0]
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The planner's state for a checkpoint: directory, recency and policy.
+
+        Taken with every row clean (after ``EmbeddingCache.flush``), so the
+        ``dirty`` flags are not part of it. The arrays are the planner's own,
+        not copies: write them out before planning again.
+
+        Returns:
+          ``{"id_of_slot": int64 [C], "last_use": int64 [C], "next_index": int,
+          "policy": dict}``.
+
+        Examples:
+          >>> import numpy as np, jaxcache
+          >>> planner = jaxcache.Planner(jaxcache.CacheConfig(10, 2, capacity=3, policy="lru"))
+          >>> _ = planner.plan(np.array([4, 7]), train=False)
+          >>> state = planner.state_dict()
+          >>> state["id_of_slot"].tolist(), state["next_index"], state["policy"]
+          ([4, 7, -1], 1, {'name': 'lru'})
+        """
+        if self.dirty.any():
+            raise RuntimeError(
+                f"{int(self.dirty.sum())} resident rows changed on device since they were "
+                "fetched; write them back with EmbeddingCache.flush(state) first."
+            )
+        return {
+            "id_of_slot": self.id_of_slot,
+            "last_use": self.last_use,
+            "next_index": self.next_index,
+            "policy": self.policy.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores a ``state_dict``, onto this planner's capacity.
+
+        With the capacity and policy it was saved with, every row goes back to
+        its slot. Otherwise the previously resident rows are placed hottest
+        first (by the saved access counts where the policy kept them, then by
+        recency) until the slots are full; where counts were saved, slots left
+        over take the hottest other ids. Either way nothing is in flight and
+        every row is clean afterwards. The host table must hold the rows.
+
+        Args:
+          state: what ``state_dict`` returned (possibly read back from disk).
+
+        Raises:
+          ValueError: the state does not fit this table (nothing changed).
+
+        Examples:
+          >>> import numpy as np, jaxcache
+          >>> planner = jaxcache.Planner(jaxcache.CacheConfig(10, 2, capacity=3))
+          >>> _ = planner.plan(np.array([4, 7, 7, 2]), train=False)
+          >>> smaller = jaxcache.Planner(jaxcache.CacheConfig(10, 2, capacity=1))
+          >>> smaller.load_state_dict(planner.state_dict())
+          >>> smaller.resident_ids().tolist(), smaller.next_index  # the hottest row
+          ([7], 1)
+        """
+        n = self.config.num_embeddings
+        ids = np.asarray(state["id_of_slot"], np.int64)
+        last_use = np.asarray(state["last_use"], np.int64)
+        next_index = int(state["next_index"])
+        if ids.ndim != 1 or last_use.shape != ids.shape:
+            raise ValueError(
+                f"id_of_slot {ids.shape} and last_use {last_use.shape} must be two vectors "
+                "of the same length (one entry per slot)."
+            )
+        resident = np.flatnonzero(ids >= 0)
+        resident_ids = ids[resident]
+        if ids.size and (ids.min() < -1 or ids.max() >= n):
+            raise ValueError(f"saved slots hold ids outside [0, {n}); is this the same table?")
+        if np.unique(resident_ids).size != resident_ids.size:
+            raise ValueError("saved slots hold an id twice; the state is corrupt.")
+        policy_state = dict(state.get("policy", {}))
+        counts = policy_state.get("counts")
+        if counts is not None and np.shape(counts) != (n,):
+            raise ValueError(
+                f"saved access counts have shape {np.shape(counts)}, the table has {n} rows."
+            )
+        self.policy.load_state_dict(policy_state)
+        self.slot_of_id[:] = -1
+        self.id_of_slot[:] = -1
+        self.last_use[:] = -1
+        self.dirty[:] = False
+        self.next_index = next_index
+        self.released = next_index - 1
+        self._candidates = None
+        self._threshold = None
+        if ids.size == self.capacity and policy_state.get("name") == self.policy.name:
+            self.id_of_slot[:] = ids
+            self.slot_of_id[resident_ids] = resident
+            self.last_use[:] = last_use
+            self.policy.on_insert(self, resident, resident_ids)
+            return
+        recency = last_use[resident]
+        if counts is None:
+            order = np.lexsort((resident, -recency))
+            ranked = resident_ids[order]
+        else:
+            counts = np.asarray(counts)
+            order = np.lexsort((resident, -recency, -counts[resident_ids]))
+            extra = hottest(counts, self.capacity + resident_ids.size)
+            ranked = np.concatenate([resident_ids[order], extra])
+        placed, slots = self.warm(ranked)
+        if resident_ids.size and placed.size:
+            sorter = np.argsort(resident_ids)
+            at = np.minimum(np.searchsorted(resident_ids, placed, sorter=sorter), sorter.size - 1)
+            was_resident = resident_ids[sorter[at]] == placed
+            self.last_use[slots[was_resident]] = recency[sorter[at[was_resident]]]
 
     def _distinct(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Distinct values of ``slots`` and the position of each in that list.
@@ -312,15 +438,21 @@ class Planner:
         keys = self._keys(np.arange(capacity))
         kth = np.partition(keys, size - 1)[size - 1]
         below = np.flatnonzero(keys < kth)
-        ties = np.flatnonzero(keys == kth)[: size - below.size]
+        ties = self._by_tie(np.flatnonzero(keys == kth))[: size - below.size]
         self._candidates = np.concatenate([below, ties])
-        self._threshold = (int(kth), int(ties[-1]))
+        self._threshold = (int(kth), int(self._tie[ties[-1]]))
+
+    def _by_tie(self, slots: np.ndarray) -> np.ndarray:
+        """``slots`` in tie-break order: local slot first, then device, so that
+        equal keys (free slots above all) spread new rows over the devices."""
+        return slots[np.argsort(self._tie[slots], kind="stable")]
 
     def _choose_victims(self, count: int, protected: np.ndarray) -> np.ndarray:
         """The ``count`` unprotected slots of lowest ``(key, slot)``, by slot.
 
         Free slots come first (key -1); then the policy's priority of the
-        resident row, lowest first; ties go to the lower slot. Victims are
+        resident row, lowest first; ties go to the lower local slot, then the
+        lower device (for one device: the lower slot). Victims are
         picked among a reserve of low-key candidates, so a step costs
         ``O(reserve)`` rather than ``O(C)``; the reserve is rebuilt with one
         partial sort over all slots only when it no longer provably holds the
@@ -337,8 +469,9 @@ class Planner:
                 keys = self._keys(candidates)
                 kth = np.partition(keys, count - 1)[count - 1]
                 below = candidates[keys < kth]
-                ties = np.sort(candidates[keys == kth])[: count - below.size]
-                if self._threshold is None or (int(kth), int(ties[-1])) <= self._threshold:
+                ties = self._by_tie(candidates[keys == kth])[: count - below.size]
+                last = (int(kth), int(self._tie[ties[-1]]))
+                if self._threshold is None or last <= self._threshold:
                     return np.sort(np.concatenate([below, ties]))
             size = max(size, 2 * self._candidates.size)
             self._snapshot(size)

@@ -59,6 +59,7 @@ class StepStats:
       evictions: resident rows replaced.
       rows_to_device: rows copied host -> device.
       rows_to_host: rows copied device -> host (dirty evictions and flushes).
+      overflow: rows routed through the overflow path (several devices).
 
     Examples:
       >>> import jaxcache
@@ -75,6 +76,7 @@ class StepStats:
     evictions: int = 0
     rows_to_device: int = 0
     rows_to_host: int = 0
+    overflow: int = 0
 
     def add(self, other: StepStats) -> None:
         """Adds ``other``'s counts to these."""
