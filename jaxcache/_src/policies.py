@@ -8,7 +8,8 @@ sorting every slot on every step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,6 +36,21 @@ class Policy:
     def record(self, planner: Planner, unique_slots: np.ndarray, inverse: np.ndarray) -> None:
         """Learns from a planned batch: its distinct slots and each lookup's index."""
 
+    # -------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What the policy learned, for a checkpoint: ``{"name": ...}`` plus arrays.
+
+        The arrays are the policy's own, not copies. Recency is the planner's
+        (``last_use``); per-slot mirrors are rebuilt by ``on_insert``.
+        """
+        return {"name": self.name}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Takes over what ``state_dict`` of a policy returned (before the
+        planner re-inserts the resident rows). A policy keeps what it can use:
+        counting policies take any saved per-id counts.
+        """
+
 
 class LRUPolicy(Policy):
     """Least recently used: priority is the index of the last plan using the row."""
@@ -57,6 +73,20 @@ class _CountPolicy(Policy):
 
     def on_insert(self, planner, slots, ids):
         self.slot_counts[slots] = self.counts[ids]
+
+    def state_dict(self):
+        return {"name": self.name, "counts": self.counts}
+
+    def load_state_dict(self, state):
+        counts = state.get("counts")
+        if counts is None:
+            return
+        if np.shape(counts) != self.counts.shape:
+            raise ValueError(
+                f"saved access counts have shape {np.shape(counts)} but the table has "
+                f"{self.counts.shape[0]} rows; restore into a table of the same size."
+            )
+        self.counts[...] = counts
 
 
 class FrequencyPolicy(_CountPolicy):
