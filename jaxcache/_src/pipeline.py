@@ -2,15 +2,17 @@
 
 Stage by stage, for batch ``t + k`` while the device runs step ``t``:
 
-* **producer thread** — ``EmbeddingCache.stage``: plan the batch (distinct ids,
-  hits, misses, victims among rows no in-flight batch uses), land the
-  write-back of any row it is about to fetch again, gather the missing rows
-  and their optimizer state into fresh staging buffers and start their
-  ``device_put``.
-* **training loop** (``next()``) — ``EmbeddingCache.apply``: the donated swap
-  that writes the fetched rows into their slots and reads the victims out for
-  write-back, dispatched in plan order between training steps. The device
-  state is only ever touched on this thread.
+* **producer thread** — ``EmbeddingCache.stage_host``: plan the batch
+  (distinct ids, hits, misses, victims among rows no in-flight batch uses),
+  route it over the devices, land the write-back of any row it is about to
+  fetch again, and gather the missing rows and their optimizer state into
+  fresh staging buffers.
+* **training loop** (``next()``) — ``EmbeddingCache.to_device`` and
+  ``apply``: start the asynchronous transfer, then the donated swap that
+  writes the fetched rows into their slots and reads the victims out for
+  write-back, dispatched in plan order between training steps. Every JAX
+  dispatch happens on this thread, so the device state has one owner and
+  several processes issue their collectives in the same order.
 
 Rows of batches planned but not yet handed to the training loop are protected
 from eviction; a batch is released when the loop asks for the next one (its
@@ -32,7 +34,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from jaxcache._src.device_ops import CacheState
+from jaxcache._src.device_ops import CacheState, Lookup
 from jaxcache._src.engine import EmbeddingCache, HostStaged, Staged
 from jaxcache._src.planner import CapacityError
 
@@ -191,10 +193,8 @@ class Prefetcher(Iterator[dict[str, Any]]):
             for key, s in staged.items():
                 self._caches[key].offer(s)
             return dict(batch)
-        self._apply(staged)
         out = dict(batch)
-        for key, s in staged.items():
-            out[key] = s.lookup
+        out.update(self._apply(staged))
         return out
 
     def _take(self) -> Any:
@@ -222,13 +222,21 @@ class Prefetcher(Iterator[dict[str, Any]]):
             staged[key] = cache.stage(_ids(batch, key), train=self.train)
         return batch, staged
 
-    def _apply(self, staged: Mapping[str, Staged | HostStaged]) -> None:
-        """Swaps staged batches in through the device path, in order."""
+    def _apply(self, staged: Mapping[str, Staged | HostStaged]) -> dict[str, Lookup]:
+        """Transfers and swaps staged batches in, in order; returns their lookups.
+
+        On the training thread, so that every JAX dispatch of a process comes
+        from one thread in one order: with several processes, their
+        collectives must match.
+        """
+        lookups = {}
         for key, s in staged.items():
             holder, cache = self._tables[key], self._caches[key]
             if isinstance(s, HostStaged):
                 s = cache.to_device(s)
             holder.set_state(cache.apply(holder.get_state(), s))
+            lookups[key] = s.lookup
+        return lookups
 
     def _release_handed_out(self) -> None:
         # The loop asks for the next batch: the last one's step is dispatched.
@@ -264,25 +272,27 @@ class Prefetcher(Iterator[dict[str, Any]]):
         except BaseException as error:  # re-raised in the training loop
             self._queue.put(_Failure(error, staged))
 
-    def _stage_with_retry(self, cache: EmbeddingCache, ids: Any) -> Staged:
+    def _stage_with_retry(self, cache: EmbeddingCache, ids: Any) -> HostStaged:
         """Stages ``ids``; while in-flight batches hold too many rows, waits for them.
 
         The look-ahead window shrinks instead of failing: the batch waits
         until the training loop releases earlier batches. Only a batch that
         cannot fit with nothing in flight raises ``CapacityError``.
         """
+        planner = cache.planner
+        size = np.size(ids) if self.callback else None
         while True:
+            # Read before planning: a release between a refused plan and the
+            # check below must lead to a retry, not to an error or a wait.
+            released = planner.released
             try:
-                if self.callback:
-                    ids = np.asarray(ids)
-                    return cache.stage_host(ids, train=self.train, size=ids.size)
-                return cache.stage(ids, train=self.train)
+                return cache.stage_host(ids, train=self.train, size=size)
             except CapacityError:
-                planner = cache.planner
                 with self._released:
+                    if planner.released != released:
+                        continue
                     if planner.released >= planner.next_index - 1:
                         raise
-                    released = planner.released
                     while planner.released == released:
                         if self._stop.is_set():
                             raise PipelineStopped("stopped while waiting for capacity") from None

@@ -1,0 +1,140 @@
+"""DLRM through a cache sharded over the devices of several processes.
+
+Every process runs this same program under ``jax.distributed.initialize``; the
+cache's rows are split over all global devices, lookups and gradients travel
+between processes by ``all_to_all`` inside ``shard_map`` (gloo collectives on
+CPU, NCCL on GPU). Each process plans the same global batch with the same
+deterministic planner, so they agree on every slot without talking.
+
+Run it on one machine (it starts the processes itself)::
+
+    python examples/multiprocess.py --num-processes 2 --devices-per-process 2
+
+or start each process yourself, on one or several hosts::
+
+    python examples/multiprocess.py --process-id 0 --num-processes 2 \\
+        --coordinator 10.0.0.1:12355
+
+The last line of stdout is one JSON object (from process 0, or from the
+launcher: the processes' results and whether they agree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-processes", type=int, default=2)
+    parser.add_argument("--process-id", type=int, default=None, help="omit to launch locally")
+    parser.add_argument("--coordinator", default=None, help="host:port of process 0")
+    parser.add_argument("--devices-per-process", type=int, default=2, help="CPU devices")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--lookahead", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache-fraction", type=float, default=0.1)
+    parser.add_argument("--scale", type=float, default=0.002, help="of the Criteo cardinalities")
+    return parser.parse_args(argv)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Starts ``--num-processes`` copies of this program on localhost."""
+    coordinator = f"127.0.0.1:{_free_port()}"
+    argv = [a for a in sys.argv[1:]]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, *argv, "--process-id", str(i), "--coordinator", coordinator],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(args.num_processes)
+    ]
+    results = []
+    for i, proc in enumerate(procs):
+        out, err = proc.communicate(timeout=600)
+        if proc.returncode:
+            sys.stderr.write(err)
+            raise SystemExit(f"process {i} failed with exit code {proc.returncode}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    agree = all(r["losses"] == results[0]["losses"] for r in results)
+    print(json.dumps({"processes": results, "agree": agree}))
+    return 0 if agree else 1
+
+
+def run(args: argparse.Namespace) -> dict:
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", args.devices_per_process)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.num_processes > 1:
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+        )
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import jaxcache
+
+    mesh = Mesh(np.array(jax.devices()), ("rows",))
+    data = jaxcache.SyntheticCriteo(scale=args.scale, batch_size=args.batch_size, seed=args.seed)
+    cfg = jaxcache.CacheConfig(
+        data.num_embeddings,
+        16,
+        args.cache_fraction,
+        policy="lfu",
+        optimizer=jaxcache.rowwise_adagrad(0.05),
+    )
+    cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, seed=args.seed), mesh=mesh)
+    from flax import nnx
+
+    model = jaxcache.models.DLRM(
+        jaxcache.nnx.CachedEmbed(cache),
+        num_sparse=data.num_features,
+        features=16,
+        bottom=(64, 32),
+        top=(64, 32),
+        rngs=nnx.Rngs(args.seed),
+    )
+    _, step = jaxcache.models.make_train_step(model, jaxcache.models.dense_optimizer("adam", 1e-3))
+    losses = []
+    batches = data.batches(args.steps)
+    with jaxcache.prefetch(batches, {"sparse": model.embed}, lookahead=args.lookahead) as pipeline:
+        for batch in pipeline:
+            losses.append(float(step(batch["dense"], batch["sparse"], batch["label"])))
+    rows, _ = model.embed.export()
+    return {
+        "process": jax.process_index(),
+        "global_devices": jax.device_count(),
+        "losses": losses,
+        "table_checksum": float(np.abs(rows.astype(np.float64)).sum()),
+        "hit_rate": cache.stats.total.hit_rate,
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.process_id is None:
+        return launch(args)
+    print(json.dumps(run(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    raise SystemExit(main())
