@@ -74,7 +74,13 @@ html_theme_options = {
 html_sidebars = {"**": ["about.html", "navigation.html", "searchbox.html"]}
 
 # -- API reference generated from __all__ ------------------------------------
-PUBLIC_MODULES = ("jaxcache", "jaxcache.nnx", "jaxcache.linen", "jaxcache.models")
+PUBLIC_MODULES = (
+    "jaxcache",
+    "jaxcache.nnx",
+    "jaxcache.linen",
+    "jaxcache.models",
+    "jaxcache.datasets",
+)
 API_DOCNAME = "api"
 API_MARKER = "<!-- generated: public API -->"
 

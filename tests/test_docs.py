@@ -11,7 +11,13 @@ import sys
 import pytest
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
-PUBLIC_MODULES = ("jaxcache", "jaxcache.nnx", "jaxcache.linen", "jaxcache.models")
+PUBLIC_MODULES = (
+    "jaxcache",
+    "jaxcache.nnx",
+    "jaxcache.linen",
+    "jaxcache.models",
+    "jaxcache.datasets",
+)
 
 # Public names whose docstring has no example yet (none: keep it that way).
 EXAMPLES_TO_WRITE: set[str] = set()
