@@ -1,4 +1,4 @@
-"""Training throughput: the cache against the whole table on device and a naive host table.
+"""Training throughput: the cache, pipelined or not, against the whole table on device.
 
 One run, the same synthetic batches and the same initial model for every
 variant of a configuration:
@@ -14,27 +14,45 @@ Two configurations: ``dlrm`` (the DLRM reference MLPs, one id per feature)
 and ``embedding-heavy`` (small MLPs, multi-hot bags of DCNv2 sizes: about
 4.6x the ids per sample), where host work is a large share of a step.
 
-Each step is measured synchronously in three parts: ``plan`` (host planner:
-distinct ids, hits, victims), ``move`` (host gather of missing rows, transfer,
-swap on device, write-back of evicted rows) and ``device`` (the jitted
-forward/backward/update). Medians over the timed steps (warm-up excluded). The
-caches end with the full table's loss (a cache is exact); the naive variant
-computes the same thing in another XLA program, so rounding makes it drift.
+Each cached variant runs twice. The **blocking** run waits for every part of
+a step before starting the next, and times the parts alone: ``staging``
+(``EmbeddingCache.stage``: plan, land the write-backs it needs, gather,
+start the transfer), ``swap`` (``EmbeddingCache.apply`` on device) and
+``device`` (the jitted forward/backward/update). The **loop** run is a
+training loop fed by ``jaxcache.prefetch`` with ``--lookahead`` batches
+staged ahead on a host thread (``0``: staged in the loop, unpipelined); it
+reads each step's loss one step later, as a loop that logs its loss does, and
+times the interval between steps. All times are medians over the timed steps
+(warm-up excluded). The caches end with the full table's loss (a cache is
+exact, pipelined or not); the naive variant computes the same thing in
+another XLA program, so rounding makes it drift.
 
-Then: planner throughput on batches of 100k+ ids, and the three parts at
-capacities x1 and x8 of 2% (the training step must not grow with the capacity:
-the cache is donated to it, never copied). The last line is ``cached_2pct_over_full=R`` for the
-embedding-heavy configuration: full-table step time over 2%-cache step time.
+For the embedding-heavy configuration at 2%, the side-by-side table compares
+(a) the device step alone and (b) host staging alone with the loops:
+unpipelined, pipelined, the host-callback form (``CachedEmbed.lookup_ids``
+inside the step), and the full table. A perfect pipeline would run a step in
+``max(a, b)``; ``pipelined_over_ideal=R`` is the pipelined step time over
+that. On a CPU the "device" is the same cores as the host thread, so the two
+compete.
 
-    python benchmarks/throughput.py            # a few minutes on 2 CPU cores
-    python benchmarks/throughput.py --quick    # under a minute, smaller table
+Then: planner throughput on batches of 100k+ ids, and the blocking parts at
+capacities x1 and x8 of 2% (the training step must not grow with the
+capacity: the cache is donated to it, never copied). The last line is
+``cached_2pct_over_full=R`` for the embedding-heavy configuration: full-table
+step time over 2%-cache step time, both in the loop at ``--lookahead``.
+
+    python benchmarks/throughput.py                # a few minutes on 2 CPU cores
+    python benchmarks/throughput.py --lookahead 0  # the loops unpipelined
+    python benchmarks/throughput.py --quick        # about a minute, smaller table
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,33 +102,76 @@ class Setup:
 
 @dataclasses.dataclass
 class Timing:
-    """Per-step times (seconds) and results of one variant."""
+    """Per-step times (seconds) and results of one run.
+
+    ``parts`` holds the blocking run's ``staging``, ``swap`` and ``device``
+    times, or the loop's ``step`` intervals.
+    """
 
     name: str
     rows_on_device: int
-    plan: list[float] = dataclasses.field(default_factory=list)
-    move: list[float] = dataclasses.field(default_factory=list)
-    device: list[float] = dataclasses.field(default_factory=list)
+    parts: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     losses: list[jax.Array] = dataclasses.field(default_factory=list)
     hit_rate: float = float("nan")
     compilations: int = 0
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    write_back_waits: int = 0
+    device_cores: float = float("nan")
 
     def median(self, part: str) -> float:
-        values = getattr(self, part)
-        return float(np.median(values)) if values else 0.0
+        values = self.parts.get(part, [])
+        return float(np.median(values)) if values else float("nan")
 
     @property
     def loss(self) -> float:
         return float(self.losses[-1])
 
     @property
-    def step(self) -> float:
-        return float(np.median(np.add(np.add(self.plan, self.move), self.device)))
+    def blocking(self) -> float:
+        """Median of the sum of the blocking parts."""
+        parts = [self.parts[p] for p in ("staging", "swap", "device") if p in self.parts]
+        return float(np.median(np.sum(parts, axis=0)))
+
+
+class _Window:
+    """Counters of a cache from the end of the warm-up on."""
+
+    def __init__(self, cache: jaxcache.EmbeddingCache) -> None:
+        self.cache = cache
+        self.hits, self.distinct = cache.stats.total.hits, cache.stats.total.distinct
+        self.seconds = dict(cache.stats.timers.seconds)
+        self.counts = dict(cache.stats.timers.counts)
+        self.waits = cache.stats.write_back_waits
+        self.compilations = jaxcache.compilations()
+
+    def close(self, timing: Timing) -> Timing:
+        stats = self.cache.stats
+        timers = stats.timers
+        timing.phases = {
+            phase: 1e3
+            * (timers.seconds[phase] - self.seconds[phase])
+            / (timers.counts[phase] - self.counts[phase])
+            for phase in timers.seconds
+            if timers.counts[phase] > self.counts[phase]
+        }
+        timing.hit_rate = (stats.total.hits - self.hits) / max(
+            1, stats.total.distinct - self.distinct
+        )
+        timing.write_back_waits = stats.write_back_waits - self.waits
+        timing.compilations = jaxcache.compilations() - self.compilations
+        return timing
 
 
 # --------------------------------------------------------------------- cache
-def run_cache(
+def _trainer(setup: Setup, cache: jaxcache.EmbeddingCache, seed: int, host_callback: bool):
+    embed = jaxcache.nnx.CachedEmbed(cache, combiner=setup.combiner)
+    model = _model(setup, embed, seed)
+    tx = jaxcache.models.dense_optimizer("adagrad", DENSE_LEARNING_RATE)
+    _, train_step = jaxcache.models.make_train_step(model, tx, host_callback=host_callback)
+    return embed, train_step
+
+
+def run_blocking(
     setup: Setup,
     batches: list[dict],
     cache: jaxcache.EmbeddingCache,
@@ -119,66 +180,103 @@ def run_cache(
     warmup: int,
     seed: int,
 ) -> Timing:
-    """Trains through ``cache`` (full table or not), timing plan, move and device."""
-    embed = jaxcache.nnx.CachedEmbed(cache, combiner=setup.combiner)
-    model = _model(setup, embed, seed)
-    tx = jaxcache.models.dense_optimizer("adagrad", DENSE_LEARNING_RATE)
-    _, train_step = jaxcache.models.make_train_step(model, tx)
+    """Trains through ``cache``, waiting for each part: staging, swap, device step."""
+    embed, train_step = _trainer(setup, cache, seed, host_callback=False)
     timing = Timing(name, cache.config.capacity)
+    staging, swap, device, cpu = [], [], [], []
     for i, batch in enumerate(batches):
         if i == warmup:
-            hits, distinct = cache.stats.total.hits, cache.stats.total.distinct
-            compilations = jaxcache.compilations()
-            timers = cache.stats.timers
-            seconds, counts = dict(timers.seconds), dict(timers.counts)
+            window = _Window(cache)
         t0 = time.perf_counter()
-        planning = cache.stats.timers.seconds["plan"]
-        lookup = embed.prepare(batch["sparse"])
-        jax.block_until_ready(embed.rows[...])  # the swap has run
-        t2 = time.perf_counter()
-        t1 = t0 + cache.stats.timers.seconds["plan"] - planning
-        timing.losses.append(train_step(batch["dense"], lookup, batch["label"]))
+        cache.planner.release(cache.planner.next_index - 1)  # every earlier step has run
+        staged = cache.stage(batch["sparse"])
+        t1 = time.perf_counter()
+        embed.set_state(cache.apply(embed.get_state(), staged))
+        jax.block_until_ready(embed.get_state())
+        t2, c2 = time.perf_counter(), time.process_time()
+        timing.losses.append(train_step(batch["dense"], staged.lookup, batch["label"]))
         timing.losses[-1].block_until_ready()
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.process_time()
         if i >= warmup:
-            timing.plan.append(t1 - t0)
-            timing.move.append(t2 - t1)
-            timing.device.append(t3 - t2)
-    timing.phases = {
-        phase: 1e3
-        * (timers.seconds[phase] - seconds[phase])
-        / (timers.counts[phase] - counts[phase])
-        for phase in timers.seconds
-        if timers.counts[phase] > counts[phase]
-    }
-    total = cache.stats.total
-    timing.hit_rate = (total.hits - hits) / max(1, total.distinct - distinct)
-    timing.compilations = jaxcache.compilations() - compilations
-    return timing
+            staging.append(t1 - t0)
+            swap.append(t2 - t1)
+            device.append(t3 - t2)
+            cpu.append(c3 - c2)
+    timing.parts = {"staging": staging, "swap": swap, "device": device}
+    # Cores busy during the device step alone (process CPU time over wall time).
+    timing.device_cores = float(np.sum(cpu) / np.sum(device))
+    return window.close(timing)
+
+
+def run_loop(
+    setup: Setup,
+    batches: list[dict],
+    cache: jaxcache.EmbeddingCache,
+    name: str,
+    *,
+    lookahead: int,
+    host_callback: bool = False,
+    warmup: int,
+    seed: int,
+) -> Timing:
+    """A training loop fed by ``jaxcache.prefetch``; times the interval between steps."""
+    embed, train_step = _trainer(setup, cache, seed, host_callback=host_callback)
+    timing = Timing(name, cache.config.capacity)
+    intervals = []
+    pipeline = jaxcache.prefetch(
+        batches, {"sparse": embed}, lookahead=lookahead, callback=host_callback
+    )
+    with pipeline:
+        tick = time.perf_counter()
+        for i, batch in enumerate(pipeline):
+            if i == warmup:
+                window = _Window(cache)
+            timing.losses.append(train_step(batch["dense"], batch["sparse"], batch["label"]))
+            if i:
+                timing.losses[-2].block_until_ready()  # the loss of the step before
+            tock = time.perf_counter()
+            if i > warmup:
+                intervals.append(tock - tick)
+            tick = tock
+    timing.losses[-1].block_until_ready()
+    timing.parts = {"step": intervals}
+    return window.close(timing)
 
 
 # --------------------------------------------------------------------- naive
-class HostCallbackEmbed(nnx.Module):
-    """Rows read from a host NumPy table by ``jax.pure_callback`` inside the step.
+class HostIds(NamedTuple):
+    """A batch's distinct ids and each id's position among them (naive baseline).
 
-    Takes a ``jaxcache.Lookup`` whose ``unique_slots`` are table ids (padded
-    with ``N``); nothing is kept on device.
+    Attributes:
+      unique_ids: ``int32 [U]`` distinct table ids, padded with ``N``.
+      inverse: ``int32`` of the ids' shape, padding as ``U``.
+      delta: ``[U, D]`` zeros added to the rows while differentiating.
     """
+
+    unique_ids: jax.Array
+    inverse: jax.Array
+    delta: jax.Array | None = None
+
+
+class HostCallbackEmbed(nnx.Module):
+    """Rows read from a host NumPy table by ``jax.pure_callback`` inside the step."""
 
     def __init__(self, rows: np.ndarray, combiner: str | None) -> None:
         self.gather = _host_gather(rows)
         self.features = rows.shape[1]
         self.combiner = combiner
 
-    def __call__(self, lookup: jaxcache.Lookup) -> jax.Array:
-        shape = jax.ShapeDtypeStruct((lookup.unique_slots.shape[0], self.features), jnp.float32)
-        rows = jax.pure_callback(self.gather, shape, lookup.unique_slots)
-        if lookup.delta is not None:
-            rows = rows + lookup.delta
-        embeddings = rows.at[lookup.inverse].get(mode="fill", fill_value=0)
+    def __call__(self, ids: HostIds) -> jax.Array:
+        unique = ids.unique_ids.shape[0]
+        shape = jax.ShapeDtypeStruct((unique, self.features), jnp.float32)
+        rows = jax.pure_callback(self.gather, shape, ids.unique_ids)
+        if ids.delta is not None:
+            rows = rows + ids.delta
+        embeddings = rows.at[ids.inverse].get(mode="fill", fill_value=0)
         if self.combiner is None:
             return embeddings
-        return jaxcache.pool(embeddings, lookup, self.combiner)
+        real = (ids.inverse < unique).astype(embeddings.dtype)
+        return jnp.einsum("...l,...ld->...d", real, embeddings)
 
 
 def _host_gather(rows: np.ndarray):
@@ -194,12 +292,12 @@ def _host_gather(rows: np.ndarray):
 
 
 @nnx.jit(donate_argnums=(0, 1))
-def _naive_step(model, optimizer, dense, lookup, labels):
+def _naive_step(model, optimizer, dense, ids, labels):
     def loss_fn(model, delta):
-        logits = model(dense, lookup.with_delta(delta))
+        logits = model(dense, ids._replace(delta=delta))
         return jaxcache.models.bce_loss(logits, labels)
 
-    delta = jnp.zeros((lookup.unique_slots.shape[0], model.embed.features), jnp.float32)
+    delta = jnp.zeros((ids.unique_ids.shape[0], model.embed.features), jnp.float32)
     diff = (nnx.DiffState(0, nnx.Param), 1)
     loss, (grads, row_grads) = nnx.value_and_grad(loss_fn, argnums=diff)(model, delta)
     optimizer.update(model, grads)
@@ -209,7 +307,7 @@ def _naive_step(model, optimizer, dense, lookup, labels):
 def run_naive(
     setup: Setup, batches: list[dict], rows: np.ndarray, *, warmup: int, seed: int
 ) -> Timing:
-    """The host-table baseline: callback gather, host row-wise Adagrad."""
+    """The host-table baseline: callback gather, host row-wise Adagrad (blocking)."""
     rows = rows.copy()
     accumulator = np.zeros(rows.shape[0], np.float32)
     optimizer = jaxcache.rowwise_adagrad(ROW_LEARNING_RATE)
@@ -220,6 +318,7 @@ def run_naive(
     )
     step = nnx.cached_partial(_naive_step, model, dense_opt)
     timing = Timing("naive callback", 0)
+    staging, update, device = [], [], []
     bucket = 0
     for i, batch in enumerate(batches):
         if i == warmup:
@@ -233,11 +332,11 @@ def run_naive(
         padded[: unique.size] = unique
         positions = np.full(ids.shape, bucket, np.int32)
         positions[valid] = inverse
-        lookup = jaxcache.Lookup(
+        host_ids = HostIds(
             jnp.asarray(padded), jnp.asarray(positions.reshape(batch["sparse"].shape))
         )
         t1 = time.perf_counter()
-        loss, row_grads = step(batch["dense"], lookup, batch["label"])
+        loss, row_grads = step(batch["dense"], host_ids, batch["label"])
         timing.losses.append(loss)
         row_grads = np.asarray(row_grads)[: unique.size]
         t2 = time.perf_counter()
@@ -248,9 +347,11 @@ def run_naive(
         rows[unique] -= scale[:, None] * row_grads
         t3 = time.perf_counter()
         if i >= warmup:
-            timing.plan.append(t1 - t0)
-            timing.device.append(t2 - t1)
-            timing.move.append(t3 - t2)
+            staging.append(t1 - t0)
+            device.append(t2 - t1)
+            update.append(t3 - t2)
+    # The host row update takes the swap's column; the loop is this same loop.
+    timing.parts = {"staging": staging, "swap": update, "device": device}
     timing.compilations = jaxcache.compilations() - compilations
     return timing
 
@@ -267,63 +368,187 @@ def _model(setup: Setup, embed: nnx.Module, seed: int) -> jaxcache.models.DLRM:
 
 
 # -------------------------------------------------------------------- tables
-def compare(setup: Setup, args: argparse.Namespace) -> list[Timing]:
-    """Every variant of one configuration on the same batches."""
-    steps = args.warmup + args.steps
-    batches = list(setup.data.batches(steps))
-    frequencies = setup.data.count_frequencies(args.profile_batches)
-    base = jaxcache.HostTable(setup.config(1, "lru"), seed=args.seed).rows
-    results = []
+@dataclasses.dataclass
+class Variant:
+    """One variant of a configuration: its blocking run and its loop run."""
 
-    def cache(fraction: float | None) -> jaxcache.EmbeddingCache:
+    name: str
+    blocking: Timing
+    loop: Timing | None = None
+
+    @property
+    def step(self) -> float:
+        return self.loop.median("step") if self.loop else self.blocking.blocking
+
+
+class Bench:
+    """The batches, frequencies and initial table of one configuration."""
+
+    def __init__(self, setup: Setup, args: argparse.Namespace) -> None:
+        self.setup = setup
+        self.args = args
+        self.batches = list(setup.data.batches(args.warmup + args.steps))
+        self.frequencies = setup.data.count_frequencies(args.profile_batches)
+        self.base = jaxcache.HostTable(setup.config(1, "lru"), seed=args.seed).rows
+        self.common = {"warmup": args.warmup, "seed": args.seed}
+
+    def cache(self, fraction: float | None) -> jaxcache.EmbeddingCache:
+        """A fresh cache of ``fraction`` of the rows (``None``: the full table)."""
         if fraction is None:
-            cfg = setup.config(1, "lru")
-            return jaxcache.EmbeddingCache.full_table(cfg, table=jaxcache.HostTable(cfg, rows=base))
-        cfg = setup.config(fraction, args.policy)
-        table = jaxcache.HostTable(cfg, rows=base)
-        return jaxcache.EmbeddingCache(cfg, table=table, frequencies=frequencies)
+            cfg = self.setup.config(1, "lru")
+            return jaxcache.EmbeddingCache.full_table(
+                cfg, table=jaxcache.HostTable(cfg, rows=self.base)
+            )
+        cfg = self.setup.config(fraction, self.args.policy)
+        table = jaxcache.HostTable(cfg, rows=self.base)
+        return jaxcache.EmbeddingCache(cfg, table=table, frequencies=self.frequencies)
 
-    common = {"warmup": args.warmup, "seed": args.seed}
-    results.append(run_cache(setup, batches, cache(None), "full table", **common))
-    for fraction in args.fractions:
-        name = f"cache {100 * fraction:g}%"
-        results.append(run_cache(setup, batches, cache(fraction), name, **common))
-    results.append(run_naive(setup, batches, base, **common))
-    print_table(setup, results)
-    return results
+    def blocking(self, fraction: float | None, name: str) -> Timing:
+        return run_blocking(self.setup, self.batches, self.cache(fraction), name, **self.common)
+
+    def loop(
+        self, fraction: float | None, name: str, lookahead: int, host_callback: bool = False
+    ) -> Timing:
+        return run_loop(
+            self.setup,
+            self.batches,
+            self.cache(fraction),
+            name,
+            lookahead=lookahead,
+            host_callback=host_callback,
+            **self.common,
+        )
+
+    def variant(self, fraction: float | None) -> Variant:
+        name = "full table" if fraction is None else f"cache {100 * fraction:g}%"
+        lookahead = self.args.lookahead
+        return Variant(
+            name,
+            self.blocking(fraction, name),
+            self.loop(fraction, f"{name}, lookahead {lookahead}", lookahead),
+        )
+
+    def compare(self) -> list[Variant]:
+        """Every variant of the configuration on the same batches."""
+        variants = [self.variant(None)]
+        variants += [self.variant(fraction) for fraction in self.args.fractions]
+        naive = run_naive(self.setup, self.batches, self.base, **self.common)
+        variants.append(Variant(naive.name, naive))
+        print_table(self.setup, variants, self.args.lookahead)
+        return variants
 
 
-def print_table(setup: Setup, results: list[Timing]) -> None:
-    full = results[0]
+def print_table(setup: Setup, variants: list[Variant], lookahead: int) -> None:
+    full = variants[0]
     print()
     print(setup.describe())
     header = (
-        f"{'variant':<16}{'rows on dev':>12}{'hit rate':>9}{'plan ms':>9}{'move ms':>9}"
-        f"{'device ms':>10}{'step ms':>9}{'steps/s':>9}{'vs full':>8}{'compiles':>9}"
-        f"{'final loss':>12}{'|dloss|':>9}"
+        f"{'variant':<16}{'rows on dev':>12}{'hit rate':>9}{'staging':>9}{'swap':>7}"
+        f"{'device':>8}{'blocking':>9}{'loop ms':>9}{'steps/s':>9}{'vs full':>8}"
+        f"{'compiles':>9}{'final loss':>12}{'|dloss|':>9}"
     )
     print(header)
     print("-" * len(header))
-    for r in results:
-        hit = "-" if np.isnan(r.hit_rate) else f"{r.hit_rate:.3f}"
+    for v in variants:
+        b = v.blocking
+        hit = "-" if np.isnan(b.hit_rate) else f"{b.hit_rate:.3f}"
+        loss = v.loop.loss if v.loop else b.loss
+        compiles = b.compilations + (v.loop.compilations if v.loop else 0)
         print(
-            f"{r.name:<16}{r.rows_on_device:>12,}{hit:>9}{1e3 * r.median('plan'):>9.2f}"
-            f"{1e3 * r.median('move'):>9.2f}{1e3 * r.median('device'):>10.2f}"
-            f"{1e3 * r.step:>9.2f}{1 / r.step:>9.1f}{full.step / r.step:>7.2f}x"
-            f"{r.compilations:>9}{r.loss:>12.6f}{abs(r.loss - full.loss):>9.1e}"
+            f"{v.name:<16}{b.rows_on_device:>12,}{hit:>9}{1e3 * b.median('staging'):>9.2f}"
+            f"{1e3 * b.median('swap'):>7.2f}{1e3 * b.median('device'):>8.2f}"
+            f"{1e3 * b.blocking:>9.2f}{1e3 * v.step:>9.2f}{1 / v.step:>9.1f}"
+            f"{full.step / v.step:>7.2f}x{compiles:>9}{loss:>12.6f}"
+            f"{abs(loss - full.loop.loss):>9.1e}"
         )
-    for r in results:
-        if r.phases and r.name != "full table":
-            parts = ", ".join(f"{k} {v:.2f}" for k, v in r.phases.items() if v > 0)
-            print(f"  {r.name} host phases, mean ms per call: {parts}")
+    for v in variants:
+        for t in (v.blocking, v.loop):
+            if t and t.phases and not v.name.startswith("full"):
+                parts = ", ".join(f"{k} {x:.2f}" for k, x in t.phases.items() if x > 0)
+                run = "loop" if t is v.loop else "blocking"
+                print(f"  {v.name} {run}, cache phases, mean ms per call: {parts}")
     print(
-        "plan: host planner; move: host gather + transfer + swap + write-back (naive: host "
-        "row update); device: jitted step (naive: with callback gathers). Medians."
+        "staging: plan + needed write-backs + gather + transfer start; swap: on device "
+        "(naive: host row update); device: jitted step (naive: with callback gathers); "
+        "blocking: the three, one after the other."
+    )
+    print(
+        f"loop: interval between steps of a loop fed by jaxcache.prefetch(lookahead="
+        f"{lookahead}) (naive: blocking); steps/s and vs full from it. Medians."
     )
     print(
         "|dloss|: final loss vs full table. The caches run the full table's step and match "
         "it; the naive step is another XLA program, whose rounding drifts over the steps."
     )
+
+
+def side_by_side(bench: Bench, variants: list[Variant]) -> tuple[float, float]:
+    """Device alone, host alone and every loop of the 2% cache, side by side.
+
+    Returns ``(pipelined over ideal, full table over pipelined)``.
+    """
+    args = bench.args
+    k = args.lookahead
+    by_name = {v.name: v for v in variants}
+    full, cached = by_name["full table"], by_name["cache 2%"]
+    device = cached.blocking.median("device")
+    host = cached.blocking.median("staging")
+    ideal = max(device, host)
+    # The loops at --lookahead ran already; the others run now.
+    cached_loops = {k: cached.loop}
+    full_loops = {k: full.loop}
+    if k:
+        cached_loops[0] = bench.loop(0.02, "cache 2%, lookahead 0", 0)
+        full_loops[0] = bench.loop(None, "full table, lookahead 0", 0)
+    callback_loops = {
+        n: bench.loop(0.02, f"cache 2%, host callback, lookahead {n}", n, host_callback=True)
+        for n in sorted({0, k})
+    }
+    rows: list[tuple[str, float, Timing | None]] = [
+        ("(a) device step alone", device, None),
+        ("(b) host staging alone", host, None),
+        ("    ideal: max(a, b)", ideal, None),
+        ("    blocking: staging + swap + step", cached.blocking.blocking, cached.blocking),
+    ]
+    labelled = [
+        *((f"({'d' if n else 'c'}) cached, lookahead {n}", t) for n, t in cached_loops.items()),
+        *((f"(e) host callback, lookahead {n}", t) for n, t in callback_loops.items()),
+        *((f"(f) full table, lookahead {n}", t) for n, t in full_loops.items()),
+    ]
+    rows += sorted(((label, t.median("step"), t) for label, t in labelled), key=lambda r: r[0])
+    full_step = full_loops[k].median("step")
+    reference = cached_loops[0].loss
+    print()
+    print(
+        f"{bench.setup.name}, cache 2% ({args.policy}), side by side: medians of "
+        f"{args.steps} steps after {args.warmup} warm-up"
+    )
+    header = (
+        f"{'':<38}{'ms/step':>8}{'steps/s':>9}{'/ ideal':>8}{'full/this':>10}{'hit rate':>9}"
+        f"{'final loss':>12}{'|dloss|':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for label, seconds, t in rows:
+        line = f"{label:<38}{1e3 * seconds:>8.2f}{1 / seconds:>9.1f}{seconds / ideal:>8.2f}"
+        line += f"{full_step / seconds:>10.2f}"
+        if t is not None:
+            line += f"{t.hit_rate:>9.3f}{t.loss:>12.6f}{abs(t.loss - reference):>9.1e}"
+        print(line)
+    for t in sorted([*cached_loops.values(), *callback_loops.values()], key=lambda t: t.name):
+        parts = ", ".join(f"{p} {x:.2f}" for p, x in t.phases.items() if x > 0)
+        print(f"  {t.name}: {parts} (mean ms per call); {t.write_back_waits} write-back waits")
+    print(
+        f"  the device step alone keeps {cached.blocking.device_cores:.2f} of "
+        f"{len(os.sched_getaffinity(0))} cores busy (process CPU time over wall time)"
+    )
+    print(
+        "  (a), (b): parts of the blocking run; loops read each loss one step later. "
+        f"/ ideal: over max(a, b); full/this: the full table at lookahead {k} over this; "
+        "|dloss|: final loss vs the unpipelined loop."
+    )
+    pipelined = cached_loops[k].median("step")
+    return pipelined / ideal, full_step / pipelined
 
 
 def planner_throughput(setup: Setup, args: argparse.Namespace) -> None:
@@ -349,21 +574,16 @@ def planner_throughput(setup: Setup, args: argparse.Namespace) -> None:
     )
 
 
-def capacity_scaling(setup: Setup, args: argparse.Namespace) -> None:
+def capacity_scaling(bench: Bench) -> None:
     """Device step time at capacities x1 and x8: must not grow with the capacity."""
-    steps = args.warmup + args.steps
-    batches = list(setup.data.batches(steps))
-    frequencies = setup.data.count_frequencies(args.profile_batches)
     print()
-    print(f"capacity x1 vs x8 ({setup.name}, {args.policy}), medians in ms:")
+    print(f"capacity x1 vs x8 ({bench.setup.name}, {bench.args.policy}), blocking, medians in ms:")
     for multiple in (1, 8):
-        cfg = setup.config(min(1.0, 0.02 * multiple), args.policy)
-        cache = jaxcache.EmbeddingCache(cfg, frequencies=frequencies, seed=args.seed)
-        t = run_cache(setup, batches, cache, "", warmup=args.warmup, seed=args.seed)
+        t = bench.blocking(min(1.0, 0.02 * multiple), "")
         print(
-            f"  x{multiple}: capacity {cfg.capacity:>9,} rows   device step "
-            f"{1e3 * t.median('device'):6.2f} (min {1e3 * min(t.device):5.2f})   plan "
-            f"{1e3 * t.median('plan'):6.2f}   move {1e3 * t.median('move'):6.2f}   "
+            f"  x{multiple}: capacity {t.rows_on_device:>9,} rows   device step "
+            f"{1e3 * t.median('device'):6.2f} (min {1e3 * min(t.parts['device']):5.2f})   "
+            f"staging {1e3 * t.median('staging'):6.2f}   swap {1e3 * t.median('swap'):5.2f}   "
             f"(hit rate {t.hit_rate:.3f})"
         )
     print("  The device step must not grow with the capacity (the cache is donated to it).")
@@ -374,16 +594,24 @@ def main() -> None:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per variant")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first")
+    parser.add_argument(
+        "--lookahead",
+        type=int,
+        default=2,
+        help="batches staged ahead in the loops; 0 = unpipelined",
+    )
     parser.add_argument("--quick", action="store_true", help="small table, few steps")
     parser.add_argument("--scale", type=float, default=None, help="SyntheticCriteo scale")
     parser.add_argument("--policy", default="frequency", choices=jaxcache.POLICIES)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.lookahead < 0:
+        parser.error(f"--lookahead={args.lookahead} must be 0 (unpipelined) or more, e.g. 2.")
     args.scale = args.scale or (0.02 if args.quick else 0.1)
-    args.steps = args.steps or (10 if args.quick else 50)
-    args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 10)
+    args.steps = args.steps or (20 if args.quick else 100)
+    args.warmup = args.warmup if args.warmup is not None else (5 if args.quick else 20)
     args.fractions = (0.005, 0.02, 0.05)
     args.profile_batches = 20
     args.planner_batch = 1024
@@ -406,14 +634,19 @@ def main() -> None:
     )
     if quick:
         args.fractions = (0.02, 0.05)  # 0.5% of the small table is below one batch
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.steps} timed steps")
-    compare(dlrm, args)
-    results = compare(heavy, args)
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}, "
+        f"{len(os.sched_getaffinity(0))} cores; {args.steps} timed steps after {args.warmup} "
+        f"warm-up; loops at lookahead {args.lookahead}"
+    )
+    Bench(dlrm, args).compare()
+    bench = Bench(heavy, args)
+    variants = bench.compare()
+    over_ideal, cached_over_full = side_by_side(bench, variants)
+    print(f"pipelined_over_ideal={over_ideal:.3f}")
     planner_throughput(heavy, args)
-    capacity_scaling(heavy, args)
-    by_name = {r.name: r for r in results}
-    ratio = by_name["full table"].step / by_name["cache 2%"].step
-    print(f"cached_2pct_over_full={ratio:.3f}")
+    capacity_scaling(bench)
+    print(f"cached_2pct_over_full={cached_over_full:.3f}")
 
 
 if __name__ == "__main__":

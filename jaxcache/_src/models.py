@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 from jaxcache._src.device_ops import Lookup
-from jaxcache._src.nnx_module import value_and_grad
+from jaxcache._src.nnx_module import CachedEmbed, value_and_grad
 
 __all__ = [
     "DLRM",
@@ -32,7 +32,7 @@ __all__ = [
     "make_train_step",
 ]
 
-TrainStep = Callable[[jax.Array, Lookup, jax.Array], jax.Array]
+TrainStep = Callable[[jax.Array, Lookup | jax.Array, jax.Array], jax.Array]
 PredictStep = Callable[[jax.Array, Lookup], jax.Array]
 
 
@@ -179,6 +179,16 @@ def _train_step(
     return loss
 
 
+def _train_step_ids(
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    dense: jax.Array,
+    ids: jax.Array,
+    labels: jax.Array,
+) -> jax.Array:
+    return _train_step(model, optimizer, dense, model.embed.lookup_ids(ids), labels)
+
+
 def _predict_step(model: nnx.Module, dense: jax.Array, sparse: Lookup) -> jax.Array:
     return jax.nn.sigmoid(model(dense, sparse))
 
@@ -186,11 +196,12 @@ def _predict_step(model: nnx.Module, dense: jax.Array, sparse: Lookup) -> jax.Ar
 # The model and optimizer are donated: every variable, the cache rows
 # included, is updated in place instead of being copied each step.
 _jit_train_step = nnx.jit(_train_step, donate_argnums=(0, 1))
+_jit_train_step_ids = nnx.jit(_train_step_ids, donate_argnums=(0, 1))
 _jit_predict_step = nnx.jit(_predict_step)
 
 
 def make_train_step(
-    model: nnx.Module, tx: optax.GradientTransformation
+    model: nnx.Module, tx: optax.GradientTransformation, *, host_callback: bool = False
 ) -> tuple[nnx.Optimizer, TrainStep]:
     """The jitted training step of ``model`` (BCE loss).
 
@@ -203,11 +214,16 @@ def make_train_step(
     Args:
       model: ``model(dense, lookup) -> logits [B]``, e.g. a ``DLRM``.
       tx: the dense optimizer, e.g. ``dense_optimizer("adagrad", 0.05)``.
+      host_callback: the step takes the raw ids instead of a ``Lookup`` and
+        looks them up inside with ``model.embed.lookup_ids`` (the host-callback
+        form, same results, slower); feed it from
+        ``jaxcache.prefetch(..., callback=True)`` to stage batches ahead.
 
     Returns:
       ``(optimizer, step)``: the ``nnx.Optimizer`` state and
       ``step(dense [B, I], lookup, labels [B]) -> loss``. Prepare the lookup
-      with the model's ``CachedEmbed`` first (outside ``jit``).
+      with the model's ``CachedEmbed`` first (outside ``jit``), or pass the
+      ids ``[B, F]`` with ``host_callback=True``.
 
     Examples:
       >>> import numpy as np, jaxcache
@@ -223,9 +239,23 @@ def make_train_step(
       ...           for _ in range(3)]
       >>> losses[-1] < losses[0]
       True
+
+      The host-callback form takes the ids themselves:
+
+      >>> _, step_ids = jaxcache.models.make_train_step(
+      ...     model, jaxcache.models.dense_optimizer("adagrad", 0.1), host_callback=True)
+      >>> float(step_ids(dense, np.array([[1, 2], [3, 4]]), labels)) < losses[0]
+      True
     """
+    if host_callback and not isinstance(getattr(model, "embed", None), CachedEmbed):
+        raise ValueError(
+            f"host_callback=True needs model.embed to be a jaxcache.nnx.CachedEmbed (got "
+            f"{type(getattr(model, 'embed', None)).__name__}); pass lookups from "
+            "CachedEmbed.prepare with host_callback=False instead."
+        )
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    return optimizer, nnx.cached_partial(_jit_train_step, model, optimizer)
+    step = _jit_train_step_ids if host_callback else _jit_train_step
+    return optimizer, nnx.cached_partial(step, model, optimizer)
 
 
 def make_predict_step(model: nnx.Module) -> PredictStep:

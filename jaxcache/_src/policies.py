@@ -79,7 +79,7 @@ class _CountPolicy(Policy):
 
     def load_state_dict(self, state):
         counts = state.get("counts")
-        if counts is None:
+        if counts is None or counts is self.counts:
             return
         if np.shape(counts) != self.counts.shape:
             raise ValueError(
