@@ -6,6 +6,7 @@ result as training with the whole table on device.
 """
 
 from jaxcache import linen, models, nnx
+from jaxcache._src.checkpoint import Checkpointer, CheckpointInfo
 from jaxcache._src.config import POLICIES, CacheConfig
 from jaxcache._src.device_ops import (
     CacheState,
@@ -18,6 +19,12 @@ from jaxcache._src.device_ops import (
 )
 from jaxcache._src.engine import EmbeddingCache, Staged, bucket_size
 from jaxcache._src.frequency import FrequencyCounter, hottest
+from jaxcache._src.guards import (
+    FiniteCheck,
+    NonFiniteError,
+    check_invariants,
+    raise_if_nonfinite,
+)
 from jaxcache._src.host_table import HostTable, embed_init, normal_init, uniform_init
 from jaxcache._src.metrics import roc_auc
 from jaxcache._src.optimizers import (
@@ -35,6 +42,7 @@ from jaxcache._src.optimizers import (
 from jaxcache._src.pipeline import CacheHolder, Prefetcher, prefetch
 from jaxcache._src.planner import CapacityError, Plan, Planner
 from jaxcache._src.replay import plot_curve, replay, sweep
+from jaxcache._src.serving import Server, serving_config
 from jaxcache._src.stats import CacheStats, PhaseTimers, StepStats, compilations
 from jaxcache._src.synthetic import (
     CRITEO_KAGGLE_CARDINALITIES,
@@ -45,27 +53,32 @@ from jaxcache._src.synthetic import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "CRITEO_KAGGLE_CARDINALITIES",
-    "DCNV2_BAG_SIZES",
-    "POLICIES",
-    "SGD",
     "Adagrad",
     "Adam",
+    "CRITEO_KAGGLE_CARDINALITIES",
     "CacheConfig",
     "CacheHolder",
     "CacheState",
     "CacheStats",
     "CapacityError",
+    "CheckpointInfo",
+    "Checkpointer",
+    "DCNV2_BAG_SIZES",
     "EmbeddingCache",
+    "FiniteCheck",
     "FrequencyCounter",
     "HostTable",
     "Lookup",
+    "NonFiniteError",
+    "POLICIES",
     "PhaseTimers",
-    "Prefetcher",
     "Plan",
     "Planner",
+    "Prefetcher",
     "RowStateSpec",
     "RowwiseAdagrad",
+    "SGD",
+    "Server",
     "SparseOptimizer",
     "Staged",
     "StepStats",
@@ -74,6 +87,7 @@ __all__ = [
     "adam",
     "apply_sparse",
     "bucket_size",
+    "check_invariants",
     "compilations",
     "embed",
     "embed_init",
@@ -84,11 +98,13 @@ __all__ = [
     "nnx",
     "normal_init",
     "plot_curve",
-    "prefetch",
     "pool",
+    "prefetch",
+    "raise_if_nonfinite",
     "replay",
     "roc_auc",
     "rowwise_adagrad",
+    "serving_config",
     "sgd",
     "swap",
     "sweep",

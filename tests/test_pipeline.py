@@ -253,3 +253,29 @@ def test_host_callback_pipeline_closed_early_applies_staged_batches():
     np.testing.assert_array_equal(
         np.asarray(model.embed.rows[...])[slots], rows[cache.planner.id_of_slot[slots]]
     )
+
+
+def test_flush_refuses_while_staged_batches_are_not_applied():
+    cfg = jaxcache.CacheConfig(N, D, 200, optimizer=jaxcache.sgd(0.5))
+    cache = jaxcache.EmbeddingCache(cfg)
+    state = cache.init_state()
+    before = np.array(cache.table.rows)
+    staged = cache.stage(np.arange(20).reshape(10, 2))  # planned, not applied
+    with pytest.raises(RuntimeError, match="staged but not applied"):
+        cache.flush(state)
+    np.testing.assert_array_equal(cache.table.rows, before)  # nothing overwritten
+    state = cache.apply(state, staged)
+    cache.flush(state)
+    np.testing.assert_array_equal(cache.table.rows, before)
+
+
+def test_flush_keeps_rows_of_batches_in_flight_dirty():
+    cfg = jaxcache.CacheConfig(N, D, 200, optimizer=jaxcache.sgd(0.5))
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg))
+    lookup = embed.prepare(np.array([[1, 2]]))
+    embed.flush()  # before the step that will update rows 1 and 2
+    grads = np.ones((1, lookup.received, D), np.float32)
+    embed.apply_gradients(lookup, grads)
+    rows, _ = embed.export()
+    initial = jaxcache.HostTable(cfg, seed=0).rows
+    np.testing.assert_allclose(rows[1], initial[1] - 0.5)  # the update was not lost

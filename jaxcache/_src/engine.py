@@ -184,6 +184,7 @@ class EmbeddingCache:
         self._plan_lock = threading.Lock()
         self._fetch_bucket = 0
         self._route_buckets = (0, 0, 0)  # K, V, O in use
+        self._applied = -1  # index of the last plan whose rows reached the device
         if warm is None:
             warm = config.policy == "frequency"
         if warm:
@@ -223,7 +224,9 @@ class EmbeddingCache:
         Call it at the start (or after ``flush``): resident rows are copied
         from the host table, free slots hold zeros.
         """
-        if self.planner.dirty.any() or self._unlanded:
+        planner = self.planner
+        stale = planner.dirty & (planner.last_use <= planner.released)
+        if stale.any() or self._unlanded or self._applied < planner.next_index - 1:
             raise RuntimeError(
                 "the cache has rows changed on device; call flush(state) before building a "
                 "new device state from the host table."
@@ -455,6 +458,7 @@ class EmbeddingCache:
         with self._offer_lock:
             host = self._offers.popleft() if self._offers else None
         if host is not None:
+            self._applied = max(self._applied, host.plan.index)
             if host.ids.shape != ids.shape or not np.array_equal(host.ids, ids):
                 raise RuntimeError(
                     "the step looked up ids that differ from the batch the pipeline prepared; "
@@ -463,6 +467,7 @@ class EmbeddingCache:
         else:
             self.planner.release(self.planner.next_index - 1)
             host = self.stage_host(ids, train=train, size=ids.size)
+            self._applied = max(self._applied, host.plan.index)
         return (np.int32(host.plan.index), *host.route[:5], *host.moves)
 
     def callback_write_back(self, index: np.ndarray, rows: np.ndarray, opt: dict) -> None:
@@ -485,6 +490,7 @@ class EmbeddingCache:
         owns the device state. The victims' rows it reads out are queued for
         write-back.
         """
+        self._applied = max(self._applied, staged.plan.index)
         if staged.moves is None:
             return state
         with self.stats.timers.time("swap"):
@@ -548,10 +554,23 @@ class EmbeddingCache:
         """Writes every dirty row (and its optimizer state) back to the host.
 
         The device state is read, not donated; afterwards the host table is
-        complete and every resident row is clean.
+        complete. Rows of batches still in flight (planned and not released)
+        stay marked dirty, since their step may still change them.
+
+        Raises:
+          RuntimeError: a planned batch was not applied to ``state`` yet (a
+            pipeline still holds staged batches): its slots do not hold its
+            rows, and reading them would overwrite the host table.
         """
+        planner = self.planner
+        if self._applied < planner.next_index - 1:
+            raise RuntimeError(
+                f"plans {self._applied + 1}..{planner.next_index - 1} were staged but not "
+                "applied to this device state; close the pipeline (which applies them) "
+                "before flushing or exporting."
+            )
         self.land_write_backs()
-        slots = np.flatnonzero(self.planner.dirty)
+        slots = np.flatnonzero(planner.dirty)
         if slots.size == 0:
             return
         size = bucket_size(slots.size, self.config.min_bucket)
@@ -561,7 +580,8 @@ class EmbeddingCache:
         self.table.scatter(
             ids, np.asarray(rows)[:n], {k: np.asarray(v)[:n] for k, v in opt.items()}
         )
-        self.planner.dirty[slots] = False
+        in_flight = planner.last_use[slots] > planner.released
+        planner.dirty[slots[~in_flight]] = False
         self.stats.record_write_back(n)
 
     def export(self, state: CacheState) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -622,6 +642,7 @@ class EmbeddingCache:
         """
         self._check_idle()
         self.planner.load_state_dict(state["planner"])
+        self._applied = self.planner.next_index - 1  # restored rows are on the device
         buckets = state.get("buckets")
         if buckets is not None:
             self._fetch_bucket = int(buckets["fetch"])

@@ -1,0 +1,788 @@
+"""Checkpoints: everything needed to continue training exactly, written atomically.
+
+A checkpoint is one step directory of an orbax ``CheckpointManager``. orbax
+writes it under a temporary name and renames it once every item is complete,
+so a process killed while saving leaves the earlier checkpoints as they were;
+the partial one is never listed, and the next writable ``Checkpointer`` on the
+directory removes it.
+
+Items of a step directory:
+
+* ``tables/<name>/``: one directory per cached table: the rows and their
+  per-row optimizer state in id order as plain ``.npy`` files (``rows.npy``,
+  ``state.<name>.npy``), the planner's directory and the policy's counts
+  (``planner.*.npy``, ``policy.*.npy``), and ``table.json`` (configuration,
+  statistics, padded sizes). Large arrays are streamed to disk without a copy
+  in memory: a memory-mapped table is copied file to file by the kernel
+  (``os.copy_file_range``), an in-memory one is written from its own buffer.
+* ``model/`` and ``optimizer/``: orbax PyTrees of the NNX state of the model
+  (every variable except the cache rows, which the tables hold) and of the
+  optimizer.
+* ``meta/``: JSON: the batches consumed from the data and the caller's extras.
+
+The device half of a cache is never saved. On restore it is rebuilt from the
+host table and the restored directory, so a checkpoint restores onto any
+capacity and any number of devices: the logical table is what is saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import re
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jaxcache._src import optimizers, serving
+from jaxcache._src.config import CacheConfig
+from jaxcache._src.engine import EmbeddingCache
+from jaxcache._src.nnx_module import CachedEmbed, CacheOptState, CacheRows
+from jaxcache._src.pipeline import CacheHolder
+
+__all__ = ["CheckpointInfo", "Checkpointer"]
+
+_FORMAT = 1
+# Bytes moved per write or read when a file is streamed through user space.
+_CHUNK_BYTES = 1 << 26
+# The NNX variables a checkpoint takes from the tables, not from the model.
+_DENSE = nnx.Not(nnx.Any(CacheRows, CacheOptState))
+_TABLE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+class CheckpointInfo(NamedTuple):
+    """What a checkpoint holds, besides its arrays.
+
+    Attributes:
+      step: the step it was saved at.
+      batches_consumed: batches the training loop had consumed when it was
+        saved; resume the data source from this index.
+      extra: the JSON-serialisable ``extra`` given to ``save``.
+      tables: names of the cached tables it holds.
+
+    Examples:
+      >>> import jaxcache
+      >>> info = jaxcache.CheckpointInfo(step=20, batches_consumed=20, extra={}, tables=("t",))
+      >>> info.batches_consumed
+      20
+    """
+
+    step: int
+    batches_consumed: int
+    extra: dict[str, Any]
+    tables: tuple[str, ...]
+
+
+class Checkpointer:
+    """Saves and restores training state, keeping the last ``max_to_keep`` steps.
+
+    A checkpoint holds everything needed to continue exactly: each cached
+    table (rows and per-row optimizer state in id order, the planner's
+    resident set and the policy's counts, padded sizes and statistics), the
+    dense NNX state of the model and of the optimizer, the step, the number
+    of batches consumed from the data, and JSON extras. ``save`` writes every
+    changed row back to the host first (``flush``), so the tables are
+    complete; it blocks until the step directory is renamed into place.
+
+    Take a checkpoint between steps with no batch in flight: let a
+    ``jaxcache.prefetch`` pipeline finish its source (iterate it over the
+    batches up to the checkpoint) rather than leaving it with batches staged
+    ahead. ``save`` refuses otherwise, because the planner would already
+    count batches that the resumed run reads again.
+
+    Args:
+      directory: where the step directories go (created if missing).
+      max_to_keep: how many of the latest checkpoints to keep (``None``: all).
+      fsync: flush each table file to the disk before the step is committed,
+        so a checkpoint also survives a power loss, not only a killed process.
+      read_only: only restore and export: never delete or write anything
+        there (for a server reading a directory that training writes to).
+
+    Examples:
+      >>> import tempfile, numpy as np, jaxcache
+      >>> cfg = jaxcache.CacheConfig(100, 4, capacity=8, optimizer=jaxcache.adagrad(0.1))
+      >>> embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg))
+      >>> lookup = embed.prepare(np.array([1, 2, 3]))
+      >>> ckpt = jaxcache.Checkpointer(tempfile.mkdtemp(), max_to_keep=2)
+      >>> ckpt.save(1, caches=[embed]).tables
+      ('embedding',)
+      >>> restored = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, seed=7))
+      >>> ckpt.restore(caches=[restored]).step
+      1
+      >>> bool((restored.cache.table.rows == embed.cache.table.rows).all())
+      True
+      >>> restored.cache.planner.resident_ids().tolist()
+      [1, 2, 3]
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int | None = 3,
+        fsync: bool = True,
+        read_only: bool = False,
+    ) -> None:
+        if max_to_keep is not None and (isinstance(max_to_keep, bool) or max_to_keep < 1):
+            raise ValueError(f"max_to_keep={max_to_keep!r} must be a positive count or None.")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.read_only = read_only
+        # read_only is enforced here rather than by orbax, which logs warnings
+        # for read-only managers; without saves, the manager writes nothing.
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=False,
+            cleanup_tmp_directories=not read_only,
+            create=not read_only,
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=options,
+            item_handlers={
+                "meta": ocp.JsonCheckpointHandler(),
+                "model": ocp.StandardCheckpointHandler(),
+                "optimizer": ocp.StandardCheckpointHandler(),
+                "tables": _TablesHandler(fsync=fsync),
+            },
+        )
+
+    # ------------------------------------------------------------------ steps
+    def steps(self) -> list[int]:
+        """Steps with a complete checkpoint, oldest first."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or ``None`` when there is none."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def info(self, step: int | None = None) -> CheckpointInfo:
+        """What checkpoint ``step`` (default: the latest) holds, without reading arrays."""
+        step = self._resolve(step)
+        return _info(step, self._meta(step))
+
+    def cache_config(self, name: str = "embedding", *, step: int | None = None) -> CacheConfig:
+        """The ``CacheConfig`` table ``name`` was saved with.
+
+        Build a cache from it (changing ``capacity``, ``policy`` or, with
+        ``jaxcache.serving_config``, the optimizer) to restore the table.
+
+        Raises:
+          ValueError: the table used a sparse optimizer jaxcache does not
+            define; build the ``CacheConfig`` yourself.
+        """
+        saved = self._tables(self._resolve(step), [name])[name]
+        return _config_from_json(saved.meta["config"])
+
+    # ------------------------------------------------------------------ save
+    def save(
+        self,
+        step: int,
+        *,
+        model: nnx.Module | None = None,
+        optimizer: nnx.Optimizer | None = None,
+        caches: Iterable[CacheHolder] = (),
+        batches_consumed: int | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> CheckpointInfo:
+        """Writes checkpoint ``step`` and returns once it is committed.
+
+        Args:
+          step: the step number (a new one).
+          model: an NNX model; its ``CachedEmbed`` tables are saved with it.
+          optimizer: the dense optimizer (``nnx.Optimizer``).
+          caches: more tables: anything with ``cache``, ``get_state`` and
+            ``set_state`` (``jaxcache.CacheHolder``) outside ``model``.
+          batches_consumed: batches the training loop has consumed (default:
+            ``step``); resume the data from this index.
+          extra: JSON-serialisable extras (losses, seeds, configuration).
+
+        Returns:
+          The ``CheckpointInfo`` of what was saved.
+
+        Raises:
+          RuntimeError: a table has batches in flight (nothing was written).
+        """
+        if self.read_only:
+            raise RuntimeError(f"this Checkpointer of {self.directory} is read-only.")
+        step = _check_step(step, "step")
+        if step in self.steps():
+            raise ValueError(
+                f"step {step} is already saved in {self.directory}; save a new step number "
+                "(or restore it and continue from there)."
+            )
+        holders = _find_tables(model, caches)
+        if model is None and optimizer is None and not holders:
+            raise ValueError("nothing to save: pass model=, optimizer= or caches=.")
+        extra = dict(extra or {})
+        try:
+            json.dumps(extra)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"extra must be JSON-serialisable (numbers, strings, lists, dicts): {error}"
+            ) from None
+        if batches_consumed is None:
+            batches_consumed = step
+        consumed = _check_step(batches_consumed, "batches_consumed")
+        for name, holder in holders.items():
+            _check_nothing_in_flight(name, holder.cache)
+        # Checked: from here on, state changes (rows are written back).
+        for holder in holders.values():
+            holder.cache.flush(holder.get_state())
+            planner = holder.cache.planner
+            planner.release(planner.next_index - 1)
+        items: dict[str, Any] = {}
+        for item, node in (("model", model), ("optimizer", optimizer)):
+            tree = {} if node is None else _saveable(nnx.state(node, _DENSE))
+            if jax.tree.leaves(tree):
+                items[item] = ocp.args.StandardSave(tree)
+        if holders:
+            items["tables"] = _TablesSave({name: h.cache for name, h in holders.items()})
+        info = CheckpointInfo(step, consumed, extra, tuple(holders))
+        meta = {
+            "format": _FORMAT,
+            "batches_consumed": info.batches_consumed,
+            "extra": extra,
+            "tables": list(info.tables),
+            "items": sorted(items),
+        }
+        self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items))
+        self._manager.wait_until_finished()
+        return info
+
+    # --------------------------------------------------------------- restore
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        model: nnx.Module | None = None,
+        optimizer: nnx.Optimizer | None = None,
+        caches: Iterable[CacheHolder] = (),
+    ) -> CheckpointInfo:
+        """Restores checkpoint ``step`` (default: the latest) into the given objects.
+
+        Each table's host rows (and optimizer state) are read back in id
+        order and its device state is rebuilt from them. With the capacity,
+        policy, optimizer and device count it was saved with, the cache comes
+        back exactly (slots, policy, padded sizes, statistics). Otherwise the
+        logical table is the same and the new cache is warmed with the
+        hottest previously resident rows (``Planner.load_state_dict``); its
+        statistics start afresh. A table restored into a cache whose
+        optimizer keeps no per-row state (``jaxcache.serving_config``) gets
+        its rows only.
+
+        Everything is checked before anything changes: a table or a model
+        that does not match raises ``ValueError`` and leaves the objects as
+        they were.
+
+        Args:
+          step: the step to restore; default: the latest.
+          model: the NNX model to restore (built like the saved one); its
+            ``CachedEmbed`` tables are restored with it.
+          optimizer: the dense optimizer to restore.
+          caches: more tables (``jaxcache.CacheHolder``) outside ``model``.
+
+        Returns:
+          The ``CheckpointInfo``; resume the data at ``batches_consumed``.
+        """
+        step = self._resolve(step)
+        meta = self._meta(step)
+        holders = _find_tables(model, caches)
+        saved = self._tables(step, list(holders)) if holders else {}
+        for name, holder in holders.items():
+            _check_compatible(name, saved[name].meta, holder.cache)
+            _check_nothing_in_flight(name, holder.cache)
+        updates = []
+        for item, node in (("model", model), ("optimizer", optimizer)):
+            if node is None or not jax.tree.leaves(nnx.state(node, _DENSE)):
+                continue
+            if item not in meta["items"]:
+                raise ValueError(f"checkpoint {step} has no {item} state; pass {item}=None.")
+            updates.append((node, self._restore_dense(step, item, node)))
+        # Everything matched: from here on, state changes.
+        for name, holder in holders.items():
+            _restore_table(saved[name], holder)
+        for node, state in updates:
+            nnx.update(node, state)
+        return _info(step, meta)
+
+    def _restore_dense(self, step: int, item: str, node: Any) -> nnx.State:
+        state = nnx.state(node, _DENSE)
+        target = nnx.to_pure_dict(state)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _saveable(state))
+        saved = _shapes(self._manager.item_metadata(step)[item].tree)
+        wanted = _shapes(abstract)
+        if saved != wanted:
+            name = min(set(saved) ^ set(wanted) or {k for k in saved if saved[k] != wanted[k]})
+            raise ValueError(
+                f"the {item}'s variables do not match checkpoint {step}: {name!r} is "
+                f"{saved.get(name, 'absent')} there and {wanted.get(name, 'absent')} here; "
+                "build it with the same architecture and options as the saved one."
+            )
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(abstract)})
+        )[item]
+        nnx.replace_by_pure_dict(state, jax.tree.map(_unsaveable, target, restored))
+        return state
+
+    # ---------------------------------------------------------------- export
+    def export(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        step: int | None = None,
+        tables: Iterable[str] | None = None,
+    ) -> dict[str, str]:
+        """Writes each table's rows as a plain ``<directory>/<name>.npy``, in id order.
+
+        Nothing but NumPy is needed to read them, and they load into any
+        embedding layer, e.g. ``nnx.Embed(N, D, rngs=...)`` with
+        ``embed.embedding.set_value(jnp.asarray(np.load(path)))``. float32
+        rows are copied file to file; bfloat16 rows are widened to float32
+        (exactly), which NumPy reads without ``ml_dtypes``.
+
+        Args:
+          directory: where the files go (created if missing).
+          step: the checkpoint; default: the latest.
+          tables: names of the tables to export; default: all.
+
+        Returns:
+          ``{name: path}``.
+        """
+        step = self._resolve(step)
+        names = list(tables) if tables is not None else list(self.info(step).tables)
+        saved = self._tables(step, names)
+        os.makedirs(directory, exist_ok=True)
+        paths = {}
+        for name in names:
+            rows = saved[name].array("rows")
+            dtype = jnp.dtype(saved[name].meta["config"]["dtype"])
+            path = os.path.join(os.fspath(directory), f"{name}.npy")
+            if dtype == np.float32:
+                _write_array(path, rows, fsync=False)
+            else:
+                _write_array(path, rows.view(dtype), fsync=False, dtype=np.float32)
+            paths[name] = path
+        return paths
+
+    # ----------------------------------------------------------------- other
+    def close(self) -> None:
+        """Waits for pending work and releases orbax's resources."""
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _meta(self, step: int) -> dict[str, Any]:
+        args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+        return self._manager.restore(step, args=args)["meta"]
+
+    def _resolve(self, step: int | None) -> int:
+        steps = self.steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(f"no checkpoint in {self.directory}.")
+            return steps[-1]
+        if step not in steps:
+            raise FileNotFoundError(
+                f"no checkpoint for step {step} in {self.directory}; saved steps: {steps}."
+            )
+        return step
+
+    def _tables(self, step: int, names: list[str]) -> dict[str, _SavedTable]:
+        saved = {}
+        if "tables" in self._meta(step)["items"]:
+            args = ocp.args.Composite(tables=_TablesRestore())
+            saved = self._manager.restore(step, args=args)["tables"]
+        missing = [name for name in names if name not in saved]
+        if missing:
+            raise ValueError(
+                f"checkpoint {step} has no table {missing[0]!r}; it holds {sorted(saved)}. "
+                "Name each table's CacheConfig as it was named when saved."
+            )
+        return saved
+
+
+def _info(step: int, meta: dict[str, Any]) -> CheckpointInfo:
+    return CheckpointInfo(
+        step, int(meta["batches_consumed"]), dict(meta["extra"]), tuple(meta["tables"])
+    )
+
+
+def _check_step(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
+    return int(value)
+
+
+def _find_tables(model: nnx.Module | None, caches: Iterable[CacheHolder]) -> dict[str, Any]:
+    """The tables of ``model`` (its ``CachedEmbed`` modules) and ``caches``, by name."""
+    found: list[Any] = []
+    if model is not None:
+        found += [m for _, m in nnx.iter_modules(model) if isinstance(m, CachedEmbed)]
+    holders: dict[str, Any] = {}
+    for holder in [*found, *caches]:
+        if not all(hasattr(holder, a) for a in ("cache", "get_state", "set_state")):
+            raise TypeError(
+                f"caches holds a {type(holder).__name__}, not a cached table; pass the "
+                "jaxcache.nnx.CachedEmbed (or any jaxcache.CacheHolder) of each table."
+            )
+        name = holder.cache.name
+        if not _TABLE_NAME.fullmatch(name):
+            raise ValueError(
+                f"table name {name!r} cannot name a file; use letters, digits, '_', '-' or '.'."
+            )
+        other = holders.setdefault(name, holder)
+        if other.cache is not holder.cache:
+            raise ValueError(f"two tables are named {name!r}; give each CacheConfig its own name=.")
+    return holders
+
+
+def _check_nothing_in_flight(name: str, cache: EmbeddingCache) -> None:
+    planner = cache.planner
+    ahead = planner.next_index - 1 - planner.released
+    if ahead > 1:
+        raise RuntimeError(
+            f"table {name!r} has {ahead} batches planned that the training loop may not have "
+            f"stepped (plans {planner.released + 1}..{planner.next_index - 1}); checkpoint "
+            "between steps with nothing staged ahead: let the jaxcache.prefetch pipeline "
+            "finish its source (iterate it over the batches up to this step) instead of "
+            "leaving it early."
+        )
+
+
+# ----------------------------------------------------------------- dense state
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _saveable(state: nnx.State) -> dict[str, Any]:
+    """A pure dict of arrays (typed PRNG keys as their raw data) for orbax."""
+    return jax.tree.map(
+        lambda x: jax.random.key_data(x) if _is_key(x) else x, nnx.to_pure_dict(state)
+    )
+
+
+def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{dotted path: (shape, dtype)}`` of the arrays of a pytree (or its metadata)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {
+        ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path): (
+            tuple(leaf.shape),
+            np.dtype(leaf.dtype).name,
+        )
+        for path, leaf in leaves
+    }
+
+
+def _unsaveable(target: Any, value: Any) -> Any:
+    if _is_key(target):
+        return jax.random.wrap_key_data(value, impl=jax.random.key_impl(target))
+    return value
+
+
+# ---------------------------------------------------------------------- tables
+@dataclasses.dataclass(frozen=True)
+class _SavedTable:
+    """One table of a checkpoint on disk: its directory and ``table.json``."""
+
+    directory: str
+    meta: dict[str, Any]
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.directory, f"{key}.npy")
+
+    def array(self, key: str) -> np.ndarray:
+        """A read-only memory map of array ``key`` (stored dtype; bfloat16 as raw bytes)."""
+        return np.load(self.path(key), mmap_mode="r")
+
+
+class _TablesHandler(ocp.CheckpointHandler):
+    """orbax handler of the ``tables`` item: streams each table to ``.npy`` files."""
+
+    def __init__(self, *, fsync: bool = True) -> None:
+        self._fsync = fsync
+
+    def save(self, directory: Any, args: _TablesSave) -> None:
+        for name, cache in args.caches.items():
+            _save_table(os.path.join(os.fspath(directory), name), cache, fsync=self._fsync)
+
+    def restore(self, directory: Any, args: _TablesRestore | None = None) -> dict[str, Any]:
+        del args
+        tables = {}
+        for entry in sorted(os.scandir(os.fspath(directory)), key=lambda e: e.name):
+            if entry.is_dir():
+                with open(os.path.join(entry.path, "table.json")) as f:
+                    tables[entry.name] = _SavedTable(entry.path, json.load(f))
+        return tables
+
+    def metadata(self, directory: Any) -> None:
+        del directory
+
+
+@ocp.args.register_with_handler(_TablesHandler, for_save=True)
+@dataclasses.dataclass
+class _TablesSave(ocp.args.CheckpointArgs):
+    caches: dict[str, EmbeddingCache]
+
+
+@ocp.args.register_with_handler(_TablesHandler, for_restore=True)
+@dataclasses.dataclass
+class _TablesRestore(ocp.args.CheckpointArgs):
+    pass
+
+
+def _save_table(directory: str, cache: EmbeddingCache, *, fsync: bool) -> None:
+    os.makedirs(directory, exist_ok=True)
+    state = cache.state_dict()
+    planner = state["planner"]
+    arrays = {"rows": cache.table.rows}
+    arrays.update({f"state.{k}": v for k, v in cache.table.state.items()})
+    arrays["planner.id_of_slot"] = planner["id_of_slot"]
+    arrays["planner.last_use"] = planner["last_use"]
+    policy = dict(planner["policy"])
+    arrays.update({f"policy.{k}": v for k, v in policy.items() if k != "name"})
+    files = {
+        key: _write_array(os.path.join(directory, f"{key}.npy"), array, fsync=fsync)
+        for key, array in arrays.items()
+    }
+    meta = {
+        "format": _FORMAT,
+        "config": _config_json(cache.config),
+        "devices": int(cache.devices),
+        "arrays": files,
+        "next_index": int(planner["next_index"]),
+        "policy": policy["name"],
+        "buckets": state["buckets"],
+        "stats": state["stats"],
+    }
+    path = os.path.join(directory, "table.json")
+    with open(path, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def _check_compatible(name: str, meta: dict[str, Any], cache: EmbeddingCache) -> None:
+    saved, config = meta["config"], cache.config
+    if meta.get("format") != _FORMAT:
+        raise ValueError(f"table {name!r} was saved in format {meta.get('format')}, not {_FORMAT}.")
+    for field in ("num_embeddings", "features", "dtype"):
+        if saved[field] != getattr(config, field):
+            raise ValueError(
+                f"table {name!r}: the checkpoint has {field}={saved[field]!r} but the cache has "
+                f"{getattr(config, field)!r}; build the cache from "
+                f"Checkpointer.cache_config({name!r}) (capacity, policy and devices may differ)."
+            )
+    row_state = _row_state_json(config)
+    if row_state and row_state != saved["row_state"]:
+        raise ValueError(
+            f"table {name!r}: the checkpoint's per-row optimizer state is "
+            f"{saved['row_state']} but this cache's optimizer keeps {row_state}; restore with "
+            "the same sparse optimizer (or a serving cache, which keeps none)."
+        )
+
+
+def _is_exact(meta: dict[str, Any], cache: EmbeddingCache) -> bool:
+    """Same capacity, policy, optimizer and devices: the cache comes back as it was."""
+    saved, config = meta["config"], cache.config
+    return (
+        saved["capacity"] == config.capacity
+        and saved["policy"] == config.policy
+        and saved["optimizer"] == _optimizer_json(config.optimizer)
+        and meta["devices"] == cache.devices
+    )
+
+
+def _restore_table(saved: _SavedTable, holder: Any) -> None:
+    cache = holder.cache
+    meta = saved.meta
+    policy = {"name": meta["policy"]}
+    own = cache.planner.policy.state_dict()
+    for key, spec in meta["arrays"].items():
+        if key.startswith("policy."):
+            name = key.removeprefix("policy.")
+            target = own.get(name)
+            if (
+                isinstance(target, np.ndarray)
+                and list(target.shape) == spec["shape"]
+                and target.dtype.name == spec["dtype"]
+            ):
+                # The policy takes this array over: read the file straight into
+                # its own array rather than through a memory map.
+                _read_into(saved.path(key), target)
+                policy[name] = target
+            else:
+                policy[name] = saved.array(key)
+    state: dict[str, Any] = {
+        "planner": {
+            "id_of_slot": saved.array("planner.id_of_slot"),
+            "last_use": saved.array("planner.last_use"),
+            "next_index": meta["next_index"],
+            "policy": policy,
+        }
+    }
+    if _is_exact(meta, cache):
+        state["buckets"] = meta["buckets"]
+        state["stats"] = meta["stats"]
+    cache.load_state_dict(state)
+    _read_into(saved.path("rows"), cache.table.rows)
+    for key, array in cache.table.state.items():
+        _read_into(saved.path(f"state.{key}"), array)
+    holder.set_state(cache.init_state())
+
+
+# --------------------------------------------------------------- configuration
+def _optimizer_json(optimizer: optimizers.SparseOptimizer) -> dict[str, Any]:
+    fields = {f.name: getattr(optimizer, f.name) for f in dataclasses.fields(optimizer)}
+    return {"type": type(optimizer).__name__, **fields}
+
+
+def _row_state_json(config: CacheConfig) -> dict[str, Any]:
+    return {
+        name: {"shape": list(spec.shape), "dtype": np.dtype(spec.dtype).name}
+        for name, spec in config.optimizer.state_spec(config.features).items()
+    }
+
+
+def _config_json(config: CacheConfig) -> dict[str, Any]:
+    out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    out["optimizer"] = _optimizer_json(config.optimizer)
+    out["row_state"] = _row_state_json(config)
+    return out
+
+
+def _config_from_json(saved: dict[str, Any]) -> CacheConfig:
+    spec = dict(saved["optimizer"])
+    kind = spec.pop("type")
+    cls = getattr(optimizers, kind, None) or getattr(serving, kind, None)
+    if not (isinstance(cls, type) and issubclass(cls, optimizers.SparseOptimizer)):
+        raise ValueError(
+            f"the table was trained with the sparse optimizer {kind}, which jaxcache does not "
+            "define; build its CacheConfig yourself (the saved fields are in table.json)."
+        )
+    names = {f.name for f in dataclasses.fields(CacheConfig)}
+    fields = {k: v for k, v in saved.items() if k in names and k != "optimizer"}
+    return CacheConfig(**fields, optimizer=cls(**spec))
+
+
+# ----------------------------------------------------------------------- files
+def _mapped_file(array: np.ndarray) -> tuple[str, int] | None:
+    """``(path, offset)`` when ``array`` is a memory map of all the data of a file."""
+    if not isinstance(array, np.memmap) or not array.filename or not array.flags.c_contiguous:
+        return None
+    try:
+        size = os.path.getsize(array.filename)
+    except OSError:
+        return None
+    # np.memmap maps from the offset to the end of the data: a C-contiguous
+    # view this large can only start at the offset.
+    if array.offset + array.nbytes != size:
+        return None
+    return array.filename, array.offset
+
+
+def _copy_range(source: int, target: int, source_offset: int, target_offset: int, size: int):
+    """Copies ``size`` bytes between files inside the kernel; ``False`` if unsupported."""
+    done = 0
+    try:
+        while done < size:
+            moved = os.copy_file_range(
+                source, target, size - done, source_offset + done, target_offset + done
+            )
+            if moved == 0:
+                raise OSError(errno.EIO, "the source file ended early")
+            done += moved
+    except (OSError, AttributeError) as error:
+        unsupported = getattr(error, "errno", None) in (
+            errno.EXDEV,
+            errno.ENOSYS,
+            errno.EOPNOTSUPP,
+            errno.EINVAL,
+            None,
+        )
+        if done == 0 and unsupported:
+            return False
+        raise
+    return True
+
+
+def _row_chunks(array: np.ndarray) -> Iterable[slice]:
+    """Slices of ``array``'s rows of about ``_CHUNK_BYTES`` each."""
+    step = max(1, _CHUNK_BYTES // max(1, array[:1].nbytes))
+    for start in range(0, array.shape[0], step):
+        yield slice(start, start + step)
+
+
+def _write_array(path: str, array: np.ndarray, *, fsync: bool, dtype: Any = None) -> dict:
+    """Writes ``array`` as ``.npy`` without a full copy in memory (``dtype``: convert)."""
+    dtype = array.dtype if dtype is None else np.dtype(dtype)
+    header = {
+        "descr": np.lib.format.dtype_to_descr(dtype),
+        "fortran_order": False,
+        "shape": array.shape,
+    }
+    mapped = _mapped_file(array) if dtype == array.dtype else None
+    size = array.size * dtype.itemsize
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, header)
+        f.flush()
+        offset = f.tell()
+        copied = False
+        if mapped is not None:
+            with open(mapped[0], "rb") as source:
+                copied = _copy_range(source.fileno(), f.fileno(), mapped[1], offset, size)
+        if not copied:
+            for rows in _row_chunks(array):
+                chunk = np.ascontiguousarray(array[rows], dtype=dtype)
+                f.write(chunk.reshape(-1).view(np.uint8))
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    return {"shape": list(array.shape), "dtype": dtype.name, "bytes": size}
+
+
+def _read_into(path: str, out: np.ndarray) -> None:
+    """Reads the ``.npy`` file at ``path`` into ``out`` (same shape and item size)."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        offset = f.tell()
+        if tuple(shape) != out.shape or fortran or dtype.itemsize != out.dtype.itemsize:
+            raise ValueError(
+                f"{path} holds {dtype} {tuple(shape)}, expected {out.dtype} {out.shape}."
+            )
+        if os.fstat(f.fileno()).st_size != offset + out.nbytes:
+            raise ValueError(f"{path} is truncated or corrupt (size does not match its header).")
+        mapped = _mapped_file(out)
+        if mapped is not None:
+            with open(mapped[0], "r+b") as target:
+                if _copy_range(f.fileno(), target.fileno(), offset, mapped[1], out.nbytes):
+                    return
+        if out.flags.c_contiguous:
+            flat = out.reshape(-1).view(np.uint8)
+            done = 0
+            while done < flat.size:
+                read = f.readinto(flat[done : done + _CHUNK_BYTES])
+                if not read:
+                    raise ValueError(f"{path} ended early.")
+                done += read
+            return
+    source = np.load(path, mmap_mode="r")
+    for rows in _row_chunks(out):
+        out[rows] = source[rows].view(out.dtype)

@@ -1,0 +1,264 @@
+"""Guards: skip an update that would write non-finite values; check a cache's bookkeeping.
+
+``update_if_finite`` is the training update of ``jaxcache.nnx`` (the loss,
+its gradients, the dense optimizer and the sparse row updates) made
+conditional on the loss and every gradient being finite. What it costs:
+
+* inside the step, ``isfinite`` reductions over the dense gradients
+  (``O(P)``), over each table's row gradients (``O(U x D)``) and over the
+  rows the batch looked up (one more gather of them, ``O(B x D)`` per id
+  position), so a row already stored non-finite is named with its table;
+* the updates run under ``lax.cond``, which XLA keeps in place: a skipped
+  step copies nothing, a taken one computes what the unguarded step
+  computes (XLA compiles it as another program, so results may differ from
+  the unguarded step's in the last bit, as any two programs may);
+* reading the flags on the host (``raise_if_nonfinite``) waits for that step
+  to finish: checking after every step costs one device-to-host sync per
+  step, so the host can no longer queue the next step ahead. Checking every
+  ``k`` steps is cheaper; a bad step is still skipped, but the training loop
+  has gone on for up to ``k - 1`` steps when the error is raised.
+
+``check_invariants`` checks what the planner promises (the directory is a
+bijection, only resident rows are dirty, ...). It costs ``O(N + C)``: for
+tests and soak runs, not for every production step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxcache._src.engine import EmbeddingCache
+from jaxcache._src.nnx_module import CachedEmbed, value_and_grad
+
+__all__ = [
+    "FiniteCheck",
+    "NonFiniteError",
+    "check_invariants",
+    "raise_if_nonfinite",
+    "update_if_finite",
+]
+
+
+class FiniteCheck(NamedTuple):
+    """Which parts of a training update were finite (boolean device scalars).
+
+    Attributes:
+      loss: the loss.
+      dense: every gradient of the dense parameters.
+      tables: ``{name: flag}``: the rows each table looked up and their
+        gradients.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxcache
+      >>> check = jaxcache.FiniteCheck(jnp.array(True), jnp.array(True), {"t": jnp.array(False)})
+      >>> bool(check.tables["t"])
+      False
+    """
+
+    loss: jax.Array
+    dense: jax.Array
+    tables: dict[str, jax.Array]
+
+
+class NonFiniteError(FloatingPointError):
+    """A training update had a non-finite loss or gradient and was skipped.
+
+    Attributes:
+      step: the step the caller named.
+      tables: tables whose rows or row gradients were not finite.
+
+    Examples:
+      >>> import jaxcache
+      >>> error = jaxcache.NonFiniteError("step 3: ...", step=3, tables=["t"])
+      >>> error.step, error.tables
+      (3, ['t'])
+    """
+
+    def __init__(self, message: str, *, step: int, tables: list[str]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.tables = tables
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    if not leaves:
+        return jnp.array(True)
+    return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
+
+
+def _tables(model: nnx.Module) -> dict[str, CachedEmbed]:
+    modules: dict[str, CachedEmbed] = {}
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, CachedEmbed):
+            modules.setdefault(module.cache.name, module)
+    return modules
+
+
+def _apply(model: nnx.Module, optimizer: nnx.Optimizer, grads: Any, rows: dict) -> None:
+    optimizer.update(model, grads)
+    modules = _tables(model)
+    for table, (lookup, grad) in rows.items():
+        modules[table].apply_gradients(lookup, grad)
+
+
+def _skip(model: nnx.Module, optimizer: nnx.Optimizer, grads: Any, rows: dict) -> None:
+    del model, optimizer, grads, rows
+
+
+def update_if_finite(
+    fn: Callable[..., Any], *, has_aux: bool = False, wrt: Any = nnx.Param
+) -> Callable[..., tuple[Any, FiniteCheck]]:
+    """The training update of ``fn``, skipped as a whole unless everything is finite.
+
+    ``update_if_finite(loss_fn)(model, optimizer, *args)`` does what
+    ``jaxcache.nnx.value_and_grad(loss_fn)(model, *args)`` followed by
+    ``optimizer.update(model, grads)`` does, but only when the loss, every
+    dense gradient, every row looked up and its gradient are finite;
+    otherwise the model, the optimizer and the cached rows (and their
+    optimizer state) are left exactly as they were. Use it inside the jitted
+    step and check the returned flags on the host with
+    ``raise_if_nonfinite``.
+
+    Args:
+      fn: the loss function ``fn(model, *args) -> loss`` (or ``(loss, aux)``).
+      has_aux: ``fn`` returns ``(loss, aux)``.
+      wrt: filter of the dense variables to differentiate.
+
+    Returns:
+      A function ``(model, optimizer, *args) -> (value, FiniteCheck)``.
+
+    Examples:
+      >>> import numpy as np, optax, jaxcache
+      >>> from flax import nnx
+      >>> cfg = jaxcache.CacheConfig(100, 4, capacity=16, optimizer=jaxcache.sgd(0.1))
+      >>> embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg), combiner="sum")
+      >>> optimizer = nnx.Optimizer(embed, optax.sgd(0.1), wrt=nnx.Param)
+      >>> @nnx.jit
+      ... def step(embed, optimizer, lookup, scale):
+      ...     def loss_fn(embed, lookup):
+      ...         return (embed(lookup) ** 2).sum() * scale
+      ...     return jaxcache.nnx.update_if_finite(loss_fn)(embed, optimizer, lookup)
+      >>> lookup = embed.prepare(np.array([[1, 2]]))
+      >>> loss, check = step(embed, optimizer, lookup, np.float32(np.nan))
+      >>> try:
+      ...     jaxcache.raise_if_nonfinite(check, step=0)
+      ... except jaxcache.NonFiniteError as error:
+      ...     print(str(error).split(";")[0])
+      step 0: non-finite values in the loss and the rows or row gradients of table 'embedding'
+    """
+    grad_fn = value_and_grad(fn, has_aux=has_aux, wrt=wrt, apply_rows=False)
+
+    def step(model: nnx.Module, optimizer: nnx.Optimizer, *args: Any) -> tuple[Any, FiniteCheck]:
+        value, grads, rows = grad_fn(model, *args)
+        modules = _tables(model)
+        check = FiniteCheck(
+            _all_finite(value[0] if has_aux else value),
+            _all_finite(grads),
+            {
+                table: _all_finite(grad) & _all_finite(modules[table](lookup))
+                for table, (lookup, grad) in rows.items()
+            },
+        )
+        ok = check.loss & check.dense
+        for flag in check.tables.values():
+            ok = ok & flag
+        nnx.cond(ok, _apply, _skip, model, optimizer, grads, rows)
+        return value, check
+
+    return step
+
+
+def raise_if_nonfinite(check: FiniteCheck, *, step: int) -> None:
+    """Raises ``NonFiniteError`` naming ``step`` and the tables if ``check`` failed.
+
+    Reading the flags waits for the step that computed them (see the module
+    notes on the cost).
+
+    Args:
+      check: what ``update_if_finite`` returned.
+      step: the step number to name in the error.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxcache
+      >>> ok = jaxcache.FiniteCheck(jnp.array(True), jnp.array(True), {})
+      >>> jaxcache.raise_if_nonfinite(ok, step=7)  # nothing happens
+    """
+    flags = jax.device_get(check)
+    tables = [name for name, ok in flags.tables.items() if not ok]
+    parts = [
+        part for part, ok in (("the loss", flags.loss), ("dense gradients", flags.dense)) if not ok
+    ]
+    parts += [f"the rows or row gradients of table {name!r}" for name in tables]
+    if parts:
+        what = ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1]
+        raise NonFiniteError(
+            f"step {step}: non-finite values in {what}; the update was skipped, so the model, "
+            "the optimizer and the tables are as they were before this step. Check this "
+            "batch's inputs, lower the learning rate, or restore the last checkpoint.",
+            step=step,
+            tables=tables,
+        )
+
+
+def check_invariants(cache: EmbeddingCache) -> None:
+    """Checks the host bookkeeping of ``cache``; raises ``AssertionError`` if broken.
+
+    The directory is a bijection between resident ids and their slots, ids
+    are in range, only resident rows are dirty, recency never runs ahead of
+    the plans, and a counting policy's per-slot counts mirror its per-id
+    counts. ``O(N + C)``.
+
+    Args:
+      cache: the cache to check (take it between steps).
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8))
+      >>> state, _ = cache.prepare(cache.init_state(), np.array([3, 5, 3]))
+      >>> jaxcache.check_invariants(cache)
+      >>> cache.planner.slot_of_id[7] = 0  # corrupt the directory
+      >>> try:
+      ...     jaxcache.check_invariants(cache)
+      ... except AssertionError as error:
+      ...     print(error)
+      table 'embedding': 3 ids map to a slot but 2 slots hold an id
+    """
+    planner = cache.planner
+    name = cache.name
+    n, capacity = cache.config.num_embeddings, planner.capacity
+    ids = planner.id_of_slot
+    occupied = np.flatnonzero(ids >= 0)
+    resident = ids[occupied]
+
+    def fail(message: str) -> None:
+        raise AssertionError(f"table {name!r}: {message}")
+
+    if ids.size != capacity or ids.min(initial=0) < -1 or ids.max(initial=-1) >= n:
+        fail(f"slots hold ids outside [0, {n})")
+    if np.unique(resident).size != resident.size:
+        fail("an id is held by two slots")
+    mapped = np.count_nonzero(planner.slot_of_id >= 0)
+    if mapped != resident.size:
+        fail(f"{mapped} ids map to a slot but {resident.size} slots hold an id")
+    if not np.array_equal(planner.slot_of_id[resident], occupied):
+        fail("slot_of_id and id_of_slot disagree")
+    if planner.slot_of_id.max(initial=-1) >= capacity:
+        fail(f"an id maps to a slot beyond the capacity {capacity}")
+    if planner.dirty[ids < 0].any():
+        fail("a free slot is marked dirty")
+    if planner.last_use.max(initial=-1) >= planner.next_index:
+        fail("a slot was used by a plan that does not exist yet")
+    if planner.released >= planner.next_index:
+        fail("a plan was released before it was made")
+    slot_counts = getattr(planner.policy, "slot_counts", None)
+    if slot_counts is not None and not np.array_equal(
+        slot_counts[occupied], planner.policy.counts[resident]
+    ):
+        fail("the policy's per-slot counts disagree with its per-id counts")

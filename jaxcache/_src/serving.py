@@ -1,0 +1,193 @@
+"""Serving: read-only tables, hot rows preloaded, batched lookups through the pipeline.
+
+A serving table is an ``EmbeddingCache`` built from ``serving_config``: its
+"optimizer" keeps no per-row state and refuses to update, so the host table
+and the device hold rows only. Batches are planned with ``train=False``, so no
+row is ever dirty and nothing is ever written back: ``cache.stats`` counts
+zero bytes device -> host. Restoring a training checkpoint into it
+(``Checkpointer.restore``) reads the rows and preloads the hottest ones by
+the access counts the training cache kept.
+
+``Server`` scores batches with the same Flax module the model was trained
+with, in eval mode, through ``jaxcache.prefetch``: one cache per table is
+shared by every request, and the next batches are planned and transferred
+while the device scores the current one.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxcache._src import optimizers
+from jaxcache._src.config import CacheConfig
+from jaxcache._src.pipeline import CacheHolder, prefetch
+
+__all__ = ["ReadOnly", "Server", "serving_config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadOnly(optimizers.SparseOptimizer):
+    """The sparse "optimizer" of a serving table: no per-row state, no update.
+
+    Examples:
+      >>> from jaxcache._src.serving import ReadOnly
+      >>> ReadOnly().state_spec(16)
+      {}
+    """
+
+    learning_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        """Nothing to check: a read-only table has no learning rate."""
+
+    def update(self, rows, grads, state):
+        raise TypeError(
+            "this table is read-only (built with jaxcache.serving_config): it serves lookups "
+            "and cannot be trained; train through a cache built with the training config."
+        )
+
+
+def serving_config(
+    config: CacheConfig, *, capacity: int | float | None = None, policy: str = "lfu"
+) -> CacheConfig:
+    """The configuration of a read-only copy of a table, for inference.
+
+    The same table (rows, width, dtype, padding id, name) with no optimizer
+    state, and the capacity and policy of the serving device.
+
+    Args:
+      config: the table's training configuration, e.g.
+        ``Checkpointer.cache_config(name)``.
+      capacity: rows on device, a count or a fraction of the table; default:
+        the training capacity.
+      policy: eviction policy while serving. The default ``"lfu"`` starts
+        from the access counts a checkpoint kept (``"lfu"`` and
+        ``"frequency"`` training caches keep them), so the hottest rows are
+        preloaded and stay; ``"frequency"`` also needs ``frequencies=`` when
+        the cache is built.
+
+    Returns:
+      A ``CacheConfig``; build the serving cache with it and restore the
+      checkpoint into the model that holds it.
+
+    Examples:
+      >>> import jaxcache
+      >>> train = jaxcache.CacheConfig(1000, 8, capacity=100, optimizer=jaxcache.adam(0.01))
+      >>> serve = jaxcache.serving_config(train, capacity=0.5)
+      >>> serve.capacity, serve.optimizer.state_spec(8), serve.row_bytes
+      (500, {}, 32)
+    """
+    return dataclasses.replace(
+        config,
+        optimizer=ReadOnly(),
+        capacity=config.capacity if capacity is None else capacity,
+        policy=policy,
+    )
+
+
+class Server:
+    """Scores batches with a model whose tables are read-only serving caches.
+
+    Every batch goes through ``jaxcache.prefetch`` with ``train=False``: its
+    ids are planned and their missing rows transferred ahead, on a host
+    thread, while the device scores the batch before it. The caches are
+    shared by all requests, so the hot rows stay on device from one request
+    to the next; nothing is ever written back.
+
+    Args:
+      model: the NNX model, built like the trained one around serving caches
+        (``serving_config``); it is put in eval mode.
+      predict: ``predict(batch) -> scores`` for a batch whose ids were
+        replaced by ``Lookup`` objects, e.g. built from
+        ``jaxcache.models.make_predict_step(model)``.
+      tables: batch key -> ``CachedEmbed`` of a serving cache, as for
+        ``jaxcache.prefetch``.
+      lookahead: batches planned and transferred ahead.
+
+    Attributes:
+      latencies: seconds per batch, from taking it from the source to its
+        scores being on the host (the time it waited in the pipeline
+        included).
+
+    Examples:
+      >>> import numpy as np, jax.numpy as jnp, jaxcache
+      >>> cfg = jaxcache.serving_config(jaxcache.CacheConfig(100, 4, capacity=16))
+      >>> embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg), combiner="sum")
+      >>> server = jaxcache.Server(embed, lambda b: embed(b["ids"]).sum(-1), {"ids": embed})
+      >>> batches = [{"ids": np.array([[1, 2], [2, 3]])}, {"ids": np.array([[2, 5], [1, 1]])}]
+      >>> [s.shape for s in server.score(batches)], embed.cache.stats.bytes_to_host
+      ([(2,), (2,)], 0)
+      >>> sorted(server.summary())
+      ['batches', 'bytes_to_host', 'hit_rate', 'p50_ms', 'p90_ms', 'p99_ms']
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        predict: Callable[[dict[str, Any]], Any],
+        tables: Mapping[str, CacheHolder],
+        *,
+        lookahead: int = 2,
+    ) -> None:
+        for key, holder in tables.items():
+            optimizer = getattr(getattr(holder, "cache", None), "config", None)
+            if not isinstance(getattr(optimizer, "optimizer", None), ReadOnly):
+                raise ValueError(
+                    f"tables[{key!r}] is not a serving table; build its cache from "
+                    "jaxcache.serving_config(config), which keeps no optimizer state and "
+                    "never writes rows back."
+                )
+        model.eval()
+        self.model = model
+        self.predict = predict
+        self.tables = dict(tables)
+        self.lookahead = lookahead
+        self.latencies: list[float] = []
+
+    def score(self, batches: Iterable[Mapping[str, Any]]) -> Iterator[np.ndarray]:
+        """Scores of each batch, in order, as NumPy arrays.
+
+        Args:
+          batches: mappings holding each table's ids under its key.
+
+        Yields:
+          ``predict(batch)`` as NumPy (copied to the host).
+        """
+        taken: collections.deque[float] = collections.deque()
+
+        def source() -> Iterator[Mapping[str, Any]]:
+            for batch in batches:
+                taken.append(time.perf_counter())
+                yield batch
+
+        with prefetch(source(), self.tables, lookahead=self.lookahead, train=False) as pipeline:
+            for batch in pipeline:
+                scores = np.asarray(jax.device_get(self.predict(batch)))
+                self.latencies.append(time.perf_counter() - taken.popleft())
+                yield scores
+
+    def summary(self) -> dict[str, float]:
+        """Latency percentiles (ms), batches, hit rate and bytes written back so far.
+
+        The hit rate is over distinct ids per batch, all tables together.
+        """
+        latencies = np.asarray(self.latencies or [np.nan]) * 1e3
+        p50, p90, p99 = np.percentile(latencies, [50, 90, 99])
+        caches = [holder.cache for holder in self.tables.values()]
+        distinct = sum(c.stats.total.distinct for c in caches)
+        return {
+            "batches": len(self.latencies),
+            "p50_ms": float(p50),
+            "p90_ms": float(p90),
+            "p99_ms": float(p99),
+            "hit_rate": sum(c.stats.total.hits for c in caches) / max(1, distinct),
+            "bytes_to_host": sum(c.stats.bytes_to_host for c in caches),
+        }

@@ -1,0 +1,485 @@
+"""Checkpoints: exact resume across a killed process, crash safety, other capacities, export."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxcache
+from tests.models import Tower, bce, zipf_batches
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESUME = ROOT / "examples" / "resume.py"
+N, D, B, F = 3000, 8, 16, 3
+
+
+# --------------------------------------------------------- across processes
+def _resume(directory, *args):
+    argv = [sys.executable, str(RESUME), "--checkpoint-dir", str(directory)]
+    argv += ["--steps", "16", "--batch-size", "32", *args]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(process):
+    out, err = process.communicate(timeout=300)
+    return process.returncode, out, err
+
+
+def test_resume_after_sigkill_is_bit_exact(tmp_path):
+    """One process trains 16 steps; another is killed right after its checkpoint at
+    step 8 and a third resumes from it: same losses, table, row state, dense
+    parameters and optax state, bit for bit, with the pipeline on (look-ahead 2)."""
+    policies = ("lfu", "lru")
+    runs = {}
+    for policy in policies:
+        common = ("--policy", policy, "--lookahead", "2")
+        whole = tmp_path / f"{policy}-whole"
+        split = tmp_path / f"{policy}-split"
+        runs[policy] = (
+            _resume(whole, *common, "--every", "16", "--dump", f"{whole}.npz"),
+            _resume(split, *common, "--every", "8", "--kill-at", "8"),
+            split,
+            common,
+        )
+    resumed = {}
+    for policy, (whole, killed, split, common) in runs.items():
+        code, _, err = _finish(whole)
+        assert code == 0, err
+        code, out, err = _finish(killed)
+        assert code == -signal.SIGKILL, (code, err)
+        assert "step 8: loss" in out and "step 16" not in out
+        resumed[policy] = _resume(split, *common, "--every", "8", "--dump", f"{split}.npz")
+    for policy, process in resumed.items():
+        code, out, err = _finish(process)
+        assert code == 0, err
+        assert "restored step 8: continuing from batch 8" in out
+        whole = np.load(tmp_path / f"{policy}-whole.npz")
+        split = np.load(tmp_path / f"{policy}-split.npz")
+        assert len(whole["losses"]) == 16
+        for key in whole.files:
+            if key.startswith(("rows", "state.", "model.", "optimizer.", "losses")):
+                np.testing.assert_array_equal(split[key], whole[key], err_msg=f"{policy} {key}")
+        assert np.abs(whole["rows"]).sum() > 0 and len(whole.files) > 10
+
+
+# ----------------------------------------------------------------- in process
+def _model(cache, seed=0):
+    model = Tower(jaxcache.nnx.CachedEmbed(cache), F, D, seed=seed)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    return model, optimizer
+
+
+@nnx.jit
+def _train_step(model, optimizer, lookup, labels):
+    def loss_fn(model, lookup):
+        return bce(model(lookup), labels)
+
+    loss, grads = jaxcache.nnx.value_and_grad(loss_fn)(model, lookup)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _cache(policy="lfu", capacity=120, seed=1, optimizer=None, **kwargs):
+    config = jaxcache.CacheConfig(
+        N,
+        D,
+        capacity=capacity,
+        policy=policy,
+        optimizer=optimizer or jaxcache.adagrad(0.2),
+        **kwargs,
+    )
+    frequencies = None
+    if policy == "frequency":
+        frequencies = jaxcache.FrequencyCounter(N).update_all(i for i, _ in _data(4)).counts
+    return jaxcache.EmbeddingCache(config, frequencies=frequencies, seed=seed)
+
+
+def _data(steps, start=0):
+    return list(zipf_batches(N, B, F, start + steps, seed=5))[start:]
+
+
+def _train(model, optimizer, batches, lookahead=0):
+    items = [{"ids": ids, "y": y} for ids, y in batches]
+    with jaxcache.prefetch(items, {"ids": model.embed}, lookahead=lookahead) as pipeline:
+        return [float(_train_step(model, optimizer, b["ids"], b["y"])) for b in pipeline]
+
+
+_DENSE = nnx.Not(nnx.Any(jaxcache.nnx.CacheRows, jaxcache.nnx.CacheOptState))
+
+
+def _dense(node):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(node, _DENSE))]
+
+
+def _assert_same_values(a, b):
+    (model_a, opt_a), (model_b, opt_b) = a, b
+    rows_a, state_a = model_a.embed.export()
+    rows_b, state_b = model_b.embed.export()
+    np.testing.assert_array_equal(rows_a, rows_b)
+    for name in state_a:
+        np.testing.assert_array_equal(state_a[name], state_b[name])
+    for x, y in zip(_dense(model_a) + _dense(opt_a), _dense(model_b) + _dense(opt_b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("policy", jaxcache.POLICIES)
+def test_restore_continues_exactly_with_the_same_cache_state(tmp_path, policy):
+    """Unpipelined, the cache's choices are deterministic: the restored cache makes
+    the same ones as the one that kept going (slots, recency, counts, statistics)."""
+    first, second = _data(10), _data(10, start=10)
+    original = _model(_cache(policy))
+    _train(*original, first)
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(10, model=original[0], optimizer=original[1], extra={"note": "x"})
+    restored = _model(_cache(policy, seed=9), seed=3)  # other initial values
+    info = checkpointer.restore(model=restored[0], optimizer=restored[1])
+    assert info == jaxcache.CheckpointInfo(10, 10, {"note": "x"}, ("embedding",))
+    losses = _train(*original, second)
+    assert _train(*restored, second) == losses
+    _assert_same_values(original, restored)
+    a, b = original[0].embed.cache, restored[0].embed.cache
+    for name in ("id_of_slot", "last_use", "slot_of_id"):
+        np.testing.assert_array_equal(getattr(a.planner, name), getattr(b.planner, name))
+    if policy != "lru":
+        np.testing.assert_array_equal(a.planner.policy.counts, b.planner.policy.counts)
+    assert a.stats.as_dict() | {"compilations": 0} == b.stats.as_dict() | {"compilations": 0}
+    assert a.stats.total.evictions > 50  # rows really moved
+
+
+def test_keeps_the_last_checkpoints_and_lists_them(tmp_path):
+    embed = jaxcache.nnx.CachedEmbed(_cache())
+    checkpointer = jaxcache.Checkpointer(tmp_path, max_to_keep=2)
+    assert checkpointer.latest_step() is None
+    for step in range(1, 5):
+        embed.prepare(np.arange(step, step + 4))
+        checkpointer.save(step * 10, caches=[embed], batches_consumed=step)
+    assert checkpointer.steps() == [30, 40]
+    assert checkpointer.info().batches_consumed == 4
+    assert sorted(os.listdir(tmp_path)) == ["30", "40"]
+    with pytest.raises(ValueError, match="step 40 is already saved"):
+        checkpointer.save(40, caches=[embed])
+    with pytest.raises(FileNotFoundError, match=r"saved steps: \[30, 40\]"):
+        checkpointer.restore(10, caches=[embed])
+
+
+@pytest.mark.parametrize("capacity", [40, 400])
+def test_restore_onto_another_capacity_warms_the_hottest_rows(tmp_path, capacity):
+    batches = _data(12)
+    original = _model(_cache("lfu"))
+    _train(*original, batches[:8])
+    saved = original[0].embed.cache
+    before = saved.planner.resident_ids()
+    jaxcache.Checkpointer(tmp_path).save(8, model=original[0], optimizer=original[1])
+    restored = _model(_cache("lfu", capacity=capacity))
+    jaxcache.Checkpointer(tmp_path).restore(model=restored[0], optimizer=restored[1])
+    cache = restored[0].embed.cache
+    counts = cache.planner.policy.counts
+    np.testing.assert_array_equal(counts, saved.planner.policy.counts)
+    resident = cache.planner.resident_ids()
+    if capacity < before.size:  # the hottest of the rows that were resident
+        assert resident.size == capacity and np.isin(resident, before).all()
+        left_out = before[~np.isin(before, resident)]
+        assert counts[resident].min() >= counts[left_out].max()
+    else:  # all of them, then the hottest others
+        assert np.isin(before, resident).all() and resident.size > before.size
+    assert cache.stats.steps == 0  # another cache: its own statistics
+    jaxcache.check_invariants(cache)
+    assert _train(*restored, batches[8:]) == _train(*original, batches[8:])
+    _assert_same_values(original, restored)
+
+
+def test_restore_onto_two_devices(tmp_path):
+    """Saved from one device, restored onto a cache split over two (another process)."""
+    batches = _data(6)
+    original = _model(_cache("lru", capacity=64))
+    _train(*original, batches[:4])
+    jaxcache.Checkpointer(tmp_path / "ckpt").save(4, model=original[0], optimizer=original[1])
+    _train(*original, batches[4:])
+    rows, _ = original[0].embed.export()
+    np.save(tmp_path / "expected.npy", rows)
+    np.savez(tmp_path / "batches.npz", *[x for pair in batches[4:] for x in pair])
+    script = f"""
+        import jax
+        jax.config.update("jax_num_cpu_devices", 2)
+        import numpy as np, jaxcache
+        from flax import nnx
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        from tests.test_checkpoint import _DENSE, _model, _train, _cache
+        mesh = Mesh(np.array(jax.devices()), ("rows",))
+        cache = jaxcache.EmbeddingCache(_cache("lru", capacity=64).config, mesh=mesh)
+        model, optimizer = _model(cache, seed=4)
+        for node in (model, optimizer):  # dense state replicated over the two devices
+            state = nnx.state(node, _DENSE)
+            nnx.update(node, jax.device_put(state, NamedSharding(mesh, PartitionSpec())))
+        jaxcache.Checkpointer("{tmp_path / "ckpt"}").restore(model=model, optimizer=optimizer)
+        saved = np.load("{tmp_path / "batches.npz"}")
+        arrays = [saved[f"arr_{{i}}"] for i in range(len(saved.files))]
+        _train(model, optimizer, list(zip(arrays[::2], arrays[1::2])))
+        rows, _ = model.embed.export()
+        np.testing.assert_allclose(rows, np.load("{tmp_path / "expected.npy"}"), atol=1e-6)
+        print("devices", cache.devices)
+    """
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "devices 2" in out.stdout
+
+
+def test_export_loads_into_a_plain_nnx_embed_without_jaxcache(tmp_path):
+    original = _model(_cache("lru"))
+    _train(*original, _data(5))
+    checkpointer = jaxcache.Checkpointer(tmp_path / "ckpt")
+    checkpointer.save(5, model=original[0], optimizer=original[1])
+    paths = checkpointer.export(tmp_path / "export")
+    assert list(paths) == ["embedding"]
+    ids = np.array([[5, 17, 2999], [0, 5, 1234]])
+    script = f"""
+        import sys
+        import jax.numpy as jnp, numpy as np
+        from flax import nnx
+        rows = np.load("{paths["embedding"]}")  # plain NumPy: float32, id order
+        assert rows.dtype == np.float32 and rows.shape == ({N}, {D})
+        embed = nnx.Embed({N}, {D}, rngs=nnx.Rngs(0))
+        embed.embedding.set_value(jnp.asarray(rows))
+        np.save("{tmp_path / "out.npy"}", embed(np.array({ids.tolist()})))
+        assert not any(name.startswith("jaxcache") for name in sys.modules)
+    """
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    lookup = original[0].embed.prepare(ids, train=False)
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), original[0].embed(lookup))
+
+
+def test_bfloat16_rows_export_as_float32(tmp_path):
+    cache = _cache("lru", dtype="bfloat16", optimizer=jaxcache.sgd(0.1))
+    embed = jaxcache.nnx.CachedEmbed(cache)
+    checkpointer = jaxcache.Checkpointer(tmp_path / "ckpt")
+    checkpointer.save(1, caches=[embed])
+    rows = np.load(checkpointer.export(tmp_path / "export")["embedding"])
+    assert rows.dtype == np.float32
+    np.testing.assert_array_equal(rows, cache.table.rows.astype(np.float32))
+    again = jaxcache.nnx.CachedEmbed(
+        _cache("lru", dtype="bfloat16", seed=5, optimizer=jaxcache.sgd(0.1))
+    )
+    checkpointer.restore(caches=[again])
+    np.testing.assert_array_equal(again.cache.table.rows, cache.table.rows)
+
+
+@pytest.mark.parametrize(
+    ("save_mapped", "restore_mapped"), [(True, True), (False, True), (True, False)]
+)
+def test_memory_mapped_tables_round_trip(tmp_path, save_mapped, restore_mapped):
+    def cache(name, mapped, seed):
+        config = _cache("lru").config
+        directory = tmp_path / name if mapped else None
+        table = jaxcache.HostTable(config, seed=seed, directory=directory)
+        return jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(config, table=table))
+
+    source = cache("a", save_mapped, 1)
+    source.cache.table.state["accumulator"][7] = 3.5
+    checkpointer = jaxcache.Checkpointer(tmp_path / "ckpt")
+    checkpointer.save(1, caches=[source])
+    target = cache("b", restore_mapped, 2)
+    checkpointer.restore(caches=[target])
+    np.testing.assert_array_equal(target.cache.table.rows, source.cache.table.rows)
+    np.testing.assert_array_equal(
+        target.cache.table.state["accumulator"], source.cache.table.state["accumulator"]
+    )
+    if restore_mapped:  # the restored table still is the file it maps
+        assert isinstance(target.cache.table.rows, np.memmap)
+        on_disk = np.load(tmp_path / "b" / "rows.npy")
+        np.testing.assert_array_equal(on_disk, source.cache.table.rows)
+
+
+def test_typed_rng_keys_round_trip(tmp_path):
+    class Noisy(nnx.Module):
+        def __init__(self):
+            self.dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))
+            self.linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+    model = Noisy()
+    model.dropout(jnp.ones(4))  # advances the stream
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(1, model=model)
+    other = Noisy()
+    checkpointer.restore(model=other)
+    np.testing.assert_array_equal(model.dropout(jnp.ones(8)), other.dropout(jnp.ones(8)))
+    with pytest.raises(ValueError, match=r"has no table 'embedding'; it holds \[\]"):
+        checkpointer.restore(caches=[jaxcache.nnx.CachedEmbed(_cache())])
+
+
+def test_mismatches_are_refused_before_anything_changes(tmp_path):
+    original = _model(_cache("lru"))
+    _train(*original, _data(3))
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(3, model=original[0], optimizer=original[1])
+
+    target = _model(_cache("lru", seed=4))
+    rows = np.array(target[0].embed.cache.table.rows)
+    dense = _dense(target[0])
+    wider = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(jaxcache.CacheConfig(N, D + 1, 50)))
+    with pytest.raises(ValueError, match="the checkpoint has features=8 but the cache has 9"):
+        checkpointer.restore(caches=[wider])
+    other_state = _model(_cache("lru", optimizer=jaxcache.adam(0.1)))
+    with pytest.raises(ValueError, match="per-row optimizer state"):
+        checkpointer.restore(model=other_state[0])
+    bigger = Tower(target[0].embed, F, D, seed=0)
+    bigger.hidden = nnx.Linear(F * D, 32, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="model's variables do not match"):
+        checkpointer.restore(model=bigger)
+    np.testing.assert_array_equal(target[0].embed.cache.table.rows, rows)
+    for x, y in zip(_dense(target[0]), dense, strict=True):
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match="has no table 'users'"):
+        checkpointer.restore(caches=[jaxcache.nnx.CachedEmbed(_cache(name="users"))])
+    assert checkpointer.cache_config() == original[0].embed.cache.config
+
+
+def test_save_refuses_batches_staged_ahead(tmp_path):
+    model, optimizer = _model(_cache("lru", capacity=400))
+    items = [{"ids": ids, "y": y} for ids, y in _data(10)]
+    with jaxcache.prefetch(items, {"ids": model.embed}, lookahead=3) as pipeline:
+        for i, batch in enumerate(pipeline):
+            _train_step(model, optimizer, batch["ids"], batch["y"])
+            if i == 2:
+                time.sleep(0.3)  # the producer stages the next batches
+                break
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    with pytest.raises(RuntimeError, match="batches planned that the training loop"):
+        checkpointer.save(3, model=model, optimizer=optimizer)
+    assert checkpointer.steps() == []
+
+
+# ---------------------------------------------------------- crash safety
+_CRASH_CHILD = """
+import os, signal, sys
+import numpy as np, jaxcache
+from jaxcache._src import checkpoint
+from flax import nnx
+
+directory, mode, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
+config = jaxcache.CacheConfig(rows, 16, capacity=256, policy="lru",
+                              optimizer=jaxcache.adagrad(0.1))
+embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(config, seed=1))
+
+@nnx.jit
+def step(embed, lookup):
+    jaxcache.nnx.value_and_grad(lambda m, lk: (m(lk) ** 2).sum())(embed, lookup)
+
+def train(first):
+    for i in range(first, first + 3):
+        step(embed, embed.prepare(np.arange(100) * 7 + i))
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+train(0)
+checkpointer = jaxcache.Checkpointer(directory)
+checkpointer.save(1, caches=[embed])
+rows_, state = embed.export()
+np.savez(directory + ".npz", rows=rows_, **state, resident=embed.cache.planner.id_of_slot)
+train(3)
+if mode == "before-tables":
+    checkpoint._save_table = lambda *a, **k: die()
+elif mode == "between-files":
+    write, calls = checkpoint._write_array, []
+    def write_then_die(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            die()
+        return write(*args, **kwargs)
+    checkpoint._write_array = write_then_die
+elif mode == "mid-file":
+    chunks = checkpoint._row_chunks
+    checkpoint._CHUNK_BYTES = 4096
+    def chunks_then_die(array):
+        for i, rows in enumerate(chunks(array)):
+            if i == 5:
+                die()
+            yield rows
+    checkpoint._row_chunks = chunks_then_die
+elif mode == "before-commit":
+    save = checkpoint._TablesHandler.save
+    def save_then_die(self, *args, **kwargs):
+        save(self, *args, **kwargs)
+        die()
+    checkpoint._TablesHandler.save = save_then_die
+print("saving", flush=True)
+checkpointer.save(2, caches=[embed])
+print("saved", flush=True)
+"""
+
+
+def _crash(tmp_path, mode, rows=5000):
+    script = tmp_path / "child.py"
+    script.write_text(_CRASH_CHILD)
+    directory = tmp_path / mode
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(directory), mode, str(rows)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return directory, process
+
+
+def _check_previous_checkpoint_survives(directory, rows=5000):
+    leftovers = [name for name in os.listdir(directory) if name != "1"]
+    assert leftovers and all("tmp" in name for name in leftovers), leftovers
+    expected = np.load(f"{directory}.npz")
+    config = jaxcache.CacheConfig(
+        rows, 16, capacity=256, policy="lru", optimizer=jaxcache.adagrad(0.1)
+    )
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(config, seed=3))
+    checkpointer = jaxcache.Checkpointer(directory)  # removes the partial step
+    assert checkpointer.steps() == [1]
+    checkpointer.restore(caches=[embed])
+    np.testing.assert_array_equal(embed.cache.table.rows, expected["rows"])
+    np.testing.assert_array_equal(embed.cache.table.state["accumulator"], expected["accumulator"])
+    np.testing.assert_array_equal(embed.cache.planner.id_of_slot, expected["resident"])
+    checkpointer.save(2, caches=[embed])  # the directory is usable again
+    assert checkpointer.steps() == [1, 2]
+    assert sorted(os.listdir(directory)) == ["1", "2"]
+
+
+def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path):
+    """Savers killed before, between and in the middle of the table files, right
+    before the commit, and by a signal from outside while orbax writes a large
+    table (64 MiB of rows and 64 MiB of accumulators)."""
+    modes = ("before-tables", "between-files", "mid-file", "before-commit")
+    children = {mode: _crash(tmp_path, mode) for mode in modes}
+    large = 1 << 20
+    directory, process = children["signal"] = _crash(tmp_path, "signal", large)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        if directory.exists() and any(
+            "tmp" in name and name.startswith("2") for name in os.listdir(directory)
+        ):
+            process.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.001)
+    for mode, (directory, process) in children.items():
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == -signal.SIGKILL, (mode, err)
+        assert "saving" in out and "saved" not in out.replace("saving", "")
+        _check_previous_checkpoint_survives(directory, large if mode == "signal" else 5000)

@@ -1,0 +1,123 @@
+"""Serving: read-only tables from a checkpoint score like the trained model, write nothing back."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxcache
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DATA = jaxcache.SyntheticCriteo(scale=0.0003, batch_size=32, seed=2)
+
+
+def _dlrm(cache):
+    embed = jaxcache.nnx.CachedEmbed(cache)
+    model = jaxcache.models.DLRM(
+        embed, num_sparse=DATA.num_features, features=8, bottom=(16,), top=(16,), rngs=nnx.Rngs(0)
+    )
+    return embed, model
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A DLRM trained through an LFU cache, its eval scores, and its checkpoint."""
+    config = jaxcache.CacheConfig(
+        DATA.num_embeddings,
+        8,
+        capacity=0.1,
+        policy="lfu",
+        optimizer=jaxcache.rowwise_adagrad(0.05),
+    )
+    embed, model = _dlrm(jaxcache.EmbeddingCache(config))
+    optimizer, step = jaxcache.models.make_train_step(
+        model, jaxcache.models.dense_optimizer("adagrad", 0.05)
+    )
+    with jaxcache.prefetch(DATA.batches(30), {"sparse": embed}, lookahead=2) as pipeline:
+        for batch in pipeline:
+            step(batch["dense"], batch["sparse"], batch["label"])
+    directory = tmp_path_factory.mktemp("ckpt")
+    jaxcache.Checkpointer(directory).save(30, model=model, optimizer=optimizer)
+    planner = embed.cache.planner
+    saved = planner.policy.counts.copy(), planner.resident_ids()
+    model.eval()
+    predict = jaxcache.models.make_predict_step(model)
+    held_out = list(DATA.batches(6, held_out=True))
+    scores = [
+        np.asarray(predict(b["dense"], embed.prepare(b["sparse"], train=False))) for b in held_out
+    ]
+    return directory, held_out, scores, saved
+
+
+@pytest.mark.parametrize("capacity", [0.05, 0.2])
+def test_serving_scores_equal_the_trained_models(trained, capacity):
+    directory, held_out, expected, (saved_counts, was) = trained
+    checkpointer = jaxcache.Checkpointer(directory, read_only=True)
+    config = jaxcache.serving_config(checkpointer.cache_config(), capacity=capacity)
+    embed, model = _dlrm(jaxcache.EmbeddingCache(config))
+    checkpointer.restore(model=model)
+    assert embed.get_state().opt == {}  # no optimizer state on device
+    assert embed.cache.table.state == {}  # nor on the host
+    # Preloaded by frequency: the hottest of the training cache's resident rows.
+    counts = embed.cache.planner.policy.counts
+    np.testing.assert_array_equal(counts, saved_counts)
+    resident = embed.cache.planner.resident_ids()
+    assert resident.size == min(config.capacity, np.count_nonzero(counts))
+    left_out = was[~np.isin(was, resident)]
+    if left_out.size:
+        assert counts[resident[np.isin(resident, was)]].min() >= counts[left_out].max()
+    predict = jaxcache.models.make_predict_step(model)
+    server = jaxcache.Server(
+        model, lambda b: predict(b["dense"], b["sparse"]), {"sparse": embed}, lookahead=2
+    )
+    scores = list(server.score(held_out))
+    for got, want in zip(scores, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    summary = server.summary()
+    assert summary["batches"] == len(held_out) and summary["hit_rate"] > 0.3
+    assert summary["bytes_to_host"] == 0 and embed.cache.stats.total.rows_to_host == 0
+    assert summary["p50_ms"] <= summary["p90_ms"] <= summary["p99_ms"]
+    # One cache serves every request: the same requests again find more rows.
+    first = embed.cache.stats.total.hits / embed.cache.stats.total.distinct
+    before = embed.cache.stats.total.hits
+    list(server.score(held_out))
+    again = (embed.cache.stats.total.hits - before) / (embed.cache.stats.total.distinct / 2)
+    assert again >= first and embed.cache.stats.bytes_to_host == 0
+
+
+def test_serving_tables_are_read_only(trained):
+    directory, held_out, _, _ = trained
+    checkpointer = jaxcache.Checkpointer(directory, read_only=True)
+    training = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(checkpointer.cache_config()))
+    with pytest.raises(ValueError, match="not a serving table"):
+        jaxcache.Server(training, lambda b: b, {"sparse": training})
+    config = jaxcache.serving_config(checkpointer.cache_config())
+    embed, model = _dlrm(jaxcache.EmbeddingCache(config))
+    checkpointer.restore(model=model)
+    _, step = jaxcache.models.make_train_step(model, jaxcache.models.dense_optimizer("adam", 0.1))
+    batch = held_out[0]
+    with pytest.raises(TypeError, match="read-only"):
+        step(batch["dense"], embed.prepare(batch["sparse"]), batch["label"])
+    with pytest.raises(RuntimeError, match="read-only"):
+        checkpointer.save(99, model=model)
+
+
+def test_serve_example_runs_with_no_arguments():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "serve.py"), "--batches", "20"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"p50_ms", "p90_ms", "p99_ms", "hit_rate", "auc"} <= set(result)
+    assert result["batches"] == 20 and result["bytes_to_host"] == 0
+    assert result["optimizer_state_on_device"] == []
+    assert 0 < result["hit_rate"] < 1 and result["p50_ms"] <= result["p99_ms"]
