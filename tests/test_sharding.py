@@ -104,3 +104,71 @@ def test_batch_must_split_over_devices():
 def test_capacity_rounds_up_to_the_devices():
     cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(N, D, 61), mesh=_mesh(8))
     assert cache.config.capacity == 64 and cache.local_capacity == 8
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_routed_gather_and_update_against_numpy(k):
+    from jax.sharding import PartitionSpec as P
+
+    from jaxcache._src import routing
+
+    n, cl, d = 8, 50, 4
+    mesh = _mesh(n)
+    rng = np.random.default_rng(0)
+    table = rng.normal(size=(n * cl, d)).astype(np.float32)
+    slots = rng.choice(n * cl, size=(16, 5))
+    slots[0, 0] = -1  # padding
+    real = slots >= 0
+    unique, inv = np.unique(slots[real], return_inverse=True)
+    inverse = np.full(slots.shape, -1)
+    inverse[real] = inv
+    _, owner_size = routing.route_needs(unique, inverse, devices=n, local_capacity=cl)
+    overflowing = routing.overflow_count(unique, inverse, devices=n, local_capacity=cl, k=k)
+    route = routing.plan_route(
+        unique,
+        inverse,
+        devices=n,
+        local_capacity=cl,
+        per_destination=k,
+        overflow_size=overflowing,
+        owner_size=owner_size,
+    )
+    assert route.overflowed >= overflowing
+    spec = P("rows")
+    rows = jax.device_put(table, jax.sharding.NamedSharding(mesh, spec))
+    weights = rng.normal(size=(*slots.shape, d)).astype(np.float32)
+
+    def lookup(delta):
+        def body(rows, requests, overflow, inverse, delta):
+            got = routing.routed_gather(rows, requests, overflow, "rows") + delta[0]
+            return got.at[inverse].get(mode="fill", fill_value=0)
+
+        return jax.shard_map(
+            body, mesh=mesh, in_specs=(spec, spec, P(), spec, spec), out_specs=spec
+        )(rows, route.requests, route.overflow, route.inverse, delta)
+
+    received = n * k + route.overflow.shape[0]
+    zero = np.zeros((n, received, d), np.float32)
+    expected = np.where(real[..., None], table[np.maximum(slots, 0)], 0)
+    np.testing.assert_array_equal(np.asarray(lookup(zero)), expected)
+
+    grads = jax.grad(lambda delta: (lookup(delta) * weights).sum())(zero)
+
+    def update(rows, grads, owner_slots, owner_inverse):
+        return routing.routed_apply(
+            rows,
+            {},
+            grads,
+            owner_slots,
+            owner_inverse,
+            per_destination=k,
+            optimizer=jaxcache.sgd(1.0),
+            axis="rows",
+        )[0]
+
+    new = jax.shard_map(update, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)(
+        rows, grads, route.owner_slots, route.owner_inverse
+    )
+    summed = np.zeros_like(table)
+    np.add.at(summed, slots[real], weights[real])
+    np.testing.assert_allclose(np.asarray(new), table - summed, atol=1e-5)

@@ -78,6 +78,19 @@ def _first_occurrence(keys: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarr
     return distinct, rank[keys]
 
 
+def _pairs(
+    unique_slots: np.ndarray, inverse: np.ndarray, devices: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct (device, row) pairs a batch needs: ``(pairs, pair of each
+    real id, which ids are real)``; ``pair = device * U + row``."""
+    u = unique_slots.size
+    per_device = inverse.reshape(devices, -1)
+    valid = per_device >= 0
+    device_of = np.broadcast_to(np.arange(devices)[:, None], per_device.shape)
+    pairs, pair_of_id = _first_occurrence((device_of * u + per_device)[valid], devices * u)
+    return pairs, pair_of_id, valid
+
+
 def _group_positions(groups: np.ndarray, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
     """For each item, its position within its group (stable), and the group sizes."""
     order = np.argsort(groups, kind="stable")
@@ -131,12 +144,8 @@ def plan_route(
     k_size, o_size, v_size = per_destination, overflow_size, owner_size
     received = n * k_size + o_size
     u = unique_slots.size
-    per_device = inverse.reshape(n, -1)
-    valid = per_device >= 0
-    device_of = np.broadcast_to(np.arange(n)[:, None], per_device.shape)
-    keys = (device_of * u + per_device)[valid]
     # Distinct (device, row) pairs: what each device must receive.
-    pairs, pair_of_id = _first_occurrence(keys, n * u)
+    pairs, pair_of_id, valid = _pairs(unique_slots, inverse, n)
     src, row = pairs // u, pairs % u
     slot = unique_slots[row].astype(np.int64)
     dst = slot // cl
@@ -156,7 +165,7 @@ def plan_route(
     buffer_row = np.where(
         direct, dst * k_size + k, n * k_size + np.searchsorted(overflow_slots, slot)
     )
-    out_inverse = np.full(per_device.shape, received, np.int32)
+    out_inverse = np.full(valid.shape, received, np.int32)
     out_inverse[valid] = buffer_row[pair_of_id]
 
     # Each distinct row has one owner; its index among that owner's rows.
@@ -197,10 +206,7 @@ def route_needs(
     """
     n, cl = devices, local_capacity
     u = unique_slots.size
-    per_device = inverse.reshape(n, -1)
-    valid = per_device >= 0
-    device_of = np.broadcast_to(np.arange(n)[:, None], per_device.shape)
-    pairs, _ = _first_occurrence((device_of * u + per_device)[valid], n * u)
+    pairs, _, _ = _pairs(unique_slots, inverse, n)
     dst = unique_slots[pairs % u].astype(np.int64) // cl
     per_pair = np.bincount((pairs // u) * n + dst, minlength=n * n)
     per_owner = np.bincount((unique_slots // cl).astype(np.int64), minlength=n)
@@ -213,10 +219,7 @@ def overflow_count(
     """Distinct rows that take the overflow path when ``K = k``."""
     n, cl = devices, local_capacity
     u = unique_slots.size
-    per_device = inverse.reshape(n, -1)
-    valid = per_device >= 0
-    device_of = np.broadcast_to(np.arange(n)[:, None], per_device.shape)
-    pairs, _ = _first_occurrence((device_of * u + per_device)[valid], n * u)
+    pairs, _, _ = _pairs(unique_slots, inverse, n)
     slot = unique_slots[pairs % u].astype(np.int64)
     position, _ = _group_positions((pairs // u) * n + slot // cl, n * n)
     return int(np.unique(slot[position >= k]).size)
