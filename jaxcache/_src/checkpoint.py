@@ -236,9 +236,11 @@ class Checkpointer:
             _check_nothing_in_flight(name, holder.cache)
         # Checked: from here on, state changes (rows are written back).
         for holder in holders.values():
-            holder.cache.flush(holder.get_state())
+            # Saving means every step so far has run: release, then flush, so
+            # no row is left marked as possibly changing.
             planner = holder.cache.planner
             planner.release(planner.next_index - 1)
+            holder.cache.flush(holder.get_state())
         items: dict[str, Any] = {}
         for item, node in (("model", model), ("optimizer", optimizer)):
             tree = {} if node is None else _saveable(nnx.state(node, _DENSE))

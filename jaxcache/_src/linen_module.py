@@ -298,10 +298,11 @@ def flush(cache: EmbeddingCache, variables: Variables) -> None:
       >>> embed = jaxcache.linen.CachedEmbed(cache)
       >>> variables = embed.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (1,)))
       >>> variables, _ = jaxcache.linen.prepare(cache, variables, np.array([3]))
-      >>> int(cache.planner.dirty.sum()), jaxcache.linen.flush(cache, variables)
-      (1, None)
-      >>> int(cache.planner.dirty.sum())
-      0
+      >>> before = cache.table.rows[3].copy()
+      >>> variables = jaxcache.linen.prepare(cache, variables, np.array([5]))[0]
+      >>> jaxcache.linen.flush(cache, variables)  # writes rows 3 and 5 back
+      >>> int(cache.planner.dirty.sum())  # row 5's batch is still in flight
+      1
     """
     collection, _ = _split(variables)
     cache.flush(_get_state(collection, _locate(collection, cache.name)))

@@ -201,9 +201,12 @@ class Planner:
           >>> state["id_of_slot"].tolist(), state["next_index"], state["policy"]
           ([4, 7, -1], 1, {'name': 'lru'})
         """
-        if self.dirty.any():
+        # Rows of the batches in flight stay marked dirty after a flush (their
+        # step may still change them); any other dirty row was never written.
+        stale = self.dirty & (self.last_use <= self.released)
+        if stale.any():
             raise RuntimeError(
-                f"{int(self.dirty.sum())} resident rows changed on device since they were "
+                f"{int(stale.sum())} resident rows changed on device since they were "
                 "fetched; write them back with EmbeddingCache.flush(state) first."
             )
         return {
