@@ -30,29 +30,33 @@ another XLA program, so rounding makes it drift.
 For the embedding-heavy configuration at 2%, the side-by-side table compares
 (a) the device step alone and (b) host staging alone with the loops:
 unpipelined, pipelined, the host-callback form (``CachedEmbed.lookup_ids``
-inside the step), and the full table. A perfect pipeline would run a step in
-``max(a, b)``; ``pipelined_over_ideal=R`` is the pipelined step time over
-that. On a CPU the "device" is the same cores as the host thread, so the two
-compete.
+inside the step), and the full table. These runs go round ``--rounds`` times,
+interleaved, so that a change of load on the machine falls on all of them; the
+table gives the median over the rounds and their range. A perfect pipeline
+would run a step in ``max(a, b)``; ``pipelined_over_ideal=R`` is the
+pipelined step time over that. On a CPU the "device" is the same cores as the
+host thread, so the two compete.
 
 Then: planner throughput on batches of 100k+ ids, and the blocking parts at
 capacities x1 and x8 of 2% (the training step must not grow with the
 capacity: the cache is donated to it, never copied). The last line is
 ``cached_2pct_over_full=R`` for the embedding-heavy configuration: full-table
-step time over 2%-cache step time, both in the loop at ``--lookahead``.
+step time over 2%-cache step time, both in the loop at ``--lookahead``, from
+the side-by-side runs.
 
-    python benchmarks/throughput.py                # a few minutes on 2 CPU cores
+    python benchmarks/throughput.py                # about 5 minutes on 2 CPU cores
     python benchmarks/throughput.py --lookahead 0  # the loops unpipelined
-    python benchmarks/throughput.py --quick        # about a minute, smaller table
+    python benchmarks/throughput.py --quick        # a minute or two, smaller table
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -116,7 +120,9 @@ class Timing:
     compilations: int = 0
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
     write_back_waits: int = 0
-    device_cores: float = float("nan")
+    # Cores busy (process CPU time over wall time, every thread): during the
+    # device steps of a blocking run, during the timed steps of a loop.
+    cores: float = float("nan")
 
     def median(self, part: str) -> float:
         values = self.parts.get(part, [])
@@ -203,8 +209,7 @@ def run_blocking(
             device.append(t3 - t2)
             cpu.append(c3 - c2)
     timing.parts = {"staging": staging, "swap": swap, "device": device}
-    # Cores busy during the device step alone (process CPU time over wall time).
-    timing.device_cores = float(np.sum(cpu) / np.sum(device))
+    timing.cores = float(np.sum(cpu) / np.sum(device))
     return window.close(timing)
 
 
@@ -231,6 +236,7 @@ def run_loop(
         for i, batch in enumerate(pipeline):
             if i == warmup:
                 window = _Window(cache)
+                cpu, wall = time.process_time(), time.perf_counter()
             timing.losses.append(train_step(batch["dense"], batch["sparse"], batch["label"]))
             if i:
                 timing.losses[-2].block_until_ready()  # the loss of the step before
@@ -239,6 +245,7 @@ def run_loop(
                 intervals.append(tock - tick)
             tick = tock
     timing.losses[-1].block_until_ready()
+    timing.cores = (time.process_time() - cpu) / (time.perf_counter() - wall)
     timing.parts = {"step": intervals}
     return window.close(timing)
 
@@ -482,72 +489,93 @@ def print_table(setup: Setup, variants: list[Variant], lookahead: int) -> None:
     )
 
 
-def side_by_side(bench: Bench, variants: list[Variant]) -> tuple[float, float]:
+def side_by_side(bench: Bench) -> tuple[float, float]:
     """Device alone, host alone and every loop of the 2% cache, side by side.
+
+    The runs go round ``--rounds`` times, one of each per round, so that a
+    change of load on the machine falls on all of them alike; each figure is
+    the median over the rounds of a run's median, and ``range`` spans the
+    rounds.
 
     Returns ``(pipelined over ideal, full table over pipelined)``.
     """
     args = bench.args
     k = args.lookahead
-    by_name = {v.name: v for v in variants}
-    full, cached = by_name["full table"], by_name["cache 2%"]
-    device = cached.blocking.median("device")
-    host = cached.blocking.median("staging")
+    lookaheads = sorted({0, k})
+    runs = {"blocking": functools.partial(bench.blocking, 0.02, "cache 2%, blocking")}
+    for n in lookaheads:
+        runs["cached", n] = functools.partial(bench.loop, 0.02, f"cache 2%, lookahead {n}", n)
+        runs["callback", n] = functools.partial(
+            bench.loop, 0.02, f"cache 2%, host callback, lookahead {n}", n, host_callback=True
+        )
+        runs["full", n] = functools.partial(bench.loop, None, f"full table, lookahead {n}", n)
+    results: dict[Any, list[Timing]] = {key: [] for key in runs}
+    for _ in range(args.rounds):
+        for key, run in runs.items():
+            results[key].append(run())
+
+    def per_round(key: Any, part: str) -> list[float]:
+        return [t.blocking if part == "blocking" else t.median(part) for t in results[key]]
+
+    rows = [  # label, run, part
+        ("(a) device step alone", "blocking", "device"),
+        ("(b) host staging alone", "blocking", "staging"),
+        ("    blocking: staging + swap + step", "blocking", "blocking"),
+        *(
+            (f"({'d' if n else 'c'}) cached, lookahead {n}", ("cached", n), "step")
+            for n in lookaheads
+        ),
+        *((f"(e) host callback, lookahead {n}", ("callback", n), "step") for n in lookaheads),
+        *((f"(f) full table, lookahead {n}", ("full", n), "step") for n in lookaheads),
+    ]
+    device = float(np.median(per_round("blocking", "device")))
+    host = float(np.median(per_round("blocking", "staging")))
     ideal = max(device, host)
-    # The loops at --lookahead ran already; the others run now.
-    cached_loops = {k: cached.loop}
-    full_loops = {k: full.loop}
-    if k:
-        cached_loops[0] = bench.loop(0.02, "cache 2%, lookahead 0", 0)
-        full_loops[0] = bench.loop(None, "full table, lookahead 0", 0)
-    callback_loops = {
-        n: bench.loop(0.02, f"cache 2%, host callback, lookahead {n}", n, host_callback=True)
-        for n in sorted({0, k})
-    }
-    rows: list[tuple[str, float, Timing | None]] = [
-        ("(a) device step alone", device, None),
-        ("(b) host staging alone", host, None),
-        ("    ideal: max(a, b)", ideal, None),
-        ("    blocking: staging + swap + step", cached.blocking.blocking, cached.blocking),
-    ]
-    labelled = [
-        *((f"({'d' if n else 'c'}) cached, lookahead {n}", t) for n, t in cached_loops.items()),
-        *((f"(e) host callback, lookahead {n}", t) for n, t in callback_loops.items()),
-        *((f"(f) full table, lookahead {n}", t) for n, t in full_loops.items()),
-    ]
-    rows += sorted(((label, t.median("step"), t) for label, t in labelled), key=lambda r: r[0])
-    full_step = full_loops[k].median("step")
-    reference = cached_loops[0].loss
+    full_step = float(np.median(per_round(("full", k), "step")))
+    pipelined = float(np.median(per_round(("cached", k), "step")))
+    reference = results["cached", 0][0].loss
     print()
     print(
-        f"{bench.setup.name}, cache 2% ({args.policy}), side by side: medians of "
-        f"{args.steps} steps after {args.warmup} warm-up"
+        f"{bench.setup.name}, cache 2% ({args.policy}), side by side: {args.rounds} round(s) of "
+        f"{args.steps} steps after {args.warmup} warm-up; median over the rounds of each run's "
+        "median, ms per step"
     )
     header = (
-        f"{'':<38}{'ms/step':>8}{'steps/s':>9}{'/ ideal':>8}{'full/this':>10}{'hit rate':>9}"
-        f"{'final loss':>12}{'|dloss|':>9}"
+        f"{'':<36}{'ms/step':>8}{'range':>14}{'steps/s':>8}{'/ ideal':>8}{'full/this':>10}"
+        f"{'cores':>6}{'hit rate':>9}{'final loss':>11}{'|dloss|':>9}"
     )
     print(header)
     print("-" * len(header))
-    for label, seconds, t in rows:
-        line = f"{label:<38}{1e3 * seconds:>8.2f}{1 / seconds:>9.1f}{seconds / ideal:>8.2f}"
-        line += f"{full_step / seconds:>10.2f}"
-        if t is not None:
-            line += f"{t.hit_rate:>9.3f}{t.loss:>12.6f}{abs(t.loss - reference):>9.1e}"
+    for label, key, part in rows:
+        values = per_round(key, part)
+        seconds = float(np.median(values))
+        spread = f"{1e3 * min(values):.2f}-{1e3 * max(values):.2f}"
+        line = (
+            f"{label:<36}{1e3 * seconds:>8.2f}{spread:>14}{1 / seconds:>8.1f}"
+            f"{seconds / ideal:>8.2f}{full_step / seconds:>10.2f}"
+        )
+        if part in ("device", "step"):
+            line += f"{np.median([t.cores for t in results[key]]):>6.2f}"
+        if part in ("step", "blocking"):
+            first = results[key][0]
+            line += f"{'':>6}" if part == "blocking" else ""
+            line += f"{first.hit_rate:>9.3f}{first.loss:>11.6f}{abs(first.loss - reference):>9.1e}"
         print(line)
-    for t in sorted([*cached_loops.values(), *callback_loops.values()], key=lambda t: t.name):
-        parts = ", ".join(f"{p} {x:.2f}" for p, x in t.phases.items() if x > 0)
-        print(f"  {t.name}: {parts} (mean ms per call); {t.write_back_waits} write-back waits")
-    print(
-        f"  the device step alone keeps {cached.blocking.device_cores:.2f} of "
-        f"{len(os.sched_getaffinity(0))} cores busy (process CPU time over wall time)"
-    )
+        if part == "staging":
+            print(f"{'    ideal: max(a, b)':<36}{1e3 * ideal:>8.2f}")
+    for key in [key for key in runs if key[0] in ("cached", "callback")]:
+        timings = results[key]
+        phases = {p: np.mean([t.phases.get(p, 0.0) for t in timings]) for p in timings[0].phases}
+        parts = ", ".join(f"{p} {x:.2f}" for p, x in phases.items() if x > 0)
+        waits = np.mean([t.write_back_waits for t in timings])
+        print(f"  {timings[0].name}: {parts} (mean ms per call); {waits:.0f} write-back waits")
     print(
         "  (a), (b): parts of the blocking run; loops read each loss one step later. "
         f"/ ideal: over max(a, b); full/this: the full table at lookahead {k} over this; "
-        "|dloss|: final loss vs the unpipelined loop."
+        f"cores: process CPU time over wall time, of {len(os.sched_getaffinity(0))} (a pipeline "
+        "can only overlap host and device work with more than one); hit rate and final loss "
+        "of the first round; |dloss|: vs the unpipelined loop."
     )
-    pipelined = cached_loops[k].median("step")
     return pipelined / ideal, full_step / pipelined
 
 
@@ -602,6 +630,9 @@ def main() -> None:
         default=2,
         help="batches staged ahead in the loops; 0 = unpipelined",
     )
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="rounds of the side-by-side runs (default 3)"
+    )
     parser.add_argument("--quick", action="store_true", help="small table, few steps")
     parser.add_argument("--scale", type=float, default=None, help="SyntheticCriteo scale")
     parser.add_argument("--policy", default="frequency", choices=jaxcache.POLICIES)
@@ -612,6 +643,7 @@ def main() -> None:
     args.scale = args.scale or (0.02 if args.quick else 0.1)
     args.steps = args.steps or (20 if args.quick else 100)
     args.warmup = args.warmup if args.warmup is not None else (5 if args.quick else 20)
+    args.rounds = args.rounds or (1 if args.quick else 3)
     args.fractions = (0.005, 0.02, 0.05)
     args.profile_batches = 20
     args.planner_batch = 1024
@@ -641,8 +673,8 @@ def main() -> None:
     )
     Bench(dlrm, args).compare()
     bench = Bench(heavy, args)
-    variants = bench.compare()
-    over_ideal, cached_over_full = side_by_side(bench, variants)
+    bench.compare()
+    over_ideal, cached_over_full = side_by_side(bench)
     print(f"pipelined_over_ideal={over_ideal:.3f}")
     planner_throughput(heavy, args)
     capacity_scaling(bench)
