@@ -357,11 +357,11 @@ class EmbeddingCache:
             with self._plan_lock:
                 plan = self.planner.plan(ids, train=train)
             route = self._route(plan, size)
-        if len(plan.evict_ids):
-            with self._write_back_lock:
-                self._unlanded[plan.index] = plan.evict_ids
         with timers.time("write_back"):
             self._land(plan.fetch_ids)
+        if len(plan.evict_ids):  # after landing: a plan never fetches what it evicts
+            with self._write_back_lock:
+                self._unlanded[plan.index] = plan.evict_ids
         cfg = self.config
         moves = None
         moved = max(plan.misses, len(plan.evict_ids))
@@ -402,9 +402,12 @@ class EmbeddingCache:
             per_device = size // n
             k, v, o = per_device, size, 0
         else:
-            k_need, v_need = routing.route_needs(
-                plan.unique_slots, plan.inverse, devices=n, local_capacity=cl
-            )
+            if n == 1:  # one device needs every distinct row, from itself
+                k_need = v_need = plan.distinct
+            else:
+                k_need, v_need = routing.route_needs(
+                    plan.unique_slots, plan.inverse, devices=n, local_capacity=cl
+                )
             k_prev, v_prev, o_prev = self._route_buckets
             minimum = max(1, self.config.min_bucket // n)
             if self.config.route_capacity is not None:
@@ -526,7 +529,7 @@ class EmbeddingCache:
             must = {
                 index
                 for index, ids in self._unlanded.items()
-                if needed is not None and needed.size and np.isin(ids, needed).any()
+                if needed is not None and _intersects(ids, needed)
             }
 
             def missing() -> bool:  # evicted, not yet read out by a swap, not landed
@@ -665,6 +668,14 @@ class EmbeddingCache:
                 f"batches are in flight (plans {busy}, {len(self._offers)} offered); close the "
                 "pipeline and call flush(state) before saving or restoring the cache."
             )
+
+
+def _intersects(values: np.ndarray, sorted_ids: np.ndarray) -> bool:
+    """Whether any of ``values`` is in ``sorted_ids`` (binary search, no sort)."""
+    if values.size == 0 or sorted_ids.size == 0:
+        return False
+    at = np.minimum(np.searchsorted(sorted_ids, values), sorted_ids.size - 1)
+    return bool((sorted_ids[at] == values).any())
 
 
 def _pad(values: np.ndarray, size: int, fill: int | float) -> np.ndarray:

@@ -144,6 +144,8 @@ def plan_route(
     k_size, o_size, v_size = per_destination, overflow_size, owner_size
     received = n * k_size + o_size
     u = unique_slots.size
+    if n == 1 and u <= min(k_size, v_size):
+        return _one_device(unique_slots, inverse, cl, k_size, o_size, v_size)
     # Distinct (device, row) pairs: what each device must receive.
     pairs, pair_of_id, valid = _pairs(unique_slots, inverse, n)
     src, row = pairs // u, pairs % u
@@ -189,6 +191,24 @@ def plan_route(
         owner_inverse,
         int((~direct).sum()),
     )
+
+
+def _one_device(
+    unique_slots: np.ndarray, inverse: np.ndarray, cl: int, k: int, o: int, v: int
+) -> HostRoute:
+    """``plan_route`` for one device with room for every row: the received rows
+    are the distinct rows in order, and each is its own owner row."""
+    u = unique_slots.size
+    received = k + o
+    requests = np.full((1, 1, k), cl, np.int32)
+    requests[0, 0, :u] = unique_slots
+    owner_slots = np.full((1, v), cl, np.int32)
+    owner_slots[0, :u] = unique_slots
+    owner_inverse = np.full((1, received), v, np.int32)
+    owner_inverse[0, :u] = np.arange(u, dtype=np.int32)
+    out_inverse = np.where(inverse < 0, received, inverse).astype(np.int32)
+    overflow = np.full(o, cl, np.int32)
+    return HostRoute(requests, overflow, out_inverse, owner_slots, owner_inverse, 0)
 
 
 def route_needs(
