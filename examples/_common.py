@@ -1,0 +1,598 @@
+"""What the DLRM examples share: flags, the data source, the cache, the loop and the summary.
+
+``dlrm.py`` (one device), ``dlrm_pjit.py`` and ``dlrm_pmap.py`` (many
+devices) train the same model on the same data; they differ only in how the
+step runs. Everything else is here, once: the command line, the data (the
+synthetic stream or Criteo files, behind one small interface), the cache and
+the model, the training loop through ``jaxcache.prefetch``, the held-out
+evaluation and the summary whose last line is one JSON object.
+
+The scripts run from the repository root (``python examples/dlrm.py``), so
+this directory is ``sys.path[0]`` and ``import _common`` finds this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import logging
+import pathlib
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+import jaxcache
+
+Batch = dict[str, np.ndarray]
+
+# Learning rates per --optimizer: (dense optax optimizer, sparse row optimizer).
+LEARNING_RATES = {"adagrad": (0.05, 0.05), "adam": (1e-3, 1e-2)}
+# --scale when not given: a small synthetic table; Criteo's own vocabulary.
+DEFAULT_SCALE = {"synthetic": 0.01, "criteo": 1.0}
+
+
+# ------------------------------------------------------------------- flags
+def parse_args(
+    doc: str,
+    argv: list[str] | None = None,
+    *,
+    host_callback: bool = False,
+) -> argparse.Namespace:
+    """The flags of a DLRM example, checked (``parser.error`` names the fix).
+
+    Args:
+      doc: the script's docstring; its first paragraph is the description.
+      argv: the arguments (default: ``sys.argv[1:]``).
+      host_callback: offer ``--host-callback`` (the one-device example).
+    """
+    parser = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--steps", type=int, default=1000, help="training steps")
+    parser.add_argument("--batch-size", type=int, default=1024, help="samples per step")
+    parser.add_argument("--seed", type=int, default=0, help="data, table and model seed")
+    data = parser.add_argument_group("data")
+    data.add_argument(
+        "--data",
+        default="synthetic",
+        choices=("synthetic", "criteo"),
+        help="synthetic: the embedded Criteo-like stream; criteo: Criteo TSV files (--manual-dir)",
+    )
+    data.add_argument(
+        "--manual-dir",
+        type=pathlib.Path,
+        default=None,
+        help="with --data criteo: directory holding the Kaggle train.txt or day_N files",
+    )
+    data.add_argument(
+        "--data-dir",
+        type=pathlib.Path,
+        default=None,
+        help="with --data criteo: where the dataset is built (TFDS's default if unset)",
+    )
+    data.add_argument(
+        "--train-split",
+        default=None,
+        help="with --data criteo: split trained on (default: train[:90%%], or every day but "
+        "the last)",
+    )
+    data.add_argument(
+        "--eval-split",
+        default=None,
+        help="with --data criteo: held-out split (default: train[90%%:], or the last day)",
+    )
+    data.add_argument(
+        "--scale",
+        type=float,
+        default=None,
+        help="fraction of Criteo's cardinalities kept; Criteo ids are hashed into the smaller "
+        "vocabulary (default: 0.01 synthetic, 1 criteo)",
+    )
+    data.add_argument(
+        "--multi-hot",
+        action="store_true",
+        help="synthetic only: bags of DCNv2 sizes, summed, instead of one id",
+    )
+    data.add_argument("--bag-size", type=int, default=8, help="longest bag with --multi-hot")
+    parser.add_argument(
+        "--cache-fraction", type=float, default=0.02, help="rows on device / table rows"
+    )
+    parser.add_argument(
+        "--policy", default="frequency", choices=jaxcache.POLICIES, help="eviction policy"
+    )
+    parser.add_argument(
+        "--optimizer",
+        default="adagrad",
+        choices=sorted(LEARNING_RATES),
+        help="adagrad: optax.adagrad + row-wise Adagrad rows; adam: optax.adam + lazy Adam rows",
+    )
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help="dense learning rate (default per optimizer)",
+    )
+    parser.add_argument(
+        "--row-learning-rate",
+        type=float,
+        default=None,
+        help="embedding row learning rate (default per optimizer)",
+    )
+    parser.add_argument("--features", type=int, default=16, help="D, embedding width")
+    parser.add_argument(
+        "--bottom", default="512,256,64", help="hidden widths of the bottom MLP (output is D)"
+    )
+    parser.add_argument("--top", default="512,256", help="hidden widths of the top MLP")
+    parser.add_argument(
+        "--profile-batches",
+        type=int,
+        default=20,
+        help="training batches counted for the frequency profile given to the policy (with "
+        "--data criteo the whole training split is counted, once; 0 = no profile)",
+    )
+    parser.add_argument("--eval-batches", type=int, default=20, help="held-out batches for AUC")
+    parser.add_argument(
+        "--full-table", action="store_true", help="whole table on device (the baseline)"
+    )
+    parser.add_argument(
+        "--lookahead",
+        type=int,
+        default=2,
+        help="batches staged ahead on a host thread (jaxcache.prefetch); 0 = unpipelined",
+    )
+    if host_callback:
+        parser.add_argument(
+            "--host-callback",
+            action="store_true",
+            help="pass the ids into the jitted step, looked up there by CachedEmbed.lookup_ids",
+        )
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    args = parser.parse_args(argv)
+    args.host_callback = getattr(args, "host_callback", False)
+    _check(parser, args)
+    return args
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("steps", "batch_size", "features", "eval_batches", "bag_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1.")
+    if args.lookahead < 0:
+        parser.error(f"--lookahead={args.lookahead} must be 0 (unpipelined) or more, e.g. 2.")
+    if not 0 < args.cache_fraction <= 1:
+        parser.error(f"--cache-fraction={args.cache_fraction} must be in (0, 1], e.g. 0.02.")
+    if args.scale is None:
+        args.scale = DEFAULT_SCALE[args.data]
+    if not 0 < args.scale <= 1:
+        parser.error(f"--scale={args.scale} must be in (0, 1], e.g. 0.01.")
+    if args.data == "criteo":
+        if args.manual_dir is None:
+            parser.error(
+                "--data criteo needs --manual-dir DIR, the directory holding the Criteo files "
+                "(the Kaggle train.txt, or day_0 ... day_23), plain or gzipped."
+            )
+        if not args.manual_dir.is_dir():
+            parser.error(
+                f"--manual-dir={args.manual_dir} is not a directory; pass the directory that "
+                "holds train.txt or the day_N files."
+            )
+        if args.multi_hot:
+            parser.error(
+                "--multi-hot is for --data synthetic: Criteo has one id per feature; drop "
+                "--multi-hot."
+            )
+    else:
+        given = [
+            flag
+            for flag, value in (
+                ("--manual-dir", args.manual_dir),
+                ("--data-dir", args.data_dir),
+                ("--train-split", args.train_split),
+                ("--eval-split", args.eval_split),
+            )
+            if value is not None
+        ]
+        if given:
+            parser.error(
+                f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} only for Criteo "
+                "files; add --data criteo, or drop it for the synthetic stream."
+            )
+    try:
+        args.bottom = _widths(args.bottom)
+        args.top = _widths(args.top)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    try:
+        widths = tuple(int(w) for w in text.split(",") if w.strip())
+    except ValueError:
+        widths = ()
+    if not widths or min(widths) < 1:
+        raise ValueError(f"layer widths {text!r} must be positive integers like 512,256.")
+    return widths
+
+
+# -------------------------------------------------------------------- data
+@dataclasses.dataclass(frozen=True)
+class Data:
+    """One interface over the synthetic stream and Criteo files.
+
+    Attributes:
+      description: what the data is, for the summary.
+      num_embeddings: ``N``, rows of the one table all features share.
+      num_features: ``F``, sparse features per sample.
+      padding_id: bag padding (``--multi-hot``), else ``None``.
+      frequencies: ``int64 [N]`` access counts for the policy, or ``None``.
+      train: ``{"dense": float32 [B, 13], "sparse": int64 [B, F(, L)],
+        "label": float32 [B]}`` batches, ``--steps`` of them.
+      held_out: the evaluation batches (same layout), read up front.
+    """
+
+    description: str
+    num_embeddings: int
+    num_features: int
+    padding_id: int | None
+    frequencies: np.ndarray | None
+    train: Iterator[Batch]
+    held_out: list[Batch]
+
+
+def load_data(args: argparse.Namespace) -> Data:
+    """The ``--data`` source, with a frequency profile when the cache uses one."""
+    profile = args.profile_batches > 0 and not args.full_table
+    if args.data == "criteo":
+        return _criteo(args, profile)
+    data = jaxcache.SyntheticCriteo(
+        scale=args.scale,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        multi_hot=args.multi_hot,
+        bag_size=args.bag_size,
+    )
+    return Data(
+        description=f"synthetic Criteo-like stream, scale {args.scale:g}",
+        num_embeddings=data.num_embeddings,
+        num_features=data.num_features,
+        padding_id=data.padding_id if args.multi_hot else None,
+        frequencies=data.count_frequencies(args.profile_batches) if profile else None,
+        train=data.batches(args.steps),
+        held_out=list(data.batches(args.eval_batches, held_out=True)),
+    )
+
+
+def _criteo(args: argparse.Namespace, profile: bool) -> Data:
+    """Criteo files through ``jaxcache.datasets`` (built once under ``--data-dir``)."""
+    import jaxcache.datasets as jd
+
+    # TFDS logs a warning for every configuration it does not ship.
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    if args.scale == 1:
+        config: str | jd.CriteoConfig = "kaggle"
+    else:
+        # The synthetic stream's scaled cardinalities: the same table for the same --scale.
+        sizes = jaxcache.SyntheticCriteo(scale=args.scale).cardinalities
+        config = jd.CriteoConfig(name=f"kaggle_scale{args.scale:g}", vocab_sizes=sizes)
+    try:
+        builder = jd.prepare(
+            jd.CriteoBuilder(config=config, data_dir=args.data_dir), args.manual_dir
+        )
+    except (FileNotFoundError, jd.DataFormatError) as error:
+        sys.exit(f"error: {error}")
+    train_split, eval_split = _criteo_splits(builder, args.train_split, args.eval_split)
+    train = jd.criteo_batches(
+        builder=builder,
+        batch_size=args.batch_size,
+        split=train_split,
+        seed=args.seed,
+        shuffle=True,
+        num_epochs=None,  # as many passes as --steps needs
+        frequencies=profile,
+    )
+    held_out = jd.criteo_batches(
+        builder=builder,
+        batch_size=args.batch_size,
+        split=eval_split,
+        shuffle=False,
+        frequencies=False,
+    )
+    try:
+        eval_batches = list(itertools.islice(held_out.batches, args.eval_batches))
+    except ValueError as error:  # fewer rows than one batch
+        sys.exit(f"error: --eval-split {eval_split!r}: {error}")
+    return Data(
+        description=f"Criteo files in {args.manual_dir}, trained on {train_split!r}, "
+        f"evaluated on {eval_split!r}, vocabulary scale {args.scale:g}",
+        num_embeddings=train.num_embeddings,
+        num_features=len(train.cardinalities),
+        padding_id=None,
+        frequencies=train.frequencies,
+        train=itertools.islice(train.batches, args.steps),
+        held_out=eval_batches,
+    )
+
+
+def _criteo_splits(builder: Any, train: str | None, held_out: str | None) -> tuple[str, str]:
+    """The splits given, else the latest tenth of train.txt (or the last day) held out."""
+    names = list(builder.info.splits)
+    if "train" in names:
+        default = ("train[:90%]", "train[90%:]")
+    else:
+        days = sorted(names, key=lambda name: int(name.removeprefix("day_")))
+        if len(days) == 1:
+            default = (f"{days[0]}[:90%]", f"{days[0]}[90%:]")
+        else:
+            default = ("+".join(days[:-1]), days[-1])
+    splits = (train or default[0], held_out or default[1])
+    for flag, split in zip(("--train-split", "--eval-split"), splits, strict=True):
+        try:
+            records = builder.info.splits[split].num_examples
+        except ValueError as error:
+            sys.exit(f"error: {flag} {split!r}: {error}")
+        if records == 0:
+            rows = builder.info.metadata["rows"]
+            per_record = builder.builder_config.rows_per_record
+            sys.exit(
+                f"error: {flag} {split!r} holds no records: the files hold {rows} rows, "
+                f"{per_record} per record, and a percentage slices whole records (holding out "
+                f"10% needs 5 records or more). Use more data or pass coarser --train-split "
+                f"and --eval-split, e.g. '{names[0]}[:50%]' and '{names[0]}[50%:]'."
+            )
+    return splits
+
+
+# ------------------------------------------------------------ cache, model
+def build_cache(
+    args: argparse.Namespace, data: Data, *, mesh: Any = None, axis: str = "rows"
+) -> jaxcache.EmbeddingCache:
+    """The cache of the shared table (or the whole table with ``--full-table``)."""
+    row_lr = args.row_learning_rate or LEARNING_RATES[args.optimizer][1]
+    row_optimizer = (
+        jaxcache.rowwise_adagrad(row_lr) if args.optimizer == "adagrad" else jaxcache.adam(row_lr)
+    )
+    config = jaxcache.CacheConfig(
+        num_embeddings=data.num_embeddings,
+        features=args.features,
+        capacity=args.cache_fraction,
+        policy=args.policy,
+        optimizer=row_optimizer,
+        padding_id=data.padding_id,
+    )
+    if args.full_table:
+        return jaxcache.EmbeddingCache.full_table(config, seed=args.seed, mesh=mesh, axis=axis)
+    return jaxcache.EmbeddingCache(
+        config, frequencies=data.frequencies, seed=args.seed, mesh=mesh, axis=axis
+    )
+
+
+def combiner(args: argparse.Namespace) -> str | None:
+    """How a bag's rows are pooled: summed with ``--multi-hot``, else one row per id."""
+    return "sum" if args.multi_hot else None
+
+
+def build_dlrm(args: argparse.Namespace, data: Data, embed: nnx.Module) -> jaxcache.models.DLRM:
+    """The DLRM around ``embed``; its dense layers depend only on the flags and ``--seed``."""
+    return jaxcache.models.DLRM(
+        embed,
+        num_sparse=data.num_features,
+        features=args.features,
+        bottom=args.bottom,
+        top=args.top,
+        rngs=nnx.Rngs(args.seed),
+    )
+
+
+def dense_optimizer(args: argparse.Namespace):
+    """The optax optimizer of the dense parameters."""
+    learning_rate = args.learning_rate or LEARNING_RATES[args.optimizer][0]
+    return jaxcache.models.dense_optimizer(args.optimizer, learning_rate)
+
+
+# --------------------------------------------------------- train, evaluate
+class Started(NamedTuple):
+    """When the run started: wall clock and XLA compilations so far."""
+
+    seconds: float
+    compilations: int
+
+
+def start() -> Started:
+    """Marks the start of a run (for ``wall_seconds`` and ``compilations``)."""
+    return Started(time.perf_counter(), jaxcache.compilations())
+
+
+def train(
+    args: argparse.Namespace,
+    data: Data,
+    embed: jaxcache.nnx.CachedEmbed,
+    step: Callable[[dict[str, Any]], Any],
+) -> dict[str, Any]:
+    """Runs ``step`` on every batch of ``data.train`` through the prefetch pipeline.
+
+    Args:
+      args: the flags (``--lookahead``, ``--host-callback``, ``--steps``).
+      data: the data source.
+      embed: holds the cache's device state; the pipeline swaps rows into it.
+      step: ``step(batch) -> loss``; ``batch["sparse"]`` is a ready ``Lookup``
+        (or the ids with ``--host-callback``).
+
+    Returns:
+      The losses (NumPy), timings and the cache's counters after training.
+    """
+    cache = embed.cache
+    losses = []
+    start = time.perf_counter()
+    warm_start = start
+    compilations_warm = jaxcache.compilations()
+    pipeline = jaxcache.prefetch(
+        data.train, {"sparse": embed}, lookahead=args.lookahead, callback=args.host_callback
+    )
+    progress = tqdm(
+        pipeline,
+        total=args.steps,
+        desc="train",
+        unit="step",
+        disable=True if args.no_progress else None,
+    )
+    try:
+        # Leaving the block stops the producer thread, even on an error.
+        with pipeline:
+            for index, batch in enumerate(progress):
+                losses.append(step(batch))
+                if index == 0:
+                    # The first step compiles; throughput is measured after it.
+                    losses[0].block_until_ready()
+                    warm_start = time.perf_counter()
+                    compilations_warm = jaxcache.compilations()
+                if index % 50 == 49 or index == args.steps - 1:
+                    progress.set_postfix(
+                        loss=f"{float(losses[-1]):.4f}",
+                        hit_rate=f"{cache.stats.total.hit_rate:.3f}",
+                    )
+    except jaxcache.CapacityError as error:
+        sys.exit(f"error: {error} (--cache-fraction sets the capacity.)")
+    losses = np.array([float(x) for x in losses])
+    end = time.perf_counter()
+    steps = len(losses)
+    stats = cache.stats
+    return {
+        "losses": losses,
+        "seconds": end - start,
+        "steps_per_s": (steps - 1) / (end - warm_start) if steps > 1 else 0.0,
+        "compilations_after_first_step": jaxcache.compilations() - compilations_warm,
+        # The cache's counters now, before the evaluation looks rows up too.
+        "totals": dict(vars(stats.total)),
+        # Mean ms per occurrence of each phase of the cache's work. With a
+        # look-ahead, plan/write_back/gather/transfer run on the producer
+        # thread and only "wait" (the loop waiting for a staged batch) and
+        # "swap" are spent in the training loop.
+        "phase_mean_ms": stats.timers.mean_ms(),
+        "bytes_to_device": stats.bytes_to_device,
+        "bytes_to_host": stats.bytes_to_host,
+        "write_back_waits": stats.write_back_waits,
+    }
+
+
+def evaluate(data: Data, predict: Callable[[Batch], Any]) -> dict[str, Any]:
+    """Held-out AUC and log loss of ``predict(batch) -> click probabilities [B]``."""
+    labels, probabilities = [], []
+    for batch in data.held_out:
+        probabilities.append(np.asarray(predict(batch)).reshape(-1))
+        labels.append(batch["label"])
+    y = np.concatenate(labels)
+    p = np.clip(np.concatenate(probabilities).astype(np.float64), 1e-7, 1 - 1e-7)
+    return {
+        "auc": jaxcache.roc_auc(y, p),
+        "eval_loss": float(-np.mean(y * np.log(p) + (1 - y) * np.log1p(-p))),
+        "eval_samples": int(y.size),
+    }
+
+
+# ----------------------------------------------------------------- summary
+def report(
+    args: argparse.Namespace,
+    started: Started,
+    data: Data,
+    cache: jaxcache.EmbeddingCache,
+    run: dict[str, Any],
+    metrics: dict[str, Any],
+    *,
+    parallelism: str,
+) -> dict[str, Any]:
+    """Prints the summary and, as the last line, the results as one JSON object.
+
+    Args:
+      args: the flags.
+      started: from ``start()``.
+      data: the data source.
+      cache: the cache trained.
+      run: from ``train``.
+      metrics: from ``evaluate``.
+      parallelism: ``"none"``, ``"pjit"`` or ``"pmap"``.
+
+    Returns:
+      The results.
+    """
+    losses, totals = run["losses"], run["totals"]
+    steps = len(losses)
+    tail = max(1, steps // 10)
+    result = {
+        "loss": float(losses[-tail:].mean()),
+        "last_loss": float(losses[-1]),
+        **metrics,
+        "hit_rate": totals["hits"] / max(1, totals["distinct"]),
+        "access_hit_rate": totals["access_hits"] / max(1, totals["lookups"]),
+        "rows_fetched": totals["rows_to_device"],
+        "rows_written_back": totals["rows_to_host"],
+        "bytes_to_device": run["bytes_to_device"],
+        "bytes_to_host": run["bytes_to_host"],
+        "steps_per_s": run["steps_per_s"],
+        "samples_per_s": run["steps_per_s"] * args.batch_size,
+        "phase_mean_ms": run["phase_mean_ms"],
+        "write_back_waits": run["write_back_waits"],
+        "train_seconds": run["seconds"],
+        "wall_seconds": time.perf_counter() - started.seconds,
+        "cache_rows": cache.config.capacity,
+        "table_rows": cache.config.num_embeddings,
+        "cache_fraction": cache.config.capacity / cache.config.num_embeddings,
+        "lookups": totals["lookups"],
+        "distinct_per_step": totals["distinct"] / steps,
+        "compilations": jaxcache.compilations() - started.compilations,
+        "compilations_after_first_step": run["compilations_after_first_step"],
+        "full_table": args.full_table,
+        "lookahead": args.lookahead,
+        "host_callback": args.host_callback,
+        "policy": "full-table" if args.full_table else args.policy,
+        "optimizer": args.optimizer,
+        "data": args.data,
+        "parallelism": parallelism,
+        "devices": cache.devices,
+        "steps": steps,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
+    }
+    print_summary(result, data.description)
+    print(json.dumps(result))
+    return result
+
+
+def print_summary(r: dict[str, Any], description: str) -> None:
+    """A few lines for people; the JSON line that follows is for programs."""
+    where = "whole table on device" if r["full_table"] else f"{r['policy']} cache"
+    over = "" if r["parallelism"] == "none" else f", {r['devices']} devices ({r['parallelism']})"
+    print(
+        f"DLRM, {where}{over}: {r['cache_rows']:,} of {r['table_rows']:,} rows on device "
+        f"({100 * r['cache_fraction']:.2f}%)"
+    )
+    print(f"  data: {description}")
+    how = f"look-ahead {r['lookahead']}" if r["lookahead"] else "unpipelined"
+    if r["host_callback"]:
+        how += ", ids looked up in the step by host callback"
+    print(
+        f"  trained {r['steps']} steps x {r['batch_size']} samples in {r['train_seconds']:.1f} s "
+        f"({r['steps_per_s']:.1f} steps/s; {how})"
+    )
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phase_mean_ms"].items())
+    print(f"  cache phases, mean ms per call: {phases}")
+    print(
+        f"  train loss {r['loss']:.4f} (last {r['last_loss']:.4f}); held-out AUC "
+        f"{r['auc']:.4f}, log loss {r['eval_loss']:.4f} on {r['eval_samples']:,} samples"
+    )
+    print(
+        f"  hit rate {r['hit_rate']:.3f} of distinct ids ({r['access_hit_rate']:.3f} of "
+        f"lookups); {r['rows_fetched']:,} rows fetched ({r['bytes_to_device'] / 2**20:.1f} MiB), "
+        f"{r['rows_written_back']:,} written back ({r['bytes_to_host'] / 2**20:.1f} MiB)"
+    )
+    print(
+        f"  {r['compilations']} XLA compilations, {r['compilations_after_first_step']} after the "
+        "first step"
+    )
