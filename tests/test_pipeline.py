@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -194,6 +195,31 @@ def test_bad_arguments():
         jaxcache.prefetch([], {"a": embed, "b": embed})
     with pytest.raises(KeyError, match="no ids under 'ids'"):
         next(jaxcache.prefetch([{"x": 1}], {"ids": embed}, lookahead=0))
+    with pytest.raises(ValueError, match=r"switch_interval=0 must be a number of seconds"):
+        jaxcache.prefetch([], {"ids": embed}, switch_interval=0)
+
+
+def test_switch_interval_is_lowered_while_the_producer_runs_then_restored():
+    embed, other = (
+        jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(jaxcache.CacheConfig(N, D, 500)))
+        for _ in range(2)
+    )
+    batches = [{"ids": np.arange(8).reshape(4, 2) + i} for i in range(4)]
+    before = sys.getswitchinterval()
+    with jaxcache.prefetch(batches, {"ids": embed}, switch_interval=2e-4) as pipeline:
+        assert sys.getswitchinterval() == pytest.approx(2e-4)
+        # Overlapping pipelines: the smallest interval wins; the last to stop restores.
+        second = jaxcache.prefetch(batches, {"ids": other}, switch_interval=1e-4)
+        assert sys.getswitchinterval() == pytest.approx(1e-4)
+        second.close()
+        assert sys.getswitchinterval() == pytest.approx(2e-4)
+        assert len(list(pipeline)) == 4  # exhausting it restores it too
+        assert sys.getswitchinterval() == before
+    assert sys.getswitchinterval() == before
+    with jaxcache.prefetch(batches, {"ids": embed}, switch_interval=None):
+        assert sys.getswitchinterval() == before
+    with jaxcache.prefetch(batches, {"ids": embed}, lookahead=0):  # no thread, no change
+        assert sys.getswitchinterval() == before
 
 
 def _callback_model(cache):

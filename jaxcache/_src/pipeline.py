@@ -19,12 +19,20 @@ from eviction; a batch is released when the loop asks for the next one (its
 step has been dispatched, and device order puts every later swap after it).
 Because swaps run in plan order between steps, the pipelined run computes
 exactly what the unpipelined run computes.
+
+While a producer thread runs, the interpreter's thread switch interval is
+lowered (``switch_interval``, 0.5 ms by default instead of Python's 5 ms).
+The producer's NumPy work holds the GIL in long stretches, and the training
+thread gives the GIL up inside every JAX call; with the default interval each
+time it wants it back it can wait up to 5 ms, many times per step, so the
+device idles behind the host thread that was meant to hide host work.
 """
 
 from __future__ import annotations
 
 import atexit
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -42,6 +50,46 @@ __all__ = ["CacheHolder", "Prefetcher", "prefetch"]
 
 _POLL_SECONDS = 0.05
 _OPEN: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
+SWITCH_INTERVAL = 5e-4
+
+
+class _SwitchInterval:
+    """Lowers ``sys.setswitchinterval`` while at least one producer thread runs.
+
+    Pipelines may overlap: the interval is lowered by the first to start (to
+    the smallest any of them asks for) and restored by the last to stop, to
+    what it was before, unless something else changed it meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders: dict[int, float] = {}
+        self._saved: float | None = None
+        self._set: float | None = None
+
+    def hold(self, owner: object, seconds: float) -> None:
+        with self._lock:
+            if not self._holders:
+                self._saved = sys.getswitchinterval()
+            self._holders[id(owner)] = seconds
+            self._apply()
+
+    def drop(self, owner: object) -> None:
+        with self._lock:
+            if self._holders.pop(id(owner), None) is None:
+                return
+            if self._holders:
+                self._apply()
+            elif self._saved is not None and sys.getswitchinterval() == self._set:
+                sys.setswitchinterval(self._saved)
+
+    def _apply(self) -> None:
+        wanted = min(min(self._holders.values()), self._saved or float("inf"))
+        sys.setswitchinterval(wanted)
+        self._set = sys.getswitchinterval()
+
+
+_SWITCH = _SwitchInterval()
 
 
 class CacheHolder(Protocol):
@@ -104,6 +152,10 @@ class Prefetcher(Iterator[dict[str, Any]]):
       callback: the training step looks ids up with ``CachedEmbed.lookup_ids``
         (the host-callback form): batches keep their raw ids, and the step's
         callback is served the batch staged here.
+      switch_interval: seconds; ``sys.setswitchinterval`` while the producer
+        thread runs (restored afterwards), so that the training thread gets
+        the GIL back promptly between its JAX calls. ``None`` leaves the
+        interpreter's setting alone.
 
     Examples:
       >>> import numpy as np, jaxcache
@@ -124,7 +176,13 @@ class Prefetcher(Iterator[dict[str, Any]]):
         lookahead: int = 2,
         train: bool = True,
         callback: bool = False,
+        switch_interval: float | None = SWITCH_INTERVAL,
     ) -> None:
+        if switch_interval is not None and not 0 < switch_interval <= 1:
+            raise ValueError(
+                f"switch_interval={switch_interval!r} must be a number of seconds in (0, 1] "
+                f"(default {SWITCH_INTERVAL}), or None to leave sys.getswitchinterval() alone."
+            )
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
             raise ValueError(
                 f"lookahead={lookahead!r} must be an integer >= 0 (0 = no background thread)."
@@ -166,6 +224,8 @@ class Prefetcher(Iterator[dict[str, Any]]):
                 target=self._produce, name="jaxcache-prefetch", daemon=True
             )
             _OPEN.add(self)
+            if switch_interval is not None:
+                _SWITCH.hold(self, switch_interval)
             self._thread.start()
 
     # ------------------------------------------------------------ consumer
@@ -182,6 +242,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
             item = self._take()
         if isinstance(item, _End):
             self._done = True
+            _SWITCH.drop(self)  # the producer has finished
             raise StopIteration
         if isinstance(item, _Failure):
             self._apply(item.partial)
@@ -332,6 +393,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
                 jax.block_until_ready(holder.get_state())
                 for staged in self._caches[key].take_offers():
                     self._apply({key: staged})
+        _SWITCH.drop(self)
         _OPEN.discard(self)
 
     def _drain(self) -> None:
@@ -369,6 +431,7 @@ def prefetch(
     lookahead: int = 2,
     train: bool = True,
     callback: bool = False,
+    switch_interval: float | None = SWITCH_INTERVAL,
 ) -> Prefetcher:
     """Prepares the next ``lookahead`` batches on a host thread while the device trains.
 
@@ -379,6 +442,8 @@ def prefetch(
       train: the steps update the looked-up rows.
       callback: serve ``CachedEmbed.lookup_ids`` (the host-callback form)
         instead of replacing ids by lookups.
+      switch_interval: the interpreter's thread switch interval while the
+        producer runs (default 0.5 ms; ``None``: unchanged). See ``Prefetcher``.
 
     Returns:
       A ``Prefetcher``: iterate it (ideally in a ``with`` block).
@@ -393,7 +458,14 @@ def prefetch(
       >>> shapes[0], len(shapes)
       ((4, 2, 4), 5)
     """
-    return Prefetcher(batches, tables, lookahead=lookahead, train=train, callback=callback)
+    return Prefetcher(
+        batches,
+        tables,
+        lookahead=lookahead,
+        train=train,
+        callback=callback,
+        switch_interval=switch_interval,
+    )
 
 
 @atexit.register
