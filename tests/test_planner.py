@@ -32,7 +32,7 @@ class DictPlanner:
             return self.last_use[slot]
         return self.counts.get(self.ids[slot], 0)
 
-    def plan(self, ids, released):
+    def plan(self, ids, released, upcoming=()):
         t = self.index
         self.index += 1
         resident = self.resident()
@@ -40,6 +40,10 @@ class DictPlanner:
         misses = [i for i in distinct if i not in resident]
         protected = {s for s in range(len(self.ids)) if self.last_use[s] > released}
         protected |= {resident[i] for i in distinct if i in resident}
+        # The next batch's resident rows stay too, if the misses fit without them.
+        kept = {resident[i] for i in upcoming if i in resident} - protected
+        if len(self.ids) - len(protected) - len(kept) >= len(misses):
+            protected |= kept
         candidates = sorted(
             (s for s in range(len(self.ids)) if s not in protected),
             key=lambda s: (self.key(s), self.tie[s]),
@@ -74,21 +78,25 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
     counts = frequencies if policy != "lru" else None
     planner = jaxcache.Planner(cfg, frequencies=counts, reserve=reserve, devices=devices)
     model = DictPlanner(capacity, policy, counts, devices)
+    following = rng.integers(0, n, size=int(rng.integers(1, 12)))
     for lag in lags:
         # Release all but the last `lag` plans, as a pipeline with look-ahead does.
         released = planner.next_index - 1 - lag
         planner.release(released)
-        ids = rng.integers(0, n, size=int(rng.integers(1, 12)))
+        ids, following = following, rng.integers(0, n, size=int(rng.integers(1, 12)))
+        # The pipeline passes the next batch when it has read it (not always).
+        upcoming = following if lag % 2 else None
         in_flight = set(planner.id_of_slot[planner.last_use > planner.released].tolist())
         before = dict(enumerate(planner.id_of_slot.tolist()))
         try:
-            plan = planner.plan(ids)
+            plan = planner.plan(ids, upcoming=upcoming)
         except jaxcache.CapacityError:
             # Refused: nothing may have changed, and it was really too full.
             assert dict(enumerate(planner.id_of_slot.tolist())) == before
             assert len(set(ids.tolist()) | in_flight) > capacity
             continue
-        hits, misses = model.plan(ids.tolist(), planner.released)
+        upcoming_ids = [] if upcoming is None else upcoming.tolist()
+        hits, misses = model.plan(ids.tolist(), planner.released, upcoming_ids)
         assert plan.hits == hits
         assert plan.fetch_ids.tolist() == misses
         assert plan.hits + plan.misses == plan.distinct == len(set(ids.tolist()))
@@ -146,6 +154,20 @@ def test_warm_then_repeat_batch_is_all_hits(policy):
     planner.release(0)
     plan = planner.plan(np.array([3, 1, 2]))
     assert (plan.hits, plan.misses, plan.access_hits) == (3, 0, 3)
+
+
+def test_rows_of_the_upcoming_batch_stay_when_there_is_room():
+    cfg = jaxcache.CacheConfig(100, 1, 4, policy="lru")
+    planner = jaxcache.Planner(cfg)
+    for i in range(4):  # 0 is the least recently used, then 1, ...
+        planner.release(planner.plan(np.array([i])).index)
+    plan = planner.plan(np.array([7]), upcoming=np.array([[0, 0], [99, -5]]))
+    assert planner.slot_of_id[0] >= 0 and plan.evictions == 1
+    assert planner.slot_of_id[1] < 0  # the next least recent went instead
+    planner.release(plan.index)
+    # No room for the misses and all of the upcoming rows: the policy alone decides.
+    planner.plan(np.array([8, 9]), upcoming=np.array([0, 2, 3, 7]))
+    assert planner.slot_of_id[0] < 0 and planner.slot_of_id[2] < 0
 
 
 def test_new_rows_spread_over_devices():

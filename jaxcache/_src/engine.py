@@ -339,7 +339,14 @@ class EmbeddingCache:
                 f"{self.devices}."
             )
 
-    def stage_host(self, ids: np.ndarray, *, train: bool = True, size: int | None = None):
+    def stage_host(
+        self,
+        ids: np.ndarray,
+        *,
+        train: bool = True,
+        size: int | None = None,
+        upcoming: Any = None,
+    ):
         """``stage`` without the transfer: the padded host arrays of a step.
 
         Args:
@@ -347,6 +354,8 @@ class EmbeddingCache:
           train: the step will update these rows.
           size: pad every per-step list to exactly this many rows (the
             host-callback form needs one fixed shape); default: buckets.
+          upcoming: ids of the next batch, when known: their resident rows
+            are kept if there is room (see ``Planner.plan``).
 
         Returns:
           A ``HostStaged``.
@@ -355,7 +364,7 @@ class EmbeddingCache:
         self._check_batch(np.shape(ids))
         with timers.time("plan"):
             with self._plan_lock:
-                plan = self.planner.plan(ids, train=train)
+                plan = self.planner.plan(ids, train=train, upcoming=upcoming)
             route = self._route(plan, size)
         with timers.time("write_back"):
             self._land(plan.fetch_ids)

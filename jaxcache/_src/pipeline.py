@@ -14,6 +14,12 @@ Stage by stage, for batch ``t + k`` while the device runs step ``t``:
   dispatch happens on this thread, so the device state has one owner and
   several processes issue their collectives in the same order.
 
+When the training loop has a staged batch to work on, the producer reads one
+batch further than it stages: planning batch ``t``, it keeps the resident rows
+of batch ``t + 1`` too when there is room, so that
+plan ``t + 1`` does not fetch a row plan ``t`` just evicted, which would make
+it wait for swap ``t`` to run on the device.
+
 Rows of batches planned but not yet handed to the training loop are protected
 from eviction; a batch is released when the loop asks for the next one (its
 step has been dispatched, and device order puts every later swap after it).
@@ -124,6 +130,13 @@ class PipelineStopped(Exception):
 
 class _End:
     """The source is exhausted."""
+
+
+class _Raised:
+    """The source raised ``error`` when asked for its next batch."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
 
 
 class _Failure:
@@ -311,29 +324,49 @@ class Prefetcher(Iterator[dict[str, Any]]):
     def _produce(self) -> None:
         staged: dict[str, Staged] = {}
         try:
+            following = None
             while True:
                 while not self._permits.acquire(timeout=_POLL_SECONDS):
                     if self._stop.is_set():
                         return
                 if self._stop.is_set():
                     return
-                try:
-                    batch = next(self._source)
-                except StopIteration:
-                    self._queue.put(_End())
+                batch = self._pull() if following is None else following
+                following = None
+                if isinstance(batch, _End):
+                    self._queue.put(batch)
                     return
+                if isinstance(batch, _Raised):
+                    raise batch.error
+                if self._queue.qsize():
+                    # The loop has a batch to train on meanwhile: read the next
+                    # one first, so that this plan keeps its rows. (With none
+                    # queued the loop is waiting: stage this one at once.)
+                    following = self._pull()
                 with self._staging:
                     if self._stop.is_set():
                         return
                     staged = {}
                     for key, cache in self._caches.items():
-                        staged[key] = self._stage_with_retry(cache, _ids(batch, key))
+                        staged[key] = self._stage_with_retry(
+                            cache, _ids(batch, key), _upcoming(following, key)
+                        )
                     self._queue.put((batch, staged))
                     staged = {}
         except BaseException as error:  # re-raised in the training loop
             self._queue.put(_Failure(error, staged))
 
-    def _stage_with_retry(self, cache: EmbeddingCache, ids: Any) -> HostStaged:
+    def _pull(self) -> Any:
+        """The source's next batch, ``_End``, or ``_Raised`` with its error
+        (raised after the batches before it are staged)."""
+        try:
+            return next(self._source)
+        except StopIteration:
+            return _End()
+        except Exception as error:
+            return _Raised(error)
+
+    def _stage_with_retry(self, cache: EmbeddingCache, ids: Any, upcoming: Any) -> HostStaged:
         """Stages ``ids``; while in-flight batches hold too many rows, waits for them.
 
         The look-ahead window shrinks instead of failing: the batch waits
@@ -347,7 +380,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
             # check below must lead to a retry, not to an error or a wait.
             released = planner.released
             try:
-                return cache.stage_host(ids, train=self.train, size=size)
+                return cache.stage_host(ids, train=self.train, size=size, upcoming=upcoming)
             except CapacityError:
                 with self._released:
                     if planner.released != released:
@@ -412,6 +445,11 @@ class Prefetcher(Iterator[dict[str, Any]]):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _upcoming(batch: Any, key: str) -> Any:
+    """The ids of a batch read ahead, or ``None`` (end of data, no such key)."""
+    return batch.get(key) if isinstance(batch, Mapping) else None
 
 
 def _ids(batch: Mapping[str, Any], key: str) -> Any:

@@ -327,12 +327,18 @@ class Planner:
         self.policy.on_insert(self, free, ids)
         return ids, free.astype(np.int32)
 
-    def plan(self, ids: np.ndarray, *, train: bool = True) -> Plan:
+    def plan(self, ids: np.ndarray, *, train: bool = True, upcoming: Any = None) -> Plan:
         """Plans one batch.
 
         Args:
           ids: integer ids of any shape ``[B, ...]``.
           train: the batch will update its rows (they become dirty).
+          upcoming: ids of the batch that will be planned next, if known. Its
+            resident rows are not evicted by this plan when the misses fit
+            without them, so the next plan never fetches a row this one
+            just evicted (the pipeline would wait for this plan's swap to
+            read it out). Out-of-range and padding ids there are ignored:
+            they are checked when that batch is planned.
 
         Returns:
           The plan. The directory already reflects it.
@@ -372,6 +378,8 @@ class Planner:
                 f"{self.capacity} slots are free of in-flight batches; raise capacity, use "
                 "smaller batches or a shorter look-ahead."
             )
+
+        self._protect_upcoming(upcoming, protected, available - miss_ids.size)
 
         # From here on the state changes; everything above validated.
         index = self.next_index
@@ -420,6 +428,24 @@ class Planner:
             access_hits=access_hits,
             evictions=int(evicted_ids.size),
         )
+
+    def _protect_upcoming(self, upcoming: Any, protected: np.ndarray, spare: int) -> None:
+        """Marks the resident rows of ``upcoming`` protected, if ``spare``
+        unprotected slots (beyond the misses') can take them all; else none."""
+        if upcoming is None or spare <= 0:
+            return
+        flat = np.asarray(upcoming).reshape(-1)
+        if not np.issubdtype(flat.dtype, np.integer):
+            return
+        flat = flat[(flat >= 0) & (flat < self.config.num_embeddings)]
+        slots = self.slot_of_id[flat]
+        slots = slots[slots >= 0]
+        slots = slots[~protected[slots]]
+        if slots.size > spare:  # duplicates count several times: cheap exact check next
+            slots = np.unique(slots)
+            if slots.size > spare:
+                return
+        protected[slots] = True
 
     def _keys(self, slots: np.ndarray) -> np.ndarray:
         """Eviction keys of ``slots``: -1 for a free slot, else the policy's priority."""
