@@ -99,6 +99,16 @@ def test_sphinx_build_executes_the_pages(tmp_path):
     assert re.search(r"rows \(5000, 8\): max abs difference \d\.\d\de[-+]\d\d", started)
     assert "CapacityError: the batch has 251 distinct ids" in started
 
+    # Every plot was drawn, and the pages' checks printed their results.
+    for page, plots in {"why_cache": 2, "getting_started": 1, "sizing": 1, "pipeline": 1}.items():
+        images = re.findall(
+            r'<img [^>]*src="_images/[^"]+\.png"', (out / f"{page}.html").read_text()
+        )
+        assert len(images) >= plots, f"{page}.html shows {len(images)} plots, expected {plots}"
+    assert re.search(r"cache statistics == replay, over \d+ batches", _text(out / "sizing.html"))
+    assert re.search(r"table: max abs difference \d\.\d\de[-+]\d\d", _text(out / "linen.html"))
+    assert "CapacityError: the batch has 9 distinct ids" in _text(out / "faq.html")
+
     api = (out / "api.html").read_text()
     for name, _ in _documented_objects():
         assert f'id="{name}"' in api, f"{name} is missing from the API reference"
