@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -94,6 +96,7 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
             # Refused: nothing may have changed, and it was really too full.
             assert dict(enumerate(planner.id_of_slot.tolist())) == before
             assert len(set(ids.tolist()) | in_flight) > capacity
+            _check_fits_after(planner, ids, upcoming)
             continue
         upcoming_ids = [] if upcoming is None else upcoming.tolist()
         hits, misses = model.plan(ids.tolist(), planner.released, upcoming_ids)
@@ -111,6 +114,24 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
         # Every id maps to a slot that holds it.
         assert (planner.id_of_slot[plan.unique_slots[plan.inverse]] == ids).all()
         assert len(set(plan.unique_slots.tolist())) == plan.distinct
+
+
+def _check_fits_after(planner, ids, upcoming):
+    """A refused plan names the first release after which it fits, exactly."""
+    with pytest.raises(jaxcache.CapacityError) as info:
+        planner.plan(ids, upcoming=upcoming)
+    after = info.value.fits_after
+    if len(set(ids.tolist())) > planner.capacity:
+        assert after is None
+        return
+    assert planner.released < after < planner.next_index
+    earlier = copy.deepcopy(planner)
+    earlier.release(after - 1)
+    with pytest.raises(jaxcache.CapacityError):
+        earlier.plan(ids, upcoming=upcoming)
+    planner = copy.deepcopy(planner)
+    planner.release(after)
+    planner.plan(ids, upcoming=upcoming)
 
 
 def test_padding_ids_map_to_minus_one_and_are_not_counted():

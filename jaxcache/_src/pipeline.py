@@ -370,24 +370,20 @@ class Prefetcher(Iterator[dict[str, Any]]):
         """Stages ``ids``; while in-flight batches hold too many rows, waits for them.
 
         The look-ahead window shrinks instead of failing: the batch waits
-        until the training loop releases earlier batches. Only a batch that
-        cannot fit with nothing in flight raises ``CapacityError``.
+        until the training loop has released the plans in its way (the
+        refused plan says which), then plans again. Only a batch that cannot
+        fit with nothing in flight raises ``CapacityError``.
         """
         planner = cache.planner
         size = np.size(ids) if self.callback else None
         while True:
-            # Read before planning: a release between a refused plan and the
-            # check below must lead to a retry, not to an error or a wait.
-            released = planner.released
             try:
                 return cache.stage_host(ids, train=self.train, size=size, upcoming=upcoming)
-            except CapacityError:
+            except CapacityError as error:
+                if error.fits_after is None or error.fits_after >= planner.next_index:
+                    raise
                 with self._released:
-                    if planner.released != released:
-                        continue
-                    if planner.released >= planner.next_index - 1:
-                        raise
-                    while planner.released == released:
+                    while planner.released < error.fits_after:
                         if self._stop.is_set():
                             raise PipelineStopped("stopped while waiting for capacity") from None
                         self._released.wait(timeout=_POLL_SECONDS)

@@ -28,6 +28,11 @@ __all__ = ["CapacityError", "Plan", "Planner"]
 class CapacityError(ValueError):
     """A batch needs more rows on device than the cache can give it.
 
+    Attributes:
+      fits_after: when rows of in-flight batches are in the way, the index
+        of the plan whose release makes room for the batch (releasing it
+        and every earlier plan); ``None`` when the batch can never fit.
+
     Examples:
       >>> import numpy as np, jaxcache
       >>> planner = jaxcache.Planner(jaxcache.CacheConfig(100, 2, capacity=3))
@@ -37,6 +42,8 @@ class CapacityError(ValueError):
       ...     print(str(error).split(";")[0])
       the batch has 5 distinct ids but capacity is 3 rows
     """
+
+    fits_after: int | None = None
 
 
 class Plan(NamedTuple):
@@ -373,11 +380,17 @@ class Planner:
         protected[hit_unique] = True
         available = self.capacity - int(np.count_nonzero(protected))
         if miss_ids.size > available:
-            raise CapacityError(
+            # The batch fits once at most `room` other slots stay protected:
+            # once the plan holding the room-th most recent of them is released.
+            room = self.capacity - hit_unique.size - miss_ids.size
+            others = np.delete(self.last_use, hit_unique)
+            error = CapacityError(
                 f"the batch needs {miss_ids.size} new rows but only {available} of "
                 f"{self.capacity} slots are free of in-flight batches; raise capacity, use "
                 "smaller batches or a shorter look-ahead."
             )
+            error.fits_after = int(-np.partition(-others, room)[room])
+            raise error
 
         self._protect_upcoming(upcoming, protected, available - miss_ids.size)
 
