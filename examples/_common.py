@@ -24,8 +24,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 import jaxcache
@@ -36,6 +38,11 @@ Batch = dict[str, np.ndarray]
 LEARNING_RATES = {"adagrad": (0.05, 0.05), "adam": (1e-3, 1e-2)}
 # --scale when not given: a small synthetic table; Criteo's own vocabulary.
 DEFAULT_SCALE = {"synthetic": 0.01, "criteo": 1.0}
+# Simulated CPU devices of the many-device examples when --devices is not given.
+DEFAULT_CPU_DEVICES = 4
+# The one mesh axis of the many-device examples: the batch is split along it
+# (data parallel) and so are the cache's rows.
+AXIS = "data"
 
 
 # ------------------------------------------------------------------- flags
@@ -44,6 +51,7 @@ def parse_args(
     argv: list[str] | None = None,
     *,
     host_callback: bool = False,
+    devices: bool = False,
 ) -> argparse.Namespace:
     """The flags of a DLRM example, checked (``parser.error`` names the fix).
 
@@ -51,6 +59,7 @@ def parse_args(
       doc: the script's docstring; its first paragraph is the description.
       argv: the arguments (default: ``sys.argv[1:]``).
       host_callback: offer ``--host-callback`` (the one-device example).
+      devices: offer ``--devices`` (the many-device examples).
     """
     parser = argparse.ArgumentParser(
         description=doc.split("\n\n")[0],
@@ -154,6 +163,14 @@ def parse_args(
             action="store_true",
             help="pass the ids into the jitted step, looked up there by CachedEmbed.lookup_ids",
         )
+    if devices:
+        parser.add_argument(
+            "--devices",
+            type=int,
+            default=None,
+            help="devices to train on: the first N accelerators, or N simulated CPU devices "
+            f"(default: every accelerator, or {DEFAULT_CPU_DEVICES} CPU devices)",
+        )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
     args.host_callback = getattr(args, "host_callback", False)
@@ -165,6 +182,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("steps", "batch_size", "features", "eval_batches", "bag_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1.")
+    if getattr(args, "devices", None) is not None and args.devices < 1:
+        parser.error(f"--devices={args.devices} must be at least 1.")
     if args.lookahead < 0:
         parser.error(f"--lookahead={args.lookahead} must be 0 (unpipelined) or more, e.g. 2.")
     if not 0 < args.cache_fraction <= 1:
@@ -220,6 +239,31 @@ def _widths(text: str) -> tuple[int, ...]:
     if not widths or min(widths) < 1:
         raise ValueError(f"layer widths {text!r} must be positive integers like 512,256.")
     return widths
+
+
+def make_mesh(args: argparse.Namespace) -> Mesh:
+    """A one-axis mesh (``AXIS``) over the ``--devices`` devices.
+
+    On a machine without accelerators it simulates ``--devices`` CPU devices,
+    so call it before anything asks JAX for its devices: the CPU device count
+    is fixed when JAX starts its backends.
+    """
+    count = args.devices
+    # Only the CPU backend reads it; on accelerators the devices present are used.
+    jax.config.update("jax_num_cpu_devices", count or DEFAULT_CPU_DEVICES)
+    present = jax.devices()
+    if count is not None and count > len(present):
+        sys.exit(
+            f"error: --devices={count}, but only {len(present)} {present[0].platform} devices "
+            f"are present; pass --devices {len(present)} or fewer."
+        )
+    devices = present[:count]
+    if args.batch_size % len(devices):
+        sys.exit(
+            f"error: --batch-size={args.batch_size} does not split over {len(devices)} devices; "
+            f"use a multiple of {len(devices)}."
+        )
+    return Mesh(np.array(devices), (AXIS,))
 
 
 # -------------------------------------------------------------------- data

@@ -25,6 +25,9 @@ the same thing: with the same seed they end with the same loss, bit for bit.
     python examples/dlrm.py --policy lru --steps 200
     python examples/dlrm.py --data criteo --manual-dir ~/criteo --data-dir ~/tfds
 
+``examples/dlrm_pjit.py`` and ``examples/dlrm_pmap.py`` train the same model
+with the same flags on many devices.
+
 Prints a summary, then as its last line one JSON object with the results
 (``loss``, ``auc``, ``hit_rate``, ``rows_fetched``, ``steps_per_s``,
 ``lookahead``, ``host_callback``, ``phase_mean_ms``, ...).

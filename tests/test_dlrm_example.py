@@ -1,12 +1,14 @@
-"""examples/dlrm.py end to end: its JSON result, determinism, and exactness of the cache.
+"""The DLRM examples end to end: their JSON results, determinism, and exactness of the cache.
 
-Exactness covers the three ways the example feeds the step: the prefetch
-pipeline (the default, ``--lookahead 2``), the unpipelined loop
-(``--lookahead 0``) and the host-callback form (``--host-callback``), and
-both data sources: the synthetic stream and Criteo files (``--data criteo``).
+Exactness covers the three ways examples/dlrm.py feeds the step: the
+prefetch pipeline (the default, ``--lookahead 2``), the unpipelined loop
+(``--lookahead 0``) and the host-callback form (``--host-callback``); both
+data sources: the synthetic stream and Criteo files (``--data criteo``); and
+the many-device examples, dlrm_pjit.py and dlrm_pmap.py, against dlrm.py.
 """
 
 import importlib.util
+import itertools
 import json
 import math
 import pathlib
@@ -15,27 +17,32 @@ import sys
 
 import pytest
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "dlrm.py"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+EXAMPLE = EXAMPLES / "dlrm.py"
 # Short runs of a small model (it compiles faster); the cache logic is the same.
+# The large row learning rate makes the rows matter to the loss within 20
+# steps: with the default, a row gradient applied twice (or scaled by the
+# device count) moved the loss by less than 1e-7 (Adagrad is nearly invariant
+# to the scale of a gradient); with 0.5 it moves it by 1e-2.
 QUICK = [
     *("--steps", "20", "--batch-size", "128", "--eval-batches", "4"),
-    *("--bottom", "64", "--top", "64", "--no-progress"),
+    *("--bottom", "64", "--top", "64", "--row-learning-rate", "0.5", "--no-progress"),
 ]
 # A small LRU cache, so rows really are fetched, evicted and written back.
 CACHED = [*QUICK, "--policy", "lru", "--cache-fraction", "0.005"]
 KEYS = {"loss", "auc", "hit_rate", "rows_fetched", "steps_per_s", "cache_rows", "table_rows"}
 
 
-def run_all(argvs):
-    """Runs the example once per argv, all at once; returns each run's JSON result."""
+def run_all(commands):
+    """Runs every ``[script, *flags]`` at once; returns each run's JSON result, by name."""
     procs = {
         name: subprocess.Popen(
-            [sys.executable, str(EXAMPLE), *argv],
+            [sys.executable, *map(str, command)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for name, argv in argvs.items()
+        for name, command in commands.items()
     }
     results = {}
     for name, proc in procs.items():
@@ -51,11 +58,11 @@ def runs():
     with the same seed, unpipelined, with the host-callback form, and full table."""
     return run_all(
         {
-            "cached": CACHED,
-            "again": CACHED,
-            "unpipelined": [*CACHED, "--lookahead", "0"],
-            "callback": [*CACHED, "--host-callback"],
-            "full": [*QUICK, "--full-table"],
+            "cached": [EXAMPLE, *CACHED],
+            "again": [EXAMPLE, *CACHED],
+            "unpipelined": [EXAMPLE, *CACHED, "--lookahead", "0"],
+            "callback": [EXAMPLE, *CACHED, "--host-callback"],
+            "full": [EXAMPLE, *QUICK, "--full-table"],
         }
     )
 
@@ -73,15 +80,27 @@ def criteo_runs(tmp_path_factory):
 
     manual = tmp_path_factory.mktemp("criteo")
     jd.write_fake_criteo(manual / "train.txt", 20_000, seed=0)
-    flags = [*QUICK, "--data", "criteo", "--manual-dir", str(manual), "--scale", "0.001"]
+    flags = [EXAMPLE, *QUICK, "--data", "criteo", "--manual-dir", manual, "--scale", "0.001"]
 
     def data_dir():
-        return ["--data-dir", str(tmp_path_factory.mktemp("data"))]
+        return ["--data-dir", tmp_path_factory.mktemp("data")]
 
     return run_all(
         {
             "cached": [*flags, *data_dir(), "--policy", "lru", "--cache-fraction", "0.05"],
             "full": [*flags, *data_dir(), "--full-table"],
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def many_device_runs():
+    """dlrm_pjit.py and dlrm_pmap.py on 4 simulated CPU devices, with the flags
+    of the cached one-device run."""
+    return run_all(
+        {
+            name: [EXAMPLES / f"dlrm_{name}.py", *CACHED, "--devices", "4"]
+            for name in ("pjit", "pmap")
         }
     )
 
@@ -168,3 +187,21 @@ def test_bad_flags_are_refused(example, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:
         example.main(flags)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_many_device_examples_train_the_one_device_model(runs, many_device_runs):
+    for name, result in many_device_runs.items():
+        assert KEYS <= set(result)
+        assert result["parallelism"] == name and result["devices"] == 4
+        assert result["cache_rows"] % 4 == 0 and result["rows_fetched"] > 0
+    results = {"one device": runs["cached"], **many_device_runs}
+    for (a, x), (b, y) in itertools.combinations(results.items(), 2):
+        # The same model on the same data, summed in another order: the dense
+        # gradients and the loss are reduced over the devices, each row's
+        # gradient is summed over the devices that used it. Those float32 sums
+        # differ in the last bits (1e-8 measured over 20 steps), far below
+        # what a row gradient applied twice or scaled by the device count moves
+        # (1e-2, see QUICK). AUC ranks samples: near-ties may swap.
+        for key in ("loss", "last_loss", "eval_loss"):
+            assert abs(x[key] - y[key]) <= 1e-5, (a, b, key)
+        assert abs(x["auc"] - y["auc"]) <= 1e-4, (a, b)
