@@ -222,7 +222,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if given:
             parser.error(
                 f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} only for Criteo "
-                "files; add --data criteo, or drop it for the synthetic stream."
+                f"files; add --data criteo, or drop {'it' if len(given) == 1 else 'them'} for "
+                "the synthetic stream."
             )
     try:
         args.bottom = _widths(args.bottom)
