@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
+import optax
 import pytest
 
 import jaxcache
@@ -67,7 +69,19 @@ def test_bad_ids_raise_before_any_change(cache_and_state, ids, error, pattern):
         (dict(capacity=0.02, policy="fifo"), ValueError, r"policy='fifo'.*frequency, lfu, lru"),
         (dict(capacity=10, dtype="float16"), ValueError, r"dtype='float16'.*bfloat16"),
         (dict(capacity=10, padding_id=5), ValueError, r"padding_id=5 is a real row id"),
-        (dict(capacity=10, optimizer="sgd"), TypeError, r"jaxcache sparse optimizer"),
+        (dict(capacity="all"), TypeError, r"got 'all'; pass a row count such as 5000"),
+        (
+            dict(capacity=10, optimizer="sgd"),
+            TypeError,
+            r"sparse row optimizer, got an object of type str; pass jaxcache.sgd",
+        ),
+        (
+            dict(capacity=10, optimizer=optax.adagrad(0.1)),
+            TypeError,
+            r"of type optax\.GradientTransformation\w*; pass jaxcache\.sgd, jaxcache\.adagrad, "
+            r"jaxcache\.rowwise_adagrad or jaxcache\.adam .*optax transformations are for the "
+            r"dense parameters",
+        ),
     ],
 )
 def test_bad_config(kwargs, error, pattern):
@@ -89,9 +103,53 @@ def test_frequencies_of_wrong_shape():
         jaxcache.EmbeddingCache(cfg, frequencies=np.zeros(99, np.int64))
 
 
-def test_bad_learning_rate():
-    with pytest.raises(ValueError, match="learning_rate must be > 0"):
-        jaxcache.adam(-1.0)
+@pytest.mark.parametrize(
+    ("make", "learning_rate", "error", "pattern"),
+    [
+        (
+            jaxcache.adam,
+            -1.0,
+            ValueError,
+            r"Adam\(learning_rate=-1.0\): the learning rate must be > 0",
+        ),
+        (jaxcache.rowwise_adagrad, 0, ValueError, r"RowwiseAdagrad\(learning_rate=0\): .* > 0"),
+        (
+            jaxcache.sgd,
+            optax.constant_schedule(0.1),
+            TypeError,
+            r"SGD\(learning_rate=\.\.\.\) takes a constant step size, got a function",
+        ),
+    ],
+)
+def test_bad_learning_rate(make, learning_rate, error, pattern):
+    with pytest.raises(error, match=pattern):
+        make(learning_rate)
+
+
+def test_mesh_without_the_rows_axis():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("rows",))
+    with pytest.raises(
+        ValueError, match=r"axis='data' is not an axis of the mesh \{'rows': 1\}; pass axis='rows'"
+    ):
+        jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, 10), mesh=mesh, axis="data")
+
+
+def test_flush_names_the_plans_staged_but_not_applied():
+    cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, 10))
+    state, _ = cache.prepare(cache.init_state(), np.array([1, 2]))
+    cache.stage(np.array([3]))
+    with pytest.raises(RuntimeError, match=r"^plan 1 was staged but not applied"):
+        cache.flush(state)
+    cache.stage(np.array([4]))
+    with pytest.raises(RuntimeError, match=r"^plans 1..2 were staged but not applied"):
+        cache.flush(state)
+
+
+def test_saving_through_a_read_only_checkpointer(tmp_path):
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, 10)))
+    checkpointer = jaxcache.Checkpointer(tmp_path, read_only=True)
+    with pytest.raises(RuntimeError, match="is read-only; save through one built with read_only"):
+        checkpointer.save(0, caches=[embed])
 
 
 def test_host_rows_of_wrong_shape():

@@ -224,6 +224,8 @@ def test_plot_curve_labels_axes():
     curve = sweep(HAND_TRACE, batch=2, capacities=[2, 3], policies=["lru", "lfu"])
     fig = plot_curve(curve, title="hand trace")
     assert fig.get_suptitle() == "hand trace"
+    large = sweep(np.arange(3000) % 7, batch=1500, capacities=[7], policies=["lru"])
+    assert plot_curve(large).get_suptitle() == "Cache replay: 3,000 lookups in 2 batches"
     assert [ax.get_ylabel() for ax in fig.axes] == [
         "hit rate (distinct ids)",
         "miss ratio (distinct ids)",

@@ -118,3 +118,5 @@ def test_roc_auc_handles_ties_and_single_class():
     assert jaxcache.roc_auc(y, -np.array([0.0, 1, 0, 1, 1])) == 0.0
     with pytest.raises(ValueError, match="both classes"):
         jaxcache.roc_auc(np.ones(3), np.arange(3.0))
+    with pytest.raises(ValueError, match=r"binary .*, got 2 at index 1; threshold them"):
+        jaxcache.roc_auc(np.array([0, 2, 1]), np.arange(3.0))

@@ -212,7 +212,10 @@ class Checkpointer:
           RuntimeError: a table has batches in flight (nothing was written).
         """
         if self.read_only:
-            raise RuntimeError(f"this Checkpointer of {self.directory} is read-only.")
+            raise RuntimeError(
+                f"this Checkpointer of {self.directory} is read-only; save through one built "
+                "with read_only=False (the default)."
+            )
         step = _check_step(step, "step")
         if step in self.steps():
             raise ValueError(

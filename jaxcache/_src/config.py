@@ -69,9 +69,14 @@ class CacheConfig:
                 f"policy={self.policy!r} is not a known policy; use one of {', '.join(POLICIES)}."
             )
         if not isinstance(self.optimizer, optimizers.SparseOptimizer):
+            kind = type(self.optimizer)
+            package = kind.__module__.partition(".")[0]
+            given = f"{package}.{kind.__name__}" if package != "builtins" else kind.__name__
             raise TypeError(
-                f"optimizer must be a jaxcache sparse optimizer such as jaxcache.adagrad(0.1), "
-                f"got {self.optimizer!r}."
+                f"optimizer must be a jaxcache sparse row optimizer, got an object of type "
+                f"{given}; pass jaxcache.sgd, jaxcache.adagrad, jaxcache.rowwise_adagrad or "
+                "jaxcache.adam (e.g. optimizer=jaxcache.adagrad(0.1)). optax transformations "
+                "are for the dense parameters, not the cached rows."
             )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} is not supported; use 'float32' or 'bfloat16'.")
@@ -105,7 +110,10 @@ def _resolve_capacity(capacity: int | float, num_embeddings: int) -> int:
     if isinstance(capacity, bool) or not isinstance(
         capacity, (int, float, np.integer, np.floating)
     ):
-        raise TypeError(f"capacity must be a row count or a fraction, got {capacity!r}.")
+        raise TypeError(
+            f"capacity must be a row count or a fraction, got {capacity!r}; pass a row count "
+            "such as 5000, or a fraction of the table such as 0.02."
+        )
     if isinstance(capacity, (float, np.floating)):
         if 0 < capacity <= 1:
             return max(1, math.ceil(capacity * num_embeddings))

@@ -341,7 +341,10 @@ def embed(
     embeddings = lookup_rows(rows, lookup)
     if combiner is None:
         if weights is not None:
-            raise ValueError("weights need a combiner ('sum' or 'mean').")
+            raise ValueError(
+                "weights need a combiner ('sum' or 'mean'); build the module with "
+                "combiner='sum' or 'mean' to pool weighted bags, or pass no weights."
+            )
         return embeddings
     return pool(embeddings, lookup, combiner, weights)
 

@@ -153,7 +153,11 @@ class EmbeddingCache:
         if mesh is None:
             mesh = Mesh(np.array(jax.devices()[:1]), (axis,))
         if axis not in mesh.shape:
-            raise ValueError(f"axis={axis!r} is not an axis of the mesh {dict(mesh.shape)}.")
+            names = " or ".join(f"axis={name!r}" for name in mesh.axis_names)
+            raise ValueError(
+                f"axis={axis!r} is not an axis of the mesh {dict(mesh.shape)}; pass {names}, "
+                "the mesh axis to split the rows over."
+            )
         devices = mesh.shape[axis]
         if config.capacity % devices:
             rounded = -(-config.capacity // devices) * devices
@@ -575,11 +579,13 @@ class EmbeddingCache:
             rows, and reading them would overwrite the host table.
         """
         planner = self.planner
-        if self._applied < planner.next_index - 1:
+        first, last = self._applied + 1, planner.next_index - 1
+        if first <= last:
+            plans = f"plan {first} was" if first == last else f"plans {first}..{last} were"
             raise RuntimeError(
-                f"plans {self._applied + 1}..{planner.next_index - 1} were staged but not "
-                "applied to this device state; close the pipeline (which applies them) "
-                "before flushing or exporting."
+                f"{plans} staged but not applied to this device state; apply them in order "
+                "(EmbeddingCache.apply, or close the pipeline, which applies them) before "
+                "flushing or exporting."
             )
         self.land_write_backs()
         slots = np.flatnonzero(planner.dirty)

@@ -130,10 +130,11 @@ class CachedEmbed(nn.Module):
         """
         name = self.cache.name
         if not self.is_initializing() and not self.has_variable(COLLECTION, name):
+            where = f"module {'/'.join(self.path)!r}" if self.path else "the top-level module"
             raise ValueError(
-                f"no {COLLECTION!r} variables for table {name!r} at {'/'.join(self.path)!r}; "
-                f"apply the model with the variables from model.init, {COLLECTION!r} "
-                "collection included."
+                f"no {COLLECTION!r} variables for table {name!r} in {where}; apply the model "
+                f"with the variables from model.init, {COLLECTION!r} collection included "
+                "(after jaxcache.linen.prepare, the variables it returned)."
             )
         state = self.variable(COLLECTION, name, self._init_state).value
         return device_ops.embed(

@@ -39,8 +39,13 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
             f"labels has {labels.size} values but scores has {scores.size}; pass one score "
             "per label."
         )
-    if not np.isin(labels, (0, 1)).all():
-        raise ValueError("labels must be binary (0/1 or booleans).")
+    binary = np.isin(labels, (0, 1))
+    if not binary.all():
+        where = int(np.argmin(binary))
+        raise ValueError(
+            f"labels must be binary (0/1 or booleans), got {labels[where].item()!r} at index "
+            f"{where}; threshold them or map them to 0/1 first."
+        )
     positive = labels.astype(bool)
     num_pos = int(positive.sum())
     num_neg = positive.size - num_pos

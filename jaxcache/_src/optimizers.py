@@ -17,6 +17,7 @@ Shape letters: ``U`` distinct rows in a batch, ``D`` row width.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -57,11 +58,6 @@ class RowStateSpec(NamedTuple):
     init: float
 
 
-def _check_positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}; pass a positive float.")
-
-
 @dataclasses.dataclass(frozen=True)
 class SparseOptimizer:
     """Base class of the sparse row optimizers.
@@ -82,7 +78,18 @@ class SparseOptimizer:
     learning_rate: float
 
     def __post_init__(self) -> None:
-        _check_positive("learning_rate", self.learning_rate)
+        rate, name = self.learning_rate, type(self).__name__
+        if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
+            raise TypeError(
+                f"{name}(learning_rate=...) takes a constant step size, got a "
+                f"{type(rate).__name__}; pass a positive number such as 0.01 (optax schedules "
+                "are for the dense parameters)."
+            )
+        if not rate > 0:
+            raise ValueError(
+                f"{name}(learning_rate={rate!r}): the learning rate must be > 0; pass a "
+                "positive step size such as 0.01."
+            )
 
     def state_spec(self, features: int) -> dict[str, RowStateSpec]:
         """Per-row state arrays, by name."""

@@ -205,7 +205,9 @@ def plot_curve(
         ax.tick_params(axis="x", labelrotation=45 if len(capacities) > 5 else 0)
         ax.grid(True, alpha=0.3)
         ax.legend(title="policy")
-    fig.suptitle(title or f"Cache replay: {first['lookups']} lookups in {first['batches']} batches")
+    fig.suptitle(
+        title or f"Cache replay: {first['lookups']:,} lookups in {first['batches']:,} batches"
+    )
     if path is not None:
         fig.savefig(path, dpi=120)
     return fig
