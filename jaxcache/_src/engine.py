@@ -583,9 +583,9 @@ class EmbeddingCache:
         if first <= last:
             plans = f"plan {first} was" if first == last else f"plans {first}..{last} were"
             raise RuntimeError(
-                f"{plans} staged but not applied to this device state; apply them in order "
-                "(EmbeddingCache.apply, or close the pipeline, which applies them) before "
-                "flushing or exporting."
+                f"{plans} staged but not applied to this device state; apply every staged "
+                "batch in order (EmbeddingCache.apply, or close the pipeline, which applies "
+                "them) before flushing or exporting."
             )
         self.land_write_backs()
         slots = np.flatnonzero(planner.dirty)
