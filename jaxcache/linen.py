@@ -2,12 +2,14 @@
 
 The caches' device state lives in the ``COLLECTION`` variable collection;
 ``prepare`` (eager) and ``value_and_grad`` (inside ``jit``) take and return
-the variables, ``flush`` and ``export`` read them.
+the variables, ``flush`` and ``export`` read them; a ``Holder`` keeps them
+between steps for ``jaxcache.prefetch``.
 """
 
 from jaxcache._src.linen_module import (
     COLLECTION,
     CachedEmbed,
+    Holder,
     export,
     flush,
     init_lookup,
@@ -18,6 +20,7 @@ from jaxcache._src.linen_module import (
 __all__ = [
     "COLLECTION",
     "CachedEmbed",
+    "Holder",
     "export",
     "flush",
     "init_lookup",

@@ -43,7 +43,11 @@ class FullEmbed(nn.Module):
 
 
 def make_linen(cache, params=None):
-    """A Linen ``Tower`` trained through ``cache``; the variables are kept in a dict."""
+    """A Linen ``Tower`` trained through ``cache``; the variables are kept in a dict.
+
+    Returns the dict and ``train(ids, labels)``, which prepares the ids and runs
+    ``held["step"](params, opt_state, cache_vars, lookup, labels)``.
+    """
     model = Tower(jaxcache.linen.CachedEmbed(cache))
     tx = optax.adam(1e-2)
     variables = model.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (B, F)))
@@ -72,6 +76,7 @@ def make_linen(cache, params=None):
         )
         return loss
 
+    held["step"] = step
     return held, train
 
 
@@ -155,6 +160,45 @@ def test_training_matches_full_table_reference_under_heavy_churn(optimizer):
     for ids, _ in zipf_batches(N, B, F, STEPS, seed=1):
         untouched[ids.ravel()] = False
     np.testing.assert_array_equal(rows[untouched], initial_rows[untouched])
+
+
+def test_prefetch_through_a_holder_is_bit_identical_to_the_unpipelined_run():
+    cfg = jaxcache.CacheConfig(N, D, capacity=130, policy="lru", optimizer=jaxcache.adagrad(0.1))
+    batches = list(zipf_batches(N, B, F, 8, seed=3))
+    cache = jaxcache.EmbeddingCache(cfg)
+    held, train = make_linen(cache)
+    losses = [float(train(ids, labels)) for ids, labels in batches]
+
+    piped_cache = jaxcache.EmbeddingCache(cfg)
+    piped, _ = make_linen(piped_cache)
+    holder = jaxcache.linen.Holder(piped_cache, piped["cache"])  # the collection alone
+    stream = ({"ids": ids, "labels": labels} for ids, labels in batches)
+    piped_losses = []
+    with jaxcache.prefetch(stream, {"ids": holder}, lookahead=2) as pipeline:
+        for batch in pipeline:  # the pipeline has swapped this batch's rows into holder.variables
+            piped["params"], piped["opt_state"], holder.variables, loss = piped["step"](
+                piped["params"], piped["opt_state"], holder.variables, batch["ids"], batch["labels"]
+            )
+            piped_losses.append(float(loss))
+
+    assert piped_cache.stats.total.evictions > 0  # rows really moved between steps
+    assert piped_losses == losses
+    rows, opt = jaxcache.linen.export(cache, held["cache"])
+    piped_rows, piped_opt = jaxcache.linen.export(piped_cache, holder.variables)
+    np.testing.assert_array_equal(piped_rows, rows)
+    np.testing.assert_array_equal(piped_opt["accumulator"], opt["accumulator"])
+    assert max_diff(piped["params"], held["params"]) == 0.0
+
+
+def test_a_holder_refuses_variables_without_its_table():
+    cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(30, 2, capacity=8, name="users"))
+    other = jaxcache.EmbeddingCache(jaxcache.CacheConfig(30, 2, capacity=8, name="items"))
+    embed = jaxcache.linen.CachedEmbed(cache)
+    variables = embed.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (2,)))
+    with pytest.raises(ValueError, match=r"no device state for table 'items'.*\['users'\]"):
+        jaxcache.linen.Holder(other, variables)
+    with pytest.raises(ValueError, match=r"no device state for table 'items'"):
+        jaxcache.linen.Holder(cache, variables).for_cache(other)
 
 
 def nnx_dense_params(model):

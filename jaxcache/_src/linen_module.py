@@ -15,6 +15,8 @@ counterpart of ``jaxcache.nnx.value_and_grad``.
 
 Every helper accepts either the model's variables (a dict that holds the
 ``COLLECTION`` collection) or that collection alone, and returns the same kind.
+For ``jaxcache.prefetch``, a ``Holder`` owns the variables between steps and
+lets the pipeline swap each batch's rows into them.
 
 One training step::
 
@@ -51,6 +53,7 @@ Examples:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -65,6 +68,7 @@ from jaxcache._src.engine import EmbeddingCache
 __all__ = [
     "COLLECTION",
     "CachedEmbed",
+    "Holder",
     "export",
     "flush",
     "init_lookup",
@@ -333,6 +337,124 @@ def export(cache: EmbeddingCache, variables: Variables) -> tuple[np.ndarray, dic
     """
     collection, _ = _split(variables)
     return cache.export(_get_state(collection, _locate(collection, cache.name)))
+
+
+class Holder:
+    """Owns a Linen model's variables between steps, for ``jaxcache.prefetch``.
+
+    The pipeline needs an object holding a cache's device state that it can
+    read and replace (a ``jaxcache.CacheHolder``); a Linen module holds none,
+    so this one holds the variables. It finds the table's state by the
+    cache's name, wherever its ``CachedEmbed`` sits in the model, and
+    ``set_state`` replaces ``variables`` with a copy holding the new state.
+    The training loop reads ``holder.variables`` for each step and assigns
+    the step's variables back; the pipeline swaps the next batch's rows in
+    between steps, so each step sees the rows of its batch.
+
+    Attributes:
+      cache: the cache of the table.
+      variables: the current variables: the model's, or their ``COLLECTION``
+        collection, whichever was given.
+
+    Args:
+      cache: the cache of a ``CachedEmbed`` in the model.
+      variables: the model's variables (from ``model.init``), or their
+        ``COLLECTION`` collection.
+
+    Raises:
+      ValueError: ``variables`` hold no state of ``cache``'s table, or hold
+        it in several modules.
+
+    Examples:
+      >>> import jax, numpy as np, jaxcache, jaxcache.linen
+      >>> cfg = jaxcache.CacheConfig(100, 2, capacity=8, optimizer=jaxcache.sgd(1.0))
+      >>> cache = jaxcache.EmbeddingCache(cfg)
+      >>> embed = jaxcache.linen.CachedEmbed(cache, combiner="sum")
+      >>> variables = embed.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (1, 2)))
+      >>> holder = jaxcache.linen.Holder(cache, variables)
+      >>> grad_fn = jax.jit(jaxcache.linen.value_and_grad(
+      ...     lambda params, variables, lookup: embed.apply(variables, lookup).sum(), cache))
+      >>> before = cache.table.rows.copy()
+      >>> batches = [{"ids": np.array([[i, i + 1]])} for i in range(5)]
+      >>> with jaxcache.prefetch(batches, {"ids": holder}, lookahead=2) as pipeline:
+      ...     for batch in pipeline:  # this batch's rows are in holder.variables
+      ...         loss, _, holder.variables = grad_fn({}, holder.variables, batch["ids"])
+      >>> rows, _ = jaxcache.linen.export(cache, holder.variables)
+      >>> (before - rows)[:7, 0].round(4).tolist()  # sgd(1.0): one step per occurrence
+      [1.0, 2.0, 2.0, 2.0, 2.0, 1.0, 0.0]
+    """
+
+    def __init__(self, cache: EmbeddingCache, variables: Variables) -> None:
+        _locate(_split(variables)[0], cache.name)  # fail here, not in the pipeline
+        self.cache = cache
+        self._variables = _Cell(variables)
+
+    @property
+    def variables(self) -> Variables:
+        return self._variables.value
+
+    @variables.setter
+    def variables(self, variables: Variables) -> None:
+        self._variables.value = variables
+
+    def for_cache(self, cache: EmbeddingCache) -> Holder:
+        """A holder of another table of the same model, sharing these variables.
+
+        A model with several cached tables needs one holder per table for
+        ``jaxcache.prefetch``; holders built with ``for_cache`` read and
+        replace one ``variables``, so assigning it on any of them updates all.
+
+        Args:
+          cache: the cache of another ``CachedEmbed`` in the model.
+
+        Returns:
+          The ``Holder`` of ``cache``.
+
+        Examples:
+          >>> import flax.linen as nn, jax, numpy as np, jaxcache, jaxcache.linen
+          >>> users, items = (jaxcache.EmbeddingCache(jaxcache.CacheConfig(50, 2, 8, name=n))
+          ...                 for n in ("users", "items"))
+          >>> class TwoTower(nn.Module):
+          ...     @nn.compact
+          ...     def __call__(self, user, item):
+          ...         return (jaxcache.linen.CachedEmbed(users)(user)
+          ...                 * jaxcache.linen.CachedEmbed(items)(item)).sum(-1)
+          >>> model = TwoTower()
+          >>> variables = model.init(jax.random.key(0), jaxcache.linen.init_lookup(users, (2,)),
+          ...                        jaxcache.linen.init_lookup(items, (2,)))
+          >>> user_holder = jaxcache.linen.Holder(users, variables)
+          >>> item_holder = user_holder.for_cache(items)
+          >>> tables = {"user": user_holder, "item": item_holder}
+          >>> batches = [{"user": np.array([1, 2]), "item": np.array([3, 4])}]
+          >>> for batch in jaxcache.prefetch(batches, tables, train=False):
+          ...     scores = model.apply(user_holder.variables, batch["user"], batch["item"])
+          >>> item_holder.variables is user_holder.variables, scores.shape
+          (True, (2,))
+        """
+        _locate(_split(self.variables)[0], cache.name)
+        holder = copy.copy(self)  # shares the variables' cell
+        holder.cache = cache
+        return holder
+
+    def get_state(self) -> CacheState:
+        """The table's device state, read from ``variables``."""
+        collection, _ = _split(self.variables)
+        return _get_state(collection, _locate(collection, self.cache.name))
+
+    def set_state(self, state: CacheState) -> None:
+        """Replaces ``variables`` with a copy holding ``state`` for the table."""
+        collection, rebuild = _split(self.variables)
+        path = _locate(collection, self.cache.name)
+        self.variables = rebuild(_set_state(collection, path, state))
+
+
+class _Cell:
+    """One mutable slot, shared by the holders of one model's tables."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Variables) -> None:
+        self.value = value
 
 
 # ------------------------------------------------------------- variable trees
