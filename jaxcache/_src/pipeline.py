@@ -101,7 +101,8 @@ _SWITCH = _SwitchInterval()
 class CacheHolder(Protocol):
     """What the pipeline needs of a table: its engine and its device state.
 
-    ``jaxcache.nnx.CachedEmbed`` is one.
+    ``jaxcache.nnx.CachedEmbed`` is one; ``jaxcache.linen.Holder`` makes one of
+    a Linen model's variables.
 
     Examples:
       >>> import jaxcache
@@ -157,7 +158,8 @@ class Prefetcher(Iterator[dict[str, Any]]):
 
     Args:
       batches: iterable of mappings (e.g. dicts of NumPy arrays).
-      tables: batch key -> table holder (``jaxcache.nnx.CachedEmbed``); the
+      tables: batch key -> table holder (``jaxcache.nnx.CachedEmbed``, or
+        ``jaxcache.linen.Holder`` for Linen variables); the
         ids under that key are planned for that table.
       lookahead: batches staged ahead of the training loop; ``0`` runs
         everything in the loop (the unpipelined path, same results).
@@ -206,7 +208,8 @@ class Prefetcher(Iterator[dict[str, Any]]):
             if not all(hasattr(holder, a) for a in ("cache", "get_state", "set_state")):
                 raise TypeError(
                     f"tables[{key!r}] is a {type(holder).__name__}, not a cached table; pass "
-                    "the jaxcache.nnx.CachedEmbed that looks those ids up."
+                    "the jaxcache.nnx.CachedEmbed that looks those ids up (with Linen, a "
+                    "jaxcache.linen.Holder of the model's variables)."
                 )
         caches = [holder.cache for holder in tables.values()]
         if len({id(c) for c in caches}) != len(caches):
@@ -471,7 +474,8 @@ def prefetch(
 
     Args:
       batches: iterable of mappings (e.g. dicts of NumPy arrays).
-      tables: batch key -> table module (``jaxcache.nnx.CachedEmbed``).
+      tables: batch key -> table holder (``jaxcache.nnx.CachedEmbed`` or
+        ``jaxcache.linen.Holder``).
       lookahead: batches staged ahead; ``0`` for the unpipelined path.
       train: the steps update the looked-up rows.
       callback: serve ``CachedEmbed.lookup_ids`` (the host-callback form)
