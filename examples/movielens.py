@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--data-dir", default=None, help="where the built dataset goes (TFDS's default if unset)"
     )
     parser.add_argument("--config", default="100k", choices=("100k", "1m"), help="MovieLens size")
-    parser.add_argument("--epochs", type=int, default=3, help="passes over the training split")
+    parser.add_argument("--epochs", type=int, default=6, help="passes over the training split")
     parser.add_argument(
         "--steps", type=int, default=None, help="stop after this many steps (default: no limit)"
     )
@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--features", type=int, default=32, help="factors per row (plus a bias)")
     parser.add_argument("--learning-rate", type=float, default=0.005, help="Adam learning rate")
     parser.add_argument(
-        "--weight-decay", type=float, default=0.02, help="L2 penalty on the rows of a batch"
+        "--weight-decay", type=float, default=0.05, help="L2 penalty on the rows of a batch"
     )
     parser.add_argument("--lookahead", type=int, default=2, help="batches prepared ahead (>= 0)")
     args = parser.parse_args(argv)
