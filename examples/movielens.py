@@ -9,6 +9,11 @@ through the cache is exact, so both runs end with the same test RMSE.
 
     python examples/movielens.py --manual-dir DIR   # DIR holds ml-100k.zip
     python examples/movielens.py --manual-dir DIR --config 1m --epochs 5
+    python examples/movielens.py --manual-dir DIR --split random
+
+``--split time`` (the default) tests on each user's latest 10% of ratings,
+``--split random`` on a seeded random 10% of all ratings (the builder configs
+``"100k"`` and ``"100k_random"``, built into separate folders).
 
 No archive at hand? ``jaxcache.datasets.movielens_from_recbole`` writes
 ``ml-100k.zip`` from the RecBole wheel (``pip download --no-deps
@@ -49,6 +54,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--data-dir", default=None, help="where the built dataset goes (TFDS's default if unset)"
     )
     parser.add_argument("--config", default="100k", choices=("100k", "1m"), help="MovieLens size")
+    parser.add_argument(
+        "--split",
+        default="time",
+        choices=("time", "random"),
+        help="test split: each user's latest 10%% of ratings, or a random 10%% of all ratings",
+    )
     parser.add_argument("--epochs", type=int, default=6, help="passes over the training split")
     parser.add_argument(
         "--steps", type=int, default=None, help="stop after this many steps (default: no limit)"
@@ -210,12 +221,18 @@ def run(args, builder, *, full: bool) -> dict:
     }
 
 
+def builder_config(args) -> str:
+    """The ``MovieLensBuilder`` config of ``--config`` and ``--split``."""
+    return args.config if args.split == "time" else f"{args.config}_random"
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     wall = time.perf_counter()
     try:
         builder = jd.prepare(
-            jd.MovieLensBuilder(config=args.config, data_dir=args.data_dir), args.manual_dir
+            jd.MovieLensBuilder(config=builder_config(args), data_dir=args.data_dir),
+            args.manual_dir,
         )
     except (FileNotFoundError, jd.DataFormatError) as error:
         sys.exit(f"error: {error}")
@@ -248,11 +265,13 @@ def main(argv: list[str] | None = None) -> dict:
         "epochs": args.epochs,
         "seed": args.seed,
         "config": args.config,
+        "split": args.split,
         "wall_seconds": time.perf_counter() - wall,
     }
     print(
-        f"MovieLens {args.config}: {result['num_users']} users, {result['num_items']} items, "
-        f"{result['train_ratings']} training and {result['test_ratings']} test ratings"
+        f"MovieLens {args.config} ({args.split} split): {result['num_users']} users, "
+        f"{result['num_items']} items, {result['train_ratings']} training and "
+        f"{result['test_ratings']} test ratings"
     )
     print(
         f"  cached: {result['user_cache_rows']} user rows and {result['item_cache_rows']} item "

@@ -1,4 +1,4 @@
-"""The MovieLens builder (dense ids, per-user time split), the RecBole helper and the example."""
+"""The MovieLens builder (dense ids, time and random splits), the RecBole helper and the example."""
 
 import importlib.util
 import json
@@ -104,6 +104,71 @@ def test_ml_1m_layout_and_extracted_files(tmp_path):
     assert read(build(extracted), "test") == test
 
 
+def original(builder, split):
+    """The rows of ``split`` with the original user and item ids."""
+    users, items = builder.info.metadata["user_ids"], builder.info.metadata["item_ids"]
+    return [(users[u], items[i], int(r), t) for u, i, r, t in read(builder, split)]
+
+
+def test_random_split_holds_out_a_seeded_sample_of_all_ratings(tmp_path):
+    archive = jd.write_fake_movielens(tmp_path / "manual", num_users=60, ratings_per_user=17)
+    lines = zipfile.ZipFile(archive).read("ml-100k/u.data").decode().splitlines()
+    everything = sorted(tuple(map(int, line.split("\t"))) for line in lines)
+    builder = build(tmp_path, "100k_random")
+    train, test = original(builder, "train"), original(builder, "test")
+    assert len(test) == int(np.floor(0.1 * len(everything))) == 102
+    assert not set(train) & set(test) and sorted(train + test) == everything
+    for split in (train, test):  # each stored in time order
+        assert [r[3] for r in split] == sorted(r[3] for r in split)
+    metadata = builder.info.metadata
+    assert (metadata["split"], metadata["split_seed"]) == ("random", 0)
+    assert metadata["rows"] == {"train": len(train), "test": len(test)}
+    # Not the time split: some users have no test rating, others several.
+    per_user = np.bincount([r[0] for r in test], minlength=61)[1:]
+    assert per_user.min() == 0 and per_user.max() > 1
+    # The same seed draws the same sample; another seed, another one.
+    again = jd.prepare(
+        jd.MovieLensBuilder(config="100k_random", data_dir=tmp_path / "again"), archive.parent
+    )
+    assert original(again, "test") == test
+    other = jd.MovieLensConfig(name="100k_random_seed1", split="random", split_seed=1)
+    other = jd.prepare(
+        jd.MovieLensBuilder(config=other, data_dir=tmp_path / "data"), archive.parent
+    )
+    assert len(original(other, "test")) == len(test) and original(other, "test") != test
+
+
+def test_time_split_is_the_default_and_builds_apart_from_the_random_one(tmp_path):
+    rows = ratings(seed=5)
+    write_zip(tmp_path / "manual", rows)
+    random_split = build(tmp_path, "100k_random")
+    time_split = build(tmp_path)  # same data_dir: its own folder, not the random split's
+    train, test, *_ = expected_split(rows)
+    assert read(time_split, "train") == train and read(time_split, "test") == test
+    assert read(random_split, "test") != test
+    assert time_split.data_dir != random_split.data_dir
+    assert (time_split.info.metadata["split"], random_split.info.metadata["split"]) == (
+        "time",
+        "random",
+    )
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"split": "shuffled"},
+            r"split='shuffled' is not a MovieLens split; use 'time' .* 'random'",
+        ),
+        ({"split": "random", "split_seed": 0.5}, r"split_seed=0\.5 must be an int"),
+        ({"split": "random", "test_fraction": 1.0}, r"test_fraction=1\.0 must be in \[0, 1\)"),
+    ],
+)
+def test_bad_split_values_are_refused_with_the_config(values, message):
+    with pytest.raises(ValueError, match=message):
+        jd.MovieLensConfig(name="mine", **values)
+
+
 def test_frequencies_per_table(tmp_path):
     rows = ratings(seed=2)
     write_zip(tmp_path / "manual", rows)
@@ -201,5 +266,13 @@ def test_example_refuses_bad_flags_and_missing_data(tmp_path, capsys):
     with pytest.raises(SystemExit):
         example.parse_args(["--manual-dir", str(tmp_path), "--epochs", "0"])
     assert "--epochs must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        example.parse_args(["--manual-dir", str(tmp_path), "--split", "shuffled"])
+    assert "argument --split: invalid choice: 'shuffled'" in capsys.readouterr().err
+    for split, config in (("time", "1m"), ("random", "1m_random")):
+        args = example.parse_args(
+            ["--manual-dir", str(tmp_path), "--config", "1m", "--split", split]
+        )
+        assert example.builder_config(args) == config
     with pytest.raises(SystemExit, match=r"error: .*'ml-100k\.zip'"):
         example.main(["--manual-dir", str(tmp_path), "--data-dir", str(tmp_path)])

@@ -6,7 +6,7 @@ TensorFlow), many rows per record:
 - ``CriteoBuilder``: the Criteo click logs (Kaggle ``train.txt``, Terabyte
   ``day_N``) from local files, hashed ids reduced modulo a vocabulary;
 - ``MovieLensBuilder``: MovieLens 100K/1M ratings from the GroupLens zips,
-  split by time;
+  split by time (default) or at random;
 - ``SyntheticCriteoBuilder``: the synthetic ``jaxcache.SyntheticCriteo``
   stream, no files needed.
 

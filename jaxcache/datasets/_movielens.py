@@ -1,4 +1,4 @@
-"""MovieLens ratings (GroupLens 100K and 1M) as a TFDS dataset, with a time-ordered split.
+"""MovieLens ratings (GroupLens 100K and 1M) as a TFDS dataset, split by time or at random.
 
 Source files, as GroupLens distributes them (https://grouplens.org/datasets/movielens/):
 
@@ -8,10 +8,17 @@ Source files, as GroupLens distributes them (https://grouplens.org/datasets/movi
 
 User and item ids are remapped to dense indices ``0 .. U-1`` and
 ``0 .. I-1`` in the order of the original ids (``info.metadata`` keeps the
-original id of every index). The split is by time, per user: the latest
+original id of every index). The default split (``split="time"``, configs
+``"100k"`` and ``"1m"``) is by time, per user: the latest
 ``floor(test_fraction * n)`` of a user's ``n`` ratings (by timestamp, ties by
 item) form ``"test"``, the others ``"train"``, so every test rating is later
-than the same user's training ratings. Each split is stored in time order.
+than the same user's training ratings. The random split (``split="random"``,
+configs ``"100k_random"`` and ``"1m_random"``) holds out
+``floor(test_fraction * N)`` of all ``N`` ratings, drawn uniformly with
+``split_seed``, the kind of split behind most published MovieLens figures
+(GroupLens's own ``u1`` .. ``u5`` files are random 80/20 splits: a config
+with ``test_fraction=0.2`` matches their size). Each split is stored in time
+order.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ __all__ = ["MovieLensBuilder", "MovieLensConfig", "movielens_from_recbole"]
 
 _FIELDS = ("user", "item", "rating", "timestamp")
 _RECBOLE_MEMBER = "dataset_example/ml-100k/ml-100k.inter"
+_SPLITS = ("time", "random")
 
 
 @dataclasses.dataclass(eq=False)
@@ -48,7 +56,12 @@ class MovieLensConfig(tfds.core.BuilderConfig):
       ratings_file: the ratings inside it (also accepted extracted, under
         the manual directory).
       separator: between the fields of a line.
-      test_fraction: share of each user's latest ratings held out.
+      test_fraction: share of the ratings held out for ``"test"``: of each
+        user's latest ratings (``split="time"``) or of all ratings
+        (``split="random"``).
+      split: ``"time"`` (each user's latest ratings are the test split) or
+        ``"random"`` (a uniform sample of all ratings is).
+      split_seed: seed of the random split (unused by the time split).
       skip_malformed: drop malformed lines (counted in
         ``info.metadata["skipped"]``) instead of raising ``DataFormatError``.
       rows_per_record: rows stored in one record.
@@ -56,8 +69,11 @@ class MovieLensConfig(tfds.core.BuilderConfig):
     Examples:
       >>> import jaxcache.datasets as jd
       >>> config = jd.MovieLensConfig(name="100k_20", test_fraction=0.2)
-      >>> config.archive, config.ratings_file
-      ('ml-100k.zip', 'ml-100k/u.data')
+      >>> config.archive, config.ratings_file, config.split
+      ('ml-100k.zip', 'ml-100k/u.data', 'time')
+      >>> jd.MovieLensConfig(name="100k_shuffled", split="shuffled")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ValueError: split='shuffled' is not a MovieLens split; use 'time' ...
     """
 
     archive: str = "ml-100k.zip"
@@ -66,8 +82,15 @@ class MovieLensConfig(tfds.core.BuilderConfig):
     test_fraction: float = 0.1
     skip_malformed: bool = False
     rows_per_record: int = DEFAULT_ROWS_PER_RECORD
+    split: str = "time"
+    split_seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.split not in _SPLITS:
+            raise ValueError(
+                f"split={self.split!r} is not a MovieLens split; use 'time' (each user's latest "
+                "ratings are the test split) or 'random' (a seeded sample of all ratings is)."
+            )
         if not 0 <= self.test_fraction < 1:
             raise ValueError(
                 f"test_fraction={self.test_fraction} must be in [0, 1), e.g. 0.1 for the "
@@ -75,19 +98,23 @@ class MovieLensConfig(tfds.core.BuilderConfig):
             )
         if self.rows_per_record < 1:
             raise ValueError(f"rows_per_record must be >= 1, got {self.rows_per_record}.")
+        if isinstance(self.split_seed, bool) or not isinstance(self.split_seed, int | np.integer):
+            raise ValueError(f"split_seed={self.split_seed!r} must be an int, e.g. 0.")
 
 
 class MovieLensBuilder(ChunkedBuilder):
-    """MovieLens 100K or 1M ratings from the GroupLens zip files, split by time.
+    """MovieLens 100K or 1M ratings from the GroupLens zip files, split by time or at random.
 
-    Put ``ml-100k.zip`` (config ``"100k"``) or ``ml-1m.zip`` (config
-    ``"1m"``) in a directory and pass it as ``manual_dir`` to
-    ``jaxcache.datasets.prepare``. Records hold ``"user"`` and ``"item"``
-    (``int64``, dense indices), ``"rating"`` (``float32``) and
-    ``"timestamp"`` (``int64``, seconds). ``info.metadata`` holds
+    Put ``ml-100k.zip`` (configs ``"100k"`` and ``"100k_random"``) or
+    ``ml-1m.zip`` (configs ``"1m"`` and ``"1m_random"``) in a directory and
+    pass it as ``manual_dir`` to ``jaxcache.datasets.prepare``. Records hold
+    ``"user"`` and ``"item"`` (``int64``, dense indices), ``"rating"``
+    (``float32``) and ``"timestamp"`` (``int64``, seconds). ``info.metadata`` holds
     ``cardinalities`` (``{"user": [U], "item": [I]}``), ``num_users``,
     ``num_items``, ``user_ids`` and ``item_ids`` (original id of each index),
-    ``rows`` and ``skipped`` per split. See the module docstring for the split.
+    ``rows`` and ``skipped`` per split, ``split``, ``split_seed`` and
+    ``test_fraction``. See the module docstring for the two splits; each
+    config builds its own folder, so one split is never read for the other.
 
     Examples:
       >>> import pathlib, tempfile, zipfile, jaxcache.datasets as jd
@@ -111,14 +138,24 @@ class MovieLensBuilder(ChunkedBuilder):
         "1.0.0": "Chunked records; dense ids; per-user time split."
     }
     BUILDER_CONFIGS: ClassVar[list[tfds.core.BuilderConfig]] = [
-        MovieLensConfig(name="100k", description="MovieLens 100K (943 users, 1682 movies)."),
         MovieLensConfig(
-            name="1m",
-            archive="ml-1m.zip",
-            ratings_file="ml-1m/ratings.dat",
-            separator="::",
-            description="MovieLens 1M (6040 users, 3706 movies).",
-        ),
+            name=f"{size}{suffix}",
+            split=split,
+            description=f"MovieLens {size.upper()} ({counts}), {how}.",
+            **files,
+        )
+        for size, counts, files in (
+            ("100k", "943 users, 1682 movies", {}),
+            (
+                "1m",
+                "6040 users, 3706 movies",
+                {"archive": "ml-1m.zip", "ratings_file": "ml-1m/ratings.dat", "separator": "::"},
+            ),
+        )
+        for split, suffix, how in (
+            ("time", "", "each user's latest 10% of ratings held out"),
+            ("random", "_random", "a random 10% of the ratings held out"),
+        )
     ]
     DEFAULT_CONFIG_NAME = "100k"
     MANUAL_DOWNLOAD_INSTRUCTIONS = (
@@ -144,13 +181,17 @@ class MovieLensBuilder(ChunkedBuilder):
         )
         user_ids, user = np.unique(user, return_inverse=True)
         item_ids, item = np.unique(item, return_inverse=True)
-        test = _latest_per_user(user, item, timestamp, config.test_fraction)
+        if config.split == "time":
+            test = _latest_per_user(user, item, timestamp, config.test_fraction)
+        else:
+            test = _random_sample(len(user), config.test_fraction, config.split_seed)
         metadata = self.info.metadata
         metadata["cardinalities"] = {"user": [len(user_ids)], "item": [len(item_ids)]}
         metadata["num_users"], metadata["num_items"] = len(user_ids), len(item_ids)
         metadata["user_ids"], metadata["item_ids"] = user_ids.tolist(), item_ids.tolist()
         metadata["skipped"], metadata["skipped_examples"] = skipped, examples
         metadata["test_fraction"] = config.test_fraction
+        metadata["split"], metadata["split_seed"] = config.split, config.split_seed
         columns = {"user": user, "item": item, "rating": rating, "timestamp": timestamp}
         return {
             split: self._generate_examples(split, columns, mask)
@@ -221,6 +262,14 @@ def _latest_per_user(
     held = np.floor(fraction * counts).astype(np.int64)
     test = np.zeros(len(user), bool)
     test[order] = rank >= counts[sorted_user] - held[sorted_user]
+    return test
+
+
+def _random_sample(size: int, fraction: float, seed: int) -> np.ndarray:
+    """``bool`` mask of ``floor(fraction * size)`` positions drawn uniformly with ``seed``."""
+    test = np.zeros(size, bool)
+    held = int(np.floor(fraction * size))
+    test[np.random.default_rng(seed).choice(size, held, replace=False)] = True
     return test
 
 
