@@ -444,21 +444,25 @@ class Planner:
 
     def _protect_upcoming(self, upcoming: Any, protected: np.ndarray, spare: int) -> None:
         """Marks the resident rows of ``upcoming`` protected, if ``spare``
-        unprotected slots (beyond the misses') can take them all; else none."""
+        unprotected slots (beyond the misses') can take them all; else none.
+
+        Ids out of range are clipped instead of filtered out (one pass less
+        over the batch): at worst they keep the first or last id's row, which
+        is only a hint, counted against ``spare`` like any other.
+        """
         if upcoming is None or spare <= 0:
             return
         flat = np.asarray(upcoming).reshape(-1)
         if not np.issubdtype(flat.dtype, np.integer):
             return
-        flat = flat[(flat >= 0) & (flat < self.config.num_embeddings)]
-        slots = self.slot_of_id[flat]
-        slots = slots[slots >= 0]
-        slots = slots[~protected[slots]]
-        if slots.size > spare:  # duplicates count several times: cheap exact check next
-            slots = np.unique(slots)
-            if slots.size > spare:
-                return
-        protected[slots] = True
+        if self.config.padding_id is not None:  # bags may be mostly padding
+            flat = flat[flat != self.config.padding_id]
+        slots = self.slot_of_id.take(flat, mode="clip")
+        kept = np.zeros(self.capacity, bool)
+        kept[slots[slots >= 0]] = True
+        kept &= ~protected
+        if np.count_nonzero(kept) <= spare:
+            protected |= kept
 
     def _keys(self, slots: np.ndarray) -> np.ndarray:
         """Eviction keys of ``slots``: -1 for a free slot, else the policy's priority."""
