@@ -122,8 +122,9 @@ def test_routed_gather_and_update_against_numpy(k):
     unique, inv = np.unique(slots[real], return_inverse=True)
     inverse = np.full(slots.shape, -1)
     inverse[real] = inv
-    _, owner_size = routing.route_needs(unique, inverse, devices=n, local_capacity=cl)
-    overflowing = routing.overflow_count(unique, inverse, devices=n, local_capacity=cl, k=k)
+    need = routing.route_demand(unique, inverse, devices=n, local_capacity=cl)
+    _, owner_size = need.needs()
+    overflowing = need.overflow_count(k)
     route = routing.plan_route(
         unique,
         inverse,

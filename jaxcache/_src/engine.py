@@ -411,6 +411,7 @@ class EmbeddingCache:
         """Routes ``plan`` over the devices, with padded sizes from buckets (or
         the fixed ``size`` of the host-callback form: no overflow possible)."""
         n, cl = self.devices, self.local_capacity
+        need = None
         if size is not None:
             per_device = size // n
             k, v, o = per_device, size, 0
@@ -418,9 +419,10 @@ class EmbeddingCache:
             if n == 1:  # one device needs every distinct row, from itself
                 k_need = v_need = plan.distinct
             else:
-                k_need, v_need = routing.route_needs(
+                need = routing.route_demand(
                     plan.unique_slots, plan.inverse, devices=n, local_capacity=cl
                 )
+                k_need, v_need = need.needs()
             k_prev, v_prev, o_prev = self._route_buckets
             minimum = max(1, self.config.min_bucket // n)
             if self.config.route_capacity is not None:
@@ -430,9 +432,11 @@ class EmbeddingCache:
             v = bucket_size(v_need, minimum, v_prev)
             overflowing = 0
             if k_need > k:
-                overflowing = routing.overflow_count(
-                    plan.unique_slots, plan.inverse, devices=n, local_capacity=cl, k=k
-                )
+                if need is None:  # one device, with a route_capacity below its rows
+                    need = routing.route_demand(
+                        plan.unique_slots, plan.inverse, devices=n, local_capacity=cl
+                    )
+                overflowing = need.overflow_count(k)
             o = bucket_size(overflowing, 8, o_prev) if overflowing or o_prev else 0
             self._route_buckets = (k, v, o)
         return routing.plan_route(
@@ -443,6 +447,7 @@ class EmbeddingCache:
             per_destination=k,
             overflow_size=o,
             owner_size=v,
+            demand=need,
         )
 
     # ------------------------------------------------------- host callbacks

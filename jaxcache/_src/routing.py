@@ -33,10 +33,10 @@ import numpy as np
 from jaxcache._src.optimizers import SparseOptimizer
 
 __all__ = [
+    "Demand",
     "HostRoute",
-    "overflow_count",
     "plan_route",
-    "route_needs",
+    "route_demand",
     "routed_apply",
     "routed_gather",
 ]
@@ -110,6 +110,7 @@ def plan_route(
     per_destination: int,
     overflow_size: int,
     owner_size: int,
+    demand: Demand | None = None,
 ) -> HostRoute:
     """Routes a planned batch over ``devices`` devices.
 
@@ -121,8 +122,9 @@ def plan_route(
       local_capacity: ``C_l``.
       per_destination: ``K``; rows beyond it take the overflow path.
       overflow_size: ``O``, padded length of the overflow list (at least
-        ``overflow_count``).
+        ``Demand.overflow_count``).
       owner_size: ``V``, padded distinct rows per owner.
+      demand: the batch's ``route_demand``, when the sizes were chosen from it.
 
     Returns:
       The ``HostRoute``.
@@ -147,11 +149,10 @@ def plan_route(
     if n == 1 and u <= min(k_size, v_size):
         return _one_device(unique_slots, inverse, cl, k_size, o_size, v_size)
     # Distinct (device, row) pairs: what each device must receive.
-    pairs, pair_of_id, valid = _pairs(unique_slots, inverse, n)
-    src, row = pairs // u, pairs % u
-    slot = unique_slots[row].astype(np.int64)
-    dst = slot // cl
-    k, _ = _group_positions(src * n + dst, n * n)
+    d = demand
+    if d is None:
+        d = route_demand(unique_slots, inverse, devices=n, local_capacity=cl)
+    pair_of_id, valid, src, row, slot, dst, k = d[:7]
     direct = k < k_size
 
     requests = np.full((n, n, k_size), cl, np.int32)
@@ -211,38 +212,68 @@ def _one_device(
     return HostRoute(requests, overflow, out_inverse, owner_slots, owner_inverse, 0)
 
 
-def route_needs(
-    unique_slots: np.ndarray, inverse: np.ndarray, *, devices: int, local_capacity: int
-) -> tuple[int, int]:
-    """What a batch needs: the most rows one device takes from one owner, and the
-    most distinct rows one owner serves.
+class Demand(NamedTuple):
+    """What a planned batch needs from each owner: computed once per batch by
+    ``route_demand``, then shared by the sizing (``needs``, ``overflow_count``) and
+    ``plan_route``.
 
-    Examples:
-      >>> import numpy as np
-      >>> from jaxcache._src.routing import route_needs
-      >>> route_needs(np.array([1, 6, 7]), np.array([[0, 1, 2], [1, 1, -1]]),
-      ...             devices=2, local_capacity=4)
-      (2, 2)
+    A *pair* is a distinct (device, row of ``unique_slots``) the batch needs.
+
+    Attributes:
+      pair_of_id: for each real id (in ``valid`` order), its pair.
+      valid: ``bool [n, B/n ...]``: which ids are real (not padding).
+      src: ``[P]`` device that needs each pair.
+      row: ``[P]`` its row of ``unique_slots``.
+      slot: ``int64 [P]`` its global slot.
+      dst: ``[P]`` the owner of that slot.
+      position: ``[P]`` its position among the pairs of the same
+        (``src``, ``dst``): pairs at ``K`` or beyond overflow.
+      per_pair: ``[n * n]`` pairs per (``src``, ``dst``).
+      per_owner: ``[n]`` distinct rows per owner.
     """
+
+    pair_of_id: np.ndarray
+    valid: np.ndarray
+    src: np.ndarray
+    row: np.ndarray
+    slot: np.ndarray
+    dst: np.ndarray
+    position: np.ndarray
+    per_pair: np.ndarray
+    per_owner: np.ndarray
+
+    def needs(self) -> tuple[int, int]:
+        """The most rows one device takes from one owner (the ``K`` without
+        overflow), and the most distinct rows one owner serves (``V``).
+
+        Examples:
+          >>> import numpy as np
+          >>> from jaxcache._src.routing import route_demand
+          >>> route_demand(np.array([1, 6, 7]), np.array([[0, 1, 2], [1, 1, -1]]),
+          ...              devices=2, local_capacity=4).needs()
+          (2, 2)
+        """
+        return int(self.per_pair.max(initial=0)), int(self.per_owner.max(initial=0))
+
+    def overflow_count(self, k: int) -> int:
+        """Distinct rows that take the overflow path when ``K = k``."""
+        return int(np.unique(self.slot[self.position >= k]).size)
+
+
+def route_demand(
+    unique_slots: np.ndarray, inverse: np.ndarray, *, devices: int, local_capacity: int
+) -> Demand:
+    """The ``Demand`` of a planned batch over ``devices`` devices (arguments as
+    for ``plan_route``)."""
     n, cl = devices, local_capacity
     u = unique_slots.size
-    pairs, _, _ = _pairs(unique_slots, inverse, n)
-    dst = unique_slots[pairs % u].astype(np.int64) // cl
-    per_pair = np.bincount((pairs // u) * n + dst, minlength=n * n)
+    pairs, pair_of_id, valid = _pairs(unique_slots, inverse, n)
+    src, row = pairs // max(u, 1), pairs % max(u, 1)
+    slot = unique_slots[row].astype(np.int64)
+    dst = slot // cl
+    position, per_pair = _group_positions(src * n + dst, n * n)
     per_owner = np.bincount((unique_slots // cl).astype(np.int64), minlength=n)
-    return int(per_pair.max(initial=0)), int(per_owner.max(initial=0))
-
-
-def overflow_count(
-    unique_slots: np.ndarray, inverse: np.ndarray, *, devices: int, local_capacity: int, k: int
-) -> int:
-    """Distinct rows that take the overflow path when ``K = k``."""
-    n, cl = devices, local_capacity
-    u = unique_slots.size
-    pairs, _, _ = _pairs(unique_slots, inverse, n)
-    slot = unique_slots[pairs % u].astype(np.int64)
-    position, _ = _group_positions((pairs // u) * n + slot // cl, n * n)
-    return int(np.unique(slot[position >= k]).size)
+    return Demand(pair_of_id, valid, src, row, slot, dst, position, per_pair, per_owner)
 
 
 def routed_gather(
