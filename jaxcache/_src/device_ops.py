@@ -338,15 +338,22 @@ def embed(
             f"lookup is for table {lookup.table!r} but this module serves {table!r}; "
             "prepare ids with the cache of the module that looks them up."
         )
+    if combiner is None and weights is not None:
+        raise ValueError(
+            "weights need a combiner ('sum' or 'mean'); build the module with "
+            "combiner='sum' or 'mean' to pool weighted bags, or pass no weights."
+        )
+    return _gather_and_pool(rows, lookup, combiner, weights)
+
+
+@functools.partial(jax.jit, static_argnames="combiner")
+def _gather_and_pool(
+    rows: jax.Array, lookup: Lookup, combiner: str | None, weights: jax.Array | None
+) -> jax.Array:
+    # One program when called outside a jitted step (``model.init``, a first
+    # eager call): op by op, the routed gather and pooling compile ~50 times.
     embeddings = lookup_rows(rows, lookup)
-    if combiner is None:
-        if weights is not None:
-            raise ValueError(
-                "weights need a combiner ('sum' or 'mean'); build the module with "
-                "combiner='sum' or 'mean' to pool weighted bags, or pass no weights."
-            )
-        return embeddings
-    return pool(embeddings, lookup, combiner, weights)
+    return embeddings if combiner is None else pool(embeddings, lookup, combiner, weights)
 
 
 def _is_lookup(x: object) -> bool:
