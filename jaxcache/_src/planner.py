@@ -344,8 +344,9 @@ class Planner:
             resident rows are not evicted by this plan when the misses fit
             without them, so the next plan never fetches a row this one
             just evicted (the pipeline would wait for this plan's swap to
-            read it out). Out-of-range and padding ids there are ignored:
-            they are checked when that batch is planned.
+            read it out). Its ids are not validated here (that batch is
+            checked when it is planned): padding is skipped and an
+            out-of-range id at worst keeps the first or last id's row.
 
         Returns:
           The plan. The directory already reflects it.

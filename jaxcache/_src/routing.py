@@ -152,7 +152,7 @@ def plan_route(
     d = demand
     if d is None:
         d = route_demand(unique_slots, inverse, devices=n, local_capacity=cl)
-    pair_of_id, valid, src, row, slot, dst, k = d[:7]
+    src, dst, slot, k = d.src, d.dst, d.slot, d.position
     direct = k < k_size
 
     requests = np.full((n, n, k_size), cl, np.int32)
@@ -161,26 +161,25 @@ def plan_route(
     if overflow_slots.size > o_size:
         raise ValueError(
             f"{overflow_slots.size} rows overflow but the overflow list holds {o_size}; "
-            "size it with route_sizes."
+            "size it with Demand.overflow_count."
         )
     overflow = np.full(o_size, n * cl, np.int32)
     overflow[: overflow_slots.size] = overflow_slots
     buffer_row = np.where(
         direct, dst * k_size + k, n * k_size + np.searchsorted(overflow_slots, slot)
     )
-    out_inverse = np.full(valid.shape, received, np.int32)
-    out_inverse[valid] = buffer_row[pair_of_id]
+    out_inverse = np.full(d.valid.shape, received, np.int32)
+    out_inverse[d.valid] = buffer_row[d.pair_of_id]
 
     # Each distinct row has one owner; its index among that owner's rows.
-    owner = (unique_slots // cl).astype(np.int64)
-    owner_rank, _ = _group_positions(owner, n)
+    owner, owner_rank = d.owner, d.owner_rank
     owner_slots = np.full((n, v_size), cl, np.int32)
     owner_slots[owner, owner_rank] = unique_slots % cl
     owner_inverse = np.full((n, received), v_size, np.int32)
-    owner_inverse[dst[direct], src[direct] * k_size + k[direct]] = owner_rank[row[direct]]
+    owner_inverse[dst[direct], src[direct] * k_size + k[direct]] = owner_rank[d.row[direct]]
     if overflow_slots.size:
-        ov_rows = np.searchsorted(unique_slots, overflow_slots, sorter=np.argsort(unique_slots))
-        ov_rows = np.argsort(unique_slots)[ov_rows]
+        by_slot = np.argsort(unique_slots)
+        ov_rows = by_slot[np.searchsorted(unique_slots, overflow_slots, sorter=by_slot)]
         owner_inverse[owner[ov_rows], n * k_size + np.arange(overflow_slots.size)] = owner_rank[
             ov_rows
         ]
@@ -229,6 +228,8 @@ class Demand(NamedTuple):
       position: ``[P]`` its position among the pairs of the same
         (``src``, ``dst``): pairs at ``K`` or beyond overflow.
       per_pair: ``[n * n]`` pairs per (``src``, ``dst``).
+      owner: ``[U]`` the owner of each row of ``unique_slots``.
+      owner_rank: ``[U]`` its index among that owner's rows.
       per_owner: ``[n]`` distinct rows per owner.
     """
 
@@ -240,6 +241,8 @@ class Demand(NamedTuple):
     dst: np.ndarray
     position: np.ndarray
     per_pair: np.ndarray
+    owner: np.ndarray
+    owner_rank: np.ndarray
     per_owner: np.ndarray
 
     def needs(self) -> tuple[int, int]:
@@ -272,8 +275,11 @@ def route_demand(
     slot = unique_slots[row].astype(np.int64)
     dst = slot // cl
     position, per_pair = _group_positions(src * n + dst, n * n)
-    per_owner = np.bincount((unique_slots // cl).astype(np.int64), minlength=n)
-    return Demand(pair_of_id, valid, src, row, slot, dst, position, per_pair, per_owner)
+    owner = (unique_slots // cl).astype(np.int64)
+    owner_rank, per_owner = _group_positions(owner, n)
+    return Demand(
+        pair_of_id, valid, src, row, slot, dst, position, per_pair, owner, owner_rank, per_owner
+    )
 
 
 def routed_gather(
