@@ -41,6 +41,12 @@ class CapacityError(ValueError):
       ... except jaxcache.CapacityError as error:
       ...     print(str(error).split(";")[0])
       the batch has 5 distinct ids but capacity is 3 rows
+      >>> first = planner.plan(np.array([0, 1, 2]))  # in flight: not released yet
+      >>> try:
+      ...     planner.plan(np.array([3]))
+      ... except jaxcache.CapacityError as error:
+      ...     print(error.fits_after)  # fits once plan 0 is released
+      0
     """
 
     fits_after: int | None = None
