@@ -79,8 +79,15 @@ def test_producer_error_surfaces_in_the_loop_with_its_traceback():
     embed.flush()  # the host table is consistent
 
 
-def _no_prefetch_threads():
-    return not any(t.name == "jaxcache-prefetch" for t in threading.enumerate())
+def _no_prefetch_threads(within=1.0):
+    """Whether every producer thread ends within ``within`` seconds (it may
+    still be between its last check of the stop flag and its return)."""
+    deadline = time.perf_counter() + within
+    while any(t.name == "jaxcache-prefetch" for t in threading.enumerate()):
+        if time.perf_counter() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_close_mid_epoch_is_prompt_and_leaves_no_thread():

@@ -416,6 +416,9 @@ class Prefetcher(Iterator[dict[str, Any]]):
                     break
                 if self._staging.acquire(blocking=False):
                     self._staging.release()
+                    # Idle: it returns at its next check of the stop flag,
+                    # unless the source blocks it (then it ends with the source).
+                    self._thread.join(timeout=_POLL_SECONDS)
                     break
             self._drain()
         if self.callback:
