@@ -4,7 +4,9 @@ Every process runs this same program under ``jax.distributed.initialize``; the
 cache's rows are split over all global devices, lookups and gradients travel
 between processes by ``all_to_all`` inside ``shard_map`` (gloo collectives on
 CPU, NCCL on GPU). Each process plans the same global batch with the same
-deterministic planner, so they agree on every slot without talking.
+deterministic planner, so they agree on every slot without talking, and each
+stores only its share of the host rows (``jaxcache.process_shard``: the ids
+homed on its devices), fetching and writing back only its devices' rows.
 
 Run it on one machine (it starts the processes itself)::
 
@@ -41,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-fraction", type=float, default=0.1)
     parser.add_argument("--scale", type=float, default=0.002, help="of the Criteo cardinalities")
+    parser.add_argument(
+        "--save", default=None, help="process 0 saves the trained table here (.npy)"
+    )
     return parser.parse_args(argv)
 
 
@@ -100,7 +105,9 @@ def run(args: argparse.Namespace) -> dict:
         policy="lfu",
         optimizer=jaxcache.rowwise_adagrad(0.05),
     )
-    cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, seed=args.seed), mesh=mesh)
+    # This process's share of the host rows: ids i with i % count == index.
+    table = jaxcache.HostTable(cfg, seed=args.seed, shard=jaxcache.process_shard(mesh))
+    cache = jaxcache.EmbeddingCache(cfg, table=table, mesh=mesh)
     from flax import nnx
 
     model = jaxcache.models.DLRM(
@@ -117,13 +124,18 @@ def run(args: argparse.Namespace) -> dict:
     with jaxcache.prefetch(batches, {"sparse": model.embed}, lookahead=args.lookahead) as pipeline:
         for batch in pipeline:
             losses.append(float(step(batch["dense"], batch["sparse"], batch["label"])))
-    rows, _ = model.embed.export()
+    rows, _ = model.embed.export()  # every process calls it: a collective
+    if args.save and jax.process_index() == 0:
+        np.save(args.save, rows)
     return {
         "process": jax.process_index(),
         "global_devices": jax.device_count(),
         "losses": losses,
         "table_checksum": float(np.abs(rows.astype(np.float64)).sum()),
         "hit_rate": cache.stats.total.hit_rate,
+        "evictions": cache.stats.total.evictions,
+        "host_rows": int(table.rows.shape[0]),
+        "num_embeddings": cfg.num_embeddings,
     }
 
 

@@ -40,6 +40,7 @@ from jaxcache._src.optimizers import (
     sgd,
 )
 from jaxcache._src.pipeline import CacheHolder, Prefetcher, prefetch
+from jaxcache._src.placement import process_shard
 from jaxcache._src.planner import CapacityError, Plan, Planner
 from jaxcache._src.replay import plot_curve, replay, sweep
 from jaxcache._src.serving import Server, serving_config
@@ -100,6 +101,7 @@ __all__ = [
     "plot_curve",
     "pool",
     "prefetch",
+    "process_shard",
     "raise_if_nonfinite",
     "replay",
     "roc_auc",

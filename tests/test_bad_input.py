@@ -168,3 +168,15 @@ def test_lookup_for_another_table_is_refused():
     lookup = a.prepare(np.array([1, 2]))
     with pytest.raises(ValueError, match="lookup is for table 'users' but this module serves"):
         b(lookup)
+
+
+def test_host_table_shards_are_checked():
+    cfg = jaxcache.CacheConfig(100, 4, 10)
+    with pytest.raises(ValueError, match=r"shard=\(2, 2\) is not \(index, count\)"):
+        jaxcache.HostTable(cfg, shard=(2, 2))
+    # One process stores every row: a half table is refused, not half used.
+    half = jaxcache.HostTable(cfg, shard=(0, 2))
+    with pytest.raises(ValueError, match=r"holds shard \(0, 2\) .* stores shard \(0, 1\)"):
+        jaxcache.EmbeddingCache(cfg, table=half)
+    with pytest.raises(ValueError, match="axis='data' is not an axis"):
+        jaxcache.process_shard(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("rows",)), "data")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from flax import linen
 
 import jaxcache
@@ -84,3 +85,28 @@ def test_padding_is_not_counted():
     counter = jaxcache.FrequencyCounter(5, padding_id=-1)
     counter.update(np.array([[1, -1], [-1, 1]]))
     assert counter.counts.tolist() == [0, 2, 0, 0, 0]
+
+
+def test_shards_hold_the_whole_tables_rows(tmp_path):
+    # Two init chunks and a count that does not divide them: every shard's rows
+    # are the whole table's, and gather/scatter take global ids.
+    cfg = jaxcache.CacheConfig(70001, 3, 100, optimizer=jaxcache.adagrad(0.1))
+    whole = jaxcache.HostTable(cfg, seed=5)
+    for count in (2, 3):
+        for index in range(count):
+            drawn = jaxcache.HostTable(cfg, seed=5, shard=(index, count))
+            given = jaxcache.HostTable(cfg, rows=whole.rows, shard=(index, count))
+            mapped = jaxcache.HostTable(
+                cfg, seed=5, shard=(index, count), directory=tmp_path / f"{index}of{count}"
+            )
+            for table in (drawn, given, mapped):
+                np.testing.assert_array_equal(table.rows, whole.rows[index::count])
+                assert table.state["accumulator"].shape[0] == len(table.ids())
+            np.testing.assert_array_equal(drawn.ids(), np.arange(70001)[index::count])
+    odd = jaxcache.HostTable(cfg, seed=5, shard=(1, 2))
+    ids = np.array([69999, 1, 7])
+    np.testing.assert_array_equal(odd.gather(ids)[0], whole.rows[ids])
+    odd.scatter(ids[:1], np.ones((1, 3), np.float32), {"accumulator": np.ones((1, 3))})
+    assert (odd.gather(ids[:1])[0] == 1).all() and (odd.rows[34999] == 1).all()
+    with pytest.raises(ValueError, match=r"ids \[4\] are not in this table's shard"):
+        odd.gather(np.array([3, 4]))

@@ -15,8 +15,9 @@ import jaxcache
 class DictPlanner:
     """Slots as a Python list, one id at a time: the specification."""
 
-    def __init__(self, capacity, policy, frequencies, devices=1):
+    def __init__(self, capacity, policy, frequencies, devices=1, groups=1):
         local = capacity // devices
+        self.groups, self.size = groups, capacity // groups
         self.tie = [(s % local) * devices + s // local for s in range(capacity)]
         self.ids = [None] * capacity
         self.last_use = [-1] * capacity
@@ -42,24 +43,38 @@ class DictPlanner:
         misses = [i for i in distinct if i not in resident]
         protected = {s for s in range(len(self.ids)) if self.last_use[s] > released}
         protected |= {resident[i] for i in distinct if i in resident}
-        # The next batch's resident rows stay too, if the misses fit without them.
         kept = {resident[i] for i in upcoming if i in resident} - protected
-        if len(self.ids) - len(protected) - len(kept) >= len(misses):
-            protected |= kept
-        candidates = sorted(
-            (s for s in range(len(self.ids)) if s not in protected),
-            key=lambda s: (self.key(s), self.tie[s]),
-        )
-        victims = sorted(candidates[: len(misses)])
-        for slot, new in zip(victims, misses, strict=True):
-            self.ids[slot] = new
+        fetched = []
+        for group in range(self.groups):  # id i lives in the slots of group i % groups
+            block = range(group * self.size, (group + 1) * self.size)
+            mine = [i for i in misses if i % self.groups == group]
+            guarded = {s for s in protected if s in block}
+            # The next batch's resident rows stay too, if the misses fit without them.
+            kept_here = {s for s in kept if s in block}
+            if self.size - len(guarded) - len(kept_here) >= len(mine):
+                guarded |= kept_here
+            candidates = sorted(
+                (s for s in block if s not in guarded), key=lambda s: (self.key(s), self.tie[s])
+            )
+            victims = sorted(candidates[: len(mine)])
+            for slot, new in zip(victims, mine, strict=True):
+                self.ids[slot] = new
+            fetched += mine
         resident = self.resident()
         for i in distinct:
             self.last_use[resident[i]] = t
         if self.policy == "lfu":
             for i in ids:
                 self.counts[i] = self.counts.get(i, 0) + 1
-        return len(distinct) - len(misses), misses
+        return len(distinct) - len(misses), fetched
+
+
+def _too_full(ids, in_flight, capacity, groups):
+    """Whether some group's distinct ids and in-flight rows exceed its slots."""
+    needed = set(ids) | in_flight
+    return any(
+        len([i for i in needed if i % groups == g]) > capacity // groups for g in range(groups)
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -70,16 +85,20 @@ class DictPlanner:
     lags=st.lists(st.integers(0, 2), min_size=1, max_size=30),
     reserve=st.sampled_from([1, 3, 4096]),
     devices=st.sampled_from([1, 2, 4]),
+    groups=st.sampled_from([1, 2]),
 )
-def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devices):
+def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devices, groups):
     n = 40
+    groups = groups if devices % groups == 0 else 1
     capacity = capacity // devices * devices
     rng = np.random.default_rng(seed)
     frequencies = rng.integers(0, 50, n)
     cfg = jaxcache.CacheConfig(n, 1, capacity, policy=policy)
     counts = frequencies if policy != "lru" else None
-    planner = jaxcache.Planner(cfg, frequencies=counts, reserve=reserve, devices=devices)
-    model = DictPlanner(capacity, policy, counts, devices)
+    planner = jaxcache.Planner(
+        cfg, frequencies=counts, reserve=reserve, devices=devices, groups=groups
+    )
+    model = DictPlanner(capacity, policy, counts, devices, groups)
     following = rng.integers(0, n, size=int(rng.integers(1, 12)))
     for lag in lags:
         # Release all but the last `lag` plans, as a pipeline with look-ahead does.
@@ -95,7 +114,7 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
         except jaxcache.CapacityError:
             # Refused: nothing may have changed, and it was really too full.
             assert dict(enumerate(planner.id_of_slot.tolist())) == before
-            assert len(set(ids.tolist()) | in_flight) > capacity
+            assert _too_full(ids.tolist(), in_flight, capacity, groups)
             _check_fits_after(planner, ids, upcoming)
             continue
         upcoming_ids = [] if upcoming is None else upcoming.tolist()
@@ -113,6 +132,10 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
         assert in_flight <= set(planner.id_of_slot.tolist())
         # Every id maps to a slot that holds it.
         assert (planner.id_of_slot[plan.unique_slots[plan.inverse]] == ids).all()
+        # Every row sits in its home group's slots; fetches come in slot order.
+        occupied_ids = planner.id_of_slot[occupied]
+        assert (occupied // (capacity // groups) == occupied_ids % groups).all()
+        assert (np.diff(plan.fetch_slots) > 0).all()
         assert len(set(plan.unique_slots.tolist())) == plan.distinct
 
 
@@ -121,7 +144,7 @@ def _check_fits_after(planner, ids, upcoming):
     with pytest.raises(jaxcache.CapacityError) as info:
         planner.plan(ids, upcoming=upcoming)
     after = info.value.fits_after
-    if len(set(ids.tolist())) > planner.capacity:
+    if _too_full(ids.tolist(), set(), planner.capacity, planner.groups):
         assert after is None
         return
     assert planner.released < after < planner.next_index

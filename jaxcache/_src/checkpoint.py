@@ -455,6 +455,12 @@ def _find_tables(model: nnx.Module | None, caches: Iterable[CacheHolder]) -> dic
 
 
 def _check_nothing_in_flight(name: str, cache: EmbeddingCache) -> None:
+    if cache.shard[1] > 1:
+        raise NotImplementedError(
+            f"table {name!r} keeps its host rows split over {cache.shard[1]} processes, and "
+            "checkpoints are written by one process; export the table (EmbeddingCache.export, "
+            "on every process) and save it from process 0 instead."
+        )
     planner = cache.planner
     ahead = planner.next_index - 1 - planner.released
     if ahead > 1:

@@ -244,6 +244,84 @@ def swap(
     return _write(state, fetch_slots, fetch_rows, fetch_opt), evicted_rows, evicted_opt
 
 
+@functools.partial(jax.jit, static_argnames=("mesh", "axis"))
+def read_blocks(
+    state: CacheState, slots: jax.Array, *, mesh: Mesh, axis: str
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Each device reads its own rows: ``slots`` ``[n P]`` holds local slots,
+    ``P`` per device (padding ``C_l``, read as zeros); rows come back split
+    the same way. No data crosses devices.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, numpy as np, jaxcache
+      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("rows",))
+      >>> state = jaxcache.CacheState(jnp.arange(6.0).reshape(3, 2), {})
+      >>> rows, _ = read_blocks(state, jnp.array([2, 3]), mesh=mesh, axis="rows")
+      >>> rows.tolist()
+      [[4.0, 5.0], [0.0, 0.0]]
+    """
+    spec = PartitionSpec(axis)
+
+    def body(rows, opt, slots):
+        def read(array):
+            return array.at[slots].get(mode="fill", fill_value=0)
+
+        return read(rows), {k: read(v) for k, v in opt.items()}
+
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec), check_vma=False
+    )(state.rows, state.opt, slots)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "axis"), donate_argnums=0)
+def _write_blocks(
+    state: CacheState,
+    slots: jax.Array,
+    rows: jax.Array,
+    opt: dict[str, jax.Array],
+    *,
+    mesh: Mesh,
+    axis: str,
+) -> CacheState:
+    spec = PartitionSpec(axis)
+
+    def body(state_rows, state_opt, slots, rows, opt):
+        def write(array, values):
+            return array.at[slots].set(values.astype(array.dtype), mode="drop")
+
+        return write(state_rows, rows), {k: write(v, opt[k]) for k, v in state_opt.items()}
+
+    rows, opt = jax.shard_map(
+        body, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec, spec), check_vma=False
+    )(state.rows, state.opt, slots, rows, opt)
+    return CacheState(rows, opt)
+
+
+def swap_blocks(
+    state: CacheState,
+    evict_slots: jax.Array,
+    fetch_slots: jax.Array,
+    fetch_rows: jax.Array,
+    fetch_opt: dict[str, jax.Array],
+    *,
+    mesh: Mesh,
+    axis: str,
+) -> tuple[CacheState, jax.Array, dict[str, jax.Array]]:
+    """``swap`` with every device moving only its own rows.
+
+    The lists are split over ``axis`` like the cache: ``[n P]`` arrays hold
+    ``P`` local slots (padding ``C_l``) and rows per device, so a device
+    receives only the rows it stores and the host of a process builds only
+    its devices' blocks. Read then donated write, as in ``swap``.
+
+    Returns:
+      ``(state, evicted_rows [n P, D], evicted_opt)``, split like the lists.
+    """
+    evicted_rows, evicted_opt = read_blocks(state, evict_slots, mesh=mesh, axis=axis)
+    state = _write_blocks(state, fetch_slots, fetch_rows, fetch_opt, mesh=mesh, axis=axis)
+    return state, evicted_rows, evicted_opt
+
+
 def apply_sparse(
     state: CacheState,
     lookup: Lookup,

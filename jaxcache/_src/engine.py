@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import threading
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -29,6 +27,7 @@ from jaxcache._src.config import CacheConfig
 from jaxcache._src.device_ops import CacheState, Lookup
 from jaxcache._src.frequency import hottest
 from jaxcache._src.host_table import HostTable
+from jaxcache._src.placement import process_shard
 from jaxcache._src.planner import Plan, Planner
 from jaxcache._src.stats import CacheStats, StepStats
 
@@ -41,7 +40,9 @@ class HostStaged(NamedTuple):
     Attributes:
       plan: the host plan.
       ids: the ids it was planned for.
-      moves: ``(evict_slots, fetch_slots, fetch_rows, fetch_opt)`` or ``None``.
+      moves: ``(evict_slots, fetch_slots, fetch_rows, fetch_opt)`` or
+        ``None``: for each of this process's devices, ``P`` local slots
+        (padding ``C_l``) and rows, blocks one after another (``[L P]``).
       route: which rows each device fetches from which owner.
     """
 
@@ -93,15 +94,6 @@ def bucket_size(n: int, minimum: int, previous: int = 0) -> int:
     return size
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _read_slots(state: CacheState, size: int, slots: jax.Array):
-    del size  # only part of the cache key: slots already has that length
-    return (
-        state.rows.at[slots].get(mode="fill", fill_value=0),
-        {k: v.at[slots].get(mode="fill", fill_value=0) for k, v in state.opt.items()},
-    )
-
-
 class EmbeddingCache:
     """A host-offloaded embedding table with a device cache of hot rows.
 
@@ -114,6 +106,10 @@ class EmbeddingCache:
         step; defaults to ``True`` for the ``"frequency"`` policy.
       seed: seed of a new host table.
       mesh: device mesh the rows are sharded over (default: one device).
+        When its devices belong to several processes (under
+        ``jax.distributed.initialize``), every process runs the same program
+        on the same global batches; each stores the host rows of its ids
+        (``process_shard``) and moves rows only for its own devices.
       axis: mesh axis of the rows.
 
     Attributes:
@@ -159,6 +155,14 @@ class EmbeddingCache:
                 "the mesh axis to split the rows over."
             )
         devices = mesh.shape[axis]
+        self.shard = process_shard(mesh, axis)
+        shard, groups = self.shard
+        if table is not None and table.shard != self.shard:
+            raise ValueError(
+                f"the host table holds shard {table.shard} of the ids but this process stores "
+                f"shard {self.shard} of a mesh over {groups} process(es); build it with "
+                "HostTable(config, shard=jaxcache.process_shard(mesh, axis))."
+            )
         if config.capacity % devices:
             rounded = -(-config.capacity // devices) * devices
             if rounded > config.num_embeddings:
@@ -168,13 +172,16 @@ class EmbeddingCache:
                 )
             config = dataclasses.replace(config, capacity=rounded)
         self.config = config
-        self.table = table if table is not None else HostTable(config, seed=seed)
-        self.planner = Planner(config, frequencies=frequencies, devices=devices)
+        self.table = table if table is not None else HostTable(config, seed=seed, shard=self.shard)
+        self.planner = Planner(config, frequencies=frequencies, devices=devices, groups=groups)
         self.stats = CacheStats(config.row_bytes)
         self.mesh = mesh
         self.axis = axis
         self.devices = devices
         self.local_capacity = config.capacity // devices
+        # The device blocks whose rows this process stores and moves.
+        self._blocks = devices // groups
+        self._first = shard * self._blocks
         self.row_sharding = NamedSharding(mesh, PartitionSpec(axis))
         self.replicated = NamedSharding(mesh, PartitionSpec())
         # Write-backs: evicted ids by plan index, from planning until landed,
@@ -194,7 +201,9 @@ class EmbeddingCache:
         if warm:
             if frequencies is None:
                 raise ValueError("warm=True needs frequencies= to know the hottest rows.")
-            self.planner.warm(hottest(frequencies, config.capacity))
+            # With several groups, rank more ids: the hottest C may not split evenly.
+            ranked = config.capacity if groups == 1 else 2 * config.capacity
+            self.planner.warm(hottest(frequencies, min(ranked, config.num_embeddings)))
 
     @classmethod
     def full_table(cls, config: CacheConfig, **kwargs) -> EmbeddingCache:
@@ -236,16 +245,51 @@ class EmbeddingCache:
                 "new device state from the host table."
             )
         cfg = self.config
-        slots = np.flatnonzero(self.planner.id_of_slot >= 0)
-        rows, opt = self.table.gather(self.planner.id_of_slot[slots])
-        host_rows = np.zeros((cfg.capacity, cfg.features), cfg.row_dtype)
+        first, cl = self._first * self.local_capacity, self._blocks * self.local_capacity
+        ids = self.planner.id_of_slot[first : first + cl]
+        slots = np.flatnonzero(ids >= 0)
+        rows, opt = self.table.gather(ids[slots])
+        host_rows = np.zeros((cl, cfg.features), cfg.row_dtype)
         host_rows[slots] = rows
         host_opt = {}
         for name, spec in cfg.optimizer.state_spec(cfg.features).items():
-            array = np.full((cfg.capacity, *spec.shape), spec.init, spec.dtype)
+            array = np.full((cl, *spec.shape), spec.init, spec.dtype)
             array[slots] = opt[name]
             host_opt[name] = array
-        return jax.device_put(CacheState(host_rows, host_opt), self.row_sharding)
+        return self._put_blocks(CacheState(host_rows, host_opt))
+
+    def _put_blocks(self, tree: Any) -> Any:
+        """Device arrays split over the rows axis from this process's blocks
+        (``[L X, ...]`` each, for a global ``[n X, ...]``)."""
+        groups = self.shard[1]
+
+        def put(x: np.ndarray) -> jax.Array:
+            shape = (x.shape[0] * groups, *x.shape[1:])
+            return jax.make_array_from_process_local_data(self.row_sharding, x, shape)
+
+        return jax.tree.map(put, tree)
+
+    def _block_positions(self, slots: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Where sorted global ``slots`` go in this process's ``[L size]`` blocks.
+
+        Returns:
+          ``(at, mine)``: ``mine`` marks the slots of this process's devices,
+          ``at`` is each one's position (block, then rank within its device).
+        """
+        cl, first = self.local_capacity, self._first
+        device = slots // cl
+        start = np.searchsorted(device, np.arange(self.devices))
+        rank = np.arange(slots.size) - start[device]
+        mine = (device >= first) & (device < first + self._blocks)
+        return (device[mine] - first) * size + rank[mine], mine
+
+    def _per_device_size(self, *slot_lists: np.ndarray, previous: int = 0) -> int:
+        """Padded rows per device for lists of global slots (the largest device's)."""
+        n = self.devices
+        most = max(
+            int(np.bincount(s // self.local_capacity, minlength=n).max()) for s in slot_lists
+        )
+        return bucket_size(most, max(1, self.config.min_bucket // n), previous)
 
     # ------------------------------------------------------------------ step
     def prepare(self, state: CacheState, ids: np.ndarray, *, train: bool = True):
@@ -289,15 +333,22 @@ class EmbeddingCache:
     def to_device(self, host: HostStaged) -> Staged:
         """Starts the transfer of a host-staged batch (``device_put``, asynchronous)."""
         with self.stats.timers.time("transfer"):
-            moves = None if host.moves is None else jax.device_put(host.moves, self.replicated)
+            moves = None if host.moves is None else self._put_blocks(host.moves)
             lookup = self._device_lookup(host.route)
         return Staged(host.plan, moves, lookup)
 
     def _device_lookup(self, route: routing.HostRoute) -> Lookup:
-        rows, replicated = self.row_sharding, self.replicated
-        requests, overflow, inverse, owner_slots, owner_inverse = jax.device_put(
-            route[:5], (rows, replicated, rows, rows, rows)
+        first, last = self._first, self._first + self._blocks
+        per = route.inverse.shape[0] // self.devices  # batch rows per device
+        requests, inverse, owner_slots, owner_inverse = self._put_blocks(
+            (
+                route.requests[first:last],
+                route.inverse[first * per : last * per],
+                route.owner_slots[first:last],
+                route.owner_inverse[first:last],
+            )
         )
+        overflow = jax.make_array_from_process_local_data(self.replicated, route.overflow)
         return Lookup(
             requests,
             overflow,
@@ -370,28 +421,9 @@ class EmbeddingCache:
             with self._plan_lock:
                 plan = self.planner.plan(ids, train=train, upcoming=upcoming)
             route = self._route(plan, size)
-        with timers.time("write_back"):
-            self._land(plan.fetch_ids)
-        if len(plan.evict_ids):  # after landing: a plan never fetches what it evicts
-            with self._write_back_lock:
-                self._unlanded[plan.index] = plan.evict_ids
-        cfg = self.config
         moves = None
-        moved = max(plan.misses, len(plan.evict_ids))
-        if moved or size is not None:
-            rows_size = size
-            if rows_size is None:
-                rows_size = self._fetch_bucket = bucket_size(
-                    moved, cfg.min_bucket, self._fetch_bucket
-                )
-            with timers.time("gather"):
-                rows, opt = self.table.gather(plan.fetch_ids)
-                moves = (
-                    _pad(plan.evict_slots, rows_size, cfg.capacity),
-                    _pad(plan.fetch_slots, rows_size, cfg.capacity),
-                    _pad(rows, rows_size, 0),
-                    {k: _pad(v, rows_size, 0) for k, v in opt.items()},
-                )
+        if plan.misses or len(plan.evict_ids):
+            moves = self._moves(plan)
         self.stats.record(
             StepStats(
                 lookups=plan.lookups,
@@ -406,6 +438,35 @@ class EmbeddingCache:
             )
         )
         return HostStaged(plan, np.asarray(ids), moves, route)
+
+    def _moves(self, plan: Plan) -> tuple[Any, ...]:
+        """This process's blocks of ``plan``'s swap; lands the write-backs it
+        needs first and queues its own evictions' write-back."""
+        timers, cl = self.stats.timers, self.local_capacity
+        size = self._fetch_bucket = self._per_device_size(
+            plan.evict_slots, plan.fetch_slots, previous=self._fetch_bucket
+        )
+        evict_at, evict_mine = self._block_positions(plan.evict_slots, size)
+        fetch_at, fetch_mine = self._block_positions(plan.fetch_slots, size)
+        fetch_ids = plan.fetch_ids[fetch_mine]  # sorted: one home group's run
+        with timers.time("write_back"):
+            self._land(fetch_ids)
+        if evict_at.size:  # after landing: a plan never fetches what it evicts
+            with self._write_back_lock:
+                self._unlanded[plan.index] = (plan.evict_ids[evict_mine], evict_at)
+        with timers.time("gather"):
+            rows, opt = self.table.gather(fetch_ids)
+            total = self._blocks * size
+            evict_slots = np.full(total, cl, np.int32)
+            evict_slots[evict_at] = plan.evict_slots[evict_mine] % cl
+            fetch_slots = np.full(total, cl, np.int32)
+            fetch_slots[fetch_at] = plan.fetch_slots[fetch_mine] % cl
+            return (
+                evict_slots,
+                fetch_slots,
+                _scatter_into(total, fetch_at, rows),
+                {k: _scatter_into(total, fetch_at, v) for k, v in opt.items()},
+            )
 
     def _route(self, plan: Plan, size: int | None) -> routing.HostRoute:
         """Routes ``plan`` over the devices, with padded sizes from buckets (or
@@ -489,12 +550,36 @@ class EmbeddingCache:
             self.planner.release(self.planner.next_index - 1)
             host = self.stage_host(ids, train=train, size=ids.size)
             self._applied = max(self._applied, host.plan.index)
-        return (np.int32(host.plan.index), *host.route[:5], *host.moves)
+        return (np.int32(host.plan.index), *host.route[:5], *self._global_moves(host, ids.size))
+
+    def _global_moves(self, host: HostStaged, size: int) -> tuple[Any, ...]:
+        """``host.moves`` as global slot lists padded to ``size``, for ``swap``
+        (the host-callback form: one process, one fixed shape)."""
+        cfg, cl = self.config, self.local_capacity
+        shapes = cfg.optimizer.state_spec(cfg.features)
+        if host.moves is None:
+            empty = np.zeros(0, np.int64)
+            evict, fetch, at = empty, empty, empty
+            rows = np.zeros((0, cfg.features), cfg.row_dtype)
+            opt = {k: np.zeros((0, *spec.shape), spec.dtype) for k, spec in shapes.items()}
+        else:
+            evict_blocks, fetch_blocks, rows, opt = host.moves
+            per = evict_blocks.size // self._blocks
+            offset = (self._first + np.arange(evict_blocks.size) // per) * cl
+            evict = (evict_blocks + offset)[evict_blocks < cl]
+            at = np.flatnonzero(fetch_blocks < cl)
+            fetch = (fetch_blocks + offset)[at]
+        return (
+            _pad(evict.astype(np.int32), size, cfg.capacity),
+            _pad(fetch.astype(np.int32), size, cfg.capacity),
+            _pad(rows[at], size, 0),
+            {k: _pad(v[at], size, 0) for k, v in opt.items()},
+        )
 
     def callback_write_back(self, index: np.ndarray, rows: np.ndarray, opt: dict) -> None:
         """Lands the rows evicted by plan ``index`` (run by ``io_callback`` in the step)."""
         with self._write_back_lock:
-            ids = self._unlanded.get(int(index))
+            ids, _ = self._unlanded.get(int(index), (None, None))
         if ids is not None:
             n = len(ids)
             self.table.scatter(
@@ -515,9 +600,11 @@ class EmbeddingCache:
         if staged.moves is None:
             return state
         with self.stats.timers.time("swap"):
-            state, rows, opt = device_ops.swap(state, *staged.moves)
-        if len(staged.plan.evict_ids):
-            with self._write_back_lock:
+            state, rows, opt = device_ops.swap_blocks(
+                state, *staged.moves, mesh=self.mesh, axis=self.axis
+            )
+        with self._write_back_lock:
+            if staged.plan.index in self._unlanded:  # this process stores evicted rows
                 self._dispatched[staged.plan.index] = (rows, opt)
                 self._write_back_lock.notify_all()
         return state
@@ -546,7 +633,7 @@ class EmbeddingCache:
         with self._write_back_lock:
             must = {
                 index
-                for index, ids in self._unlanded.items()
+                for index, (ids, _) in self._unlanded.items()
                 if needed is not None and _intersects(ids, needed)
             }
 
@@ -562,10 +649,9 @@ class EmbeddingCache:
             if needed is not None and index not in must:
                 if not (rows.is_ready() and all(v.is_ready() for v in opt.values())):
                     continue
-            ids = self._unlanded[index]
-            n = len(ids)
+            ids, at = self._unlanded[index]
             self.table.scatter(
-                ids, np.asarray(rows)[:n], {k: np.asarray(v)[:n] for k, v in opt.items()}
+                ids, _local_data(rows)[at], {k: _local_data(v)[at] for k, v in opt.items()}
             )
             with self._write_back_lock:
                 del self._unlanded[index], self._dispatched[index]
@@ -596,24 +682,34 @@ class EmbeddingCache:
         slots = np.flatnonzero(planner.dirty)
         if slots.size == 0:
             return
-        size = bucket_size(slots.size, self.config.min_bucket)
-        rows, opt = _read_slots(state, size, jnp.asarray(_pad(slots, size, self.config.capacity)))
-        n = slots.size
-        ids = self.planner.id_of_slot[slots]
+        cl = self.local_capacity
+        size = self._per_device_size(slots)
+        at, mine = self._block_positions(slots, size)
+        blocks = np.full(self._blocks * size, cl, np.int32)
+        blocks[at] = slots[mine] % cl
+        rows, opt = device_ops.read_blocks(
+            state, self._put_blocks(blocks), mesh=self.mesh, axis=self.axis
+        )
+        ids = self.planner.id_of_slot[slots[mine]]
         self.table.scatter(
-            ids, np.asarray(rows)[:n], {k: np.asarray(v)[:n] for k, v in opt.items()}
+            ids, _local_data(rows)[at], {k: _local_data(v)[at] for k, v in opt.items()}
         )
         in_flight = planner.last_use[slots] > planner.released
         planner.dirty[slots[~in_flight]] = False
-        self.stats.record_write_back(n)
+        self.stats.record_write_back(slots.size)
 
     def export(self, state: CacheState) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """The full table and optimizer state in id order (copies).
 
-        Flushes first, so the host table is also complete afterwards.
+        Flushes first, so the host table is also complete afterwards. When
+        the host rows are split over processes, every process must call it
+        (a collective) and each receives the whole table.
         """
         self.flush(state)
-        return np.array(self.table.rows), {k: np.array(v) for k, v in self.table.state.items()}
+        table = self.table
+        if self.shard[1] == 1:
+            return np.array(table.rows), {k: np.array(v) for k, v in table.state.items()}
+        return _gather_shards(table, self.shard)
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -688,6 +784,41 @@ class EmbeddingCache:
                 f"batches are in flight (plans {busy}, {len(self._offers)} offered); close the "
                 "pipeline and call flush(state) before saving or restoring the cache."
             )
+
+
+def _gather_shards(
+    table: HostTable, shard: tuple[int, int]
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Every process's rows of a split host table, in id order (a collective)."""
+    from jax.experimental import multihost_utils
+
+    index, count = shard
+    arrays = {"rows": table.rows, **{f"state.{k}": v for k, v in table.state.items()}}
+    longest = len(range(0, table.num_embeddings, count))
+    padded = {k: _pad(np.asarray(v), longest, 0) for k, v in arrays.items()}
+    gathered = multihost_utils.process_allgather({"index": np.int32(index), **padded})
+    out = {}
+    for key, array in arrays.items():
+        whole = np.empty((table.num_embeddings, *array.shape[1:]), array.dtype)
+        for process, part in zip(gathered["index"], gathered[key], strict=True):
+            whole[int(process) :: count] = part[: len(range(int(process), len(whole), count))]
+        out[key] = whole
+    rows = out.pop("rows")
+    return rows, {k.removeprefix("state."): v for k, v in out.items()}
+
+
+def _local_data(array: jax.Array) -> np.ndarray:
+    """This process's blocks of a row-split array, in block order, as NumPy."""
+    shards = {s.index[0].start or 0: s.data for s in array.addressable_shards}
+    if len(shards) == 1:
+        return np.asarray(next(iter(shards.values())))
+    return np.concatenate([np.asarray(shards[start]) for start in sorted(shards)])
+
+
+def _scatter_into(size: int, at: np.ndarray, values: np.ndarray) -> np.ndarray:
+    out = np.zeros((size, *values.shape[1:]), values.dtype)
+    out[at] = values
+    return out
 
 
 def _intersects(values: np.ndarray, sorted_ids: np.ndarray) -> bool:

@@ -92,6 +92,12 @@ def embed_init() -> Initializer:
 class HostTable:
     """Rows ``[N, D]`` plus per-row optimizer state, in id order.
 
+    With ``shard=(index, count)`` the table keeps only the ids ``i`` with
+    ``i % count == index``, in id order: the share of one of ``count``
+    processes (see ``process_shard``). Its rows are the same values the
+    whole table would hold for those ids; ``gather`` and ``scatter`` still
+    take global ids.
+
     Args:
       config: the table's configuration.
       rows: an existing ``[N, D]`` array to start from (copied, or used as is
@@ -101,10 +107,15 @@ class HostTable:
       directory: when given, rows and state live in ``np.memmap`` files there
         (``rows.npy`` and ``<state>.npy``), for tables larger than RAM.
       copy: copy ``rows`` (default) or adopt the array as the table.
+      shard: ``(index, count)``: keep only this process's ids; ``rows``, when
+        given, is still the whole ``[N, D]`` table (or a memory map of it).
 
     Attributes:
-      rows: ``[N, D]`` array of the table's dtype.
-      state: ``{name: [N, ...]}`` optimizer state per row.
+      rows: ``[N, D]`` array of the table's dtype (``[N_local, D]`` for a
+        shard, ``N_local = len(range(index, N, count))``).
+      state: ``{name: [N, ...]}`` optimizer state per row (``N_local`` rows
+        for a shard).
+      shard: ``(index, count)``; ``(0, 1)`` for the whole table.
 
     Examples:
       >>> import jaxcache
@@ -112,6 +123,9 @@ class HostTable:
       >>> table = jaxcache.HostTable(cfg, seed=0)
       >>> table.rows.shape, table.state["accumulator"].shape
       ((100, 4), (100, 4))
+      >>> half = jaxcache.HostTable(cfg, seed=0, shard=(1, 2))  # odd ids only
+      >>> half.rows.shape, bool((half.gather([5])[0] == table.gather([5])[0]).all())
+      ((50, 4), True)
     """
 
     def __init__(
@@ -123,9 +137,18 @@ class HostTable:
         seed: int = 0,
         directory: str | os.PathLike[str] | None = None,
         copy: bool = True,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         self.config = config
+        index, count = (0, 1) if shard is None else (int(shard[0]), int(shard[1]))
+        if count < 1 or not 0 <= index < count:
+            raise ValueError(
+                f"shard={shard!r} is not (index, count) with 0 <= index < count; pass "
+                "jaxcache.process_shard(mesh) or leave it out for the whole table."
+            )
+        self.shard = (index, count)
         shape = (config.num_embeddings, config.features)
+        local = (len(range(index, shape[0], count)), shape[1])
         if rows is not None:
             rows = np.asarray(rows)
             if rows.shape != shape:
@@ -138,22 +161,23 @@ class HostTable:
         self.directory = None if directory is None else os.fspath(directory)
         if self.directory is not None:
             os.makedirs(self.directory, exist_ok=True)
-        self.rows = self._allocate("rows", shape, config.row_dtype)
-        if rows is not None:
-            if copy or self.directory is not None or rows.dtype != config.row_dtype:
-                for lo in range(0, shape[0], _INIT_CHUNK_ROWS):
-                    self.rows[lo : lo + _INIT_CHUNK_ROWS] = rows[lo : lo + _INIT_CHUNK_ROWS]
-            else:
+        self.rows = self._allocate("rows", local, config.row_dtype)
+        if rows is not None and count == 1 and not copy and self.directory is None:
+            if rows.dtype == config.row_dtype:
                 self.rows = rows
-        else:
+        if rows is not None and self.rows is not rows:
+            for lo, hi, keep in self._chunks():
+                self.rows[keep] = rows[lo:hi][(index - lo) % count :: count]
+        elif rows is None:
+            # The whole table's draws, chunk by chunk, keeping this shard's
+            # rows: a shard holds exactly the values the whole table would.
             init = init or embed_init()
             rng = np.random.default_rng(seed)
-            for lo in range(0, shape[0], _INIT_CHUNK_ROWS):
-                hi = min(lo + _INIT_CHUNK_ROWS, shape[0])
-                self.rows[lo:hi] = init(rng, (hi - lo, shape[1]))
+            for lo, hi, keep in self._chunks():
+                self.rows[keep] = init(rng, (hi - lo, shape[1]))[(index - lo) % count :: count]
         self.state: dict[str, np.ndarray] = {}
         for name, spec in config.optimizer.state_spec(config.features).items():
-            array = self._allocate(name, (config.num_embeddings, *spec.shape), spec.dtype)
+            array = self._allocate(name, (local[0], *spec.shape), spec.dtype)
             array[...] = spec.init
             self.state[name] = array
 
@@ -163,17 +187,46 @@ class HostTable:
         path = os.path.join(self.directory, f"{name}.npy")
         return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
 
+    def _chunks(self):
+        """``(lo, hi, local slice)`` per init chunk of global ids ``[lo, hi)``."""
+        index, count = self.shard
+        n = self.config.num_embeddings
+        for lo in range(0, n, _INIT_CHUNK_ROWS):
+            hi = min(lo + _INIT_CHUNK_ROWS, n)
+            first, end = -(-(lo - index) // count), -(-(hi - index) // count)
+            yield lo, hi, slice(max(first, 0), max(end, 0))
+
     @property
     def num_embeddings(self) -> int:
-        """``N``, the number of rows."""
+        """``N``, the number of rows of the whole table."""
         return self.config.num_embeddings
+
+    def ids(self) -> np.ndarray:
+        """The ids this table stores, in row order (``arange(N)`` when whole)."""
+        index, count = self.shard
+        return np.arange(index, self.config.num_embeddings, count)
+
+    def _local(self, ids: np.ndarray) -> np.ndarray:
+        index, count = self.shard
+        if count == 1:
+            return ids
+        ids = np.asarray(ids)
+        if ids.size and (ids % count != index).any():
+            wrong = ids[ids % count != index][:5].tolist()
+            raise ValueError(
+                f"ids {wrong} are not in this table's shard (ids i with i % {count} == "
+                f"{index}); another process stores them."
+            )
+        return ids // count
 
     def gather(self, ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Fresh copies of rows ``ids`` and their state (safe to hand to a device)."""
-        return self.rows[ids], {name: array[ids] for name, array in self.state.items()}
+        at = self._local(ids)
+        return self.rows[at], {name: array[at] for name, array in self.state.items()}
 
     def scatter(self, ids: np.ndarray, rows: np.ndarray, state: dict[str, np.ndarray]) -> None:
         """Writes rows ``ids`` and their state back."""
-        self.rows[ids] = rows
+        at = self._local(ids)
+        self.rows[at] = rows
         for name, array in self.state.items():
-            array[ids] = state[name]
+            array[at] = state[name]

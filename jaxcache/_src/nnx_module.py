@@ -127,6 +127,12 @@ class CachedEmbed(nnx.Module):
           The ``Lookup`` to pass to the module in the same step.
         """
         cache = self.cache
+        if cache.shard[1] > 1:
+            raise ValueError(
+                f"lookup_ids (the host-callback form) runs in one process, but this cache's "
+                f"mesh spans {cache.shard[1]} processes; pass each step the Lookup that "
+                "jaxcache.prefetch (or CachedEmbed.prepare) makes instead."
+            )
         cfg = cache.config
         size = int(np.prod(ids.shape))
         devices = cache.devices

@@ -125,6 +125,10 @@ class Planner:
       devices: devices the slots are split over (contiguous blocks of
         ``C / devices``); ties between equal keys alternate devices so new
         rows spread evenly.
+      groups: host groups the devices are split over (contiguous blocks of
+        ``devices / groups``; one per process, each storing its own host
+        rows). Id ``i`` lives only in the slots of group ``i % groups``: a
+        row is fetched, updated and written back by one process.
 
     Attributes:
       slot_of_id: ``int32 [N]``, ``-1`` when the id is not resident.
@@ -154,6 +158,7 @@ class Planner:
         frequencies: np.ndarray | None = None,
         reserve: int = 4096,
         devices: int = 1,
+        groups: int = 1,
     ) -> None:
         self.config = config
         capacity, n = config.capacity, config.num_embeddings
@@ -175,11 +180,19 @@ class Planner:
                 f"capacity={capacity} does not split over {devices} devices; use a multiple "
                 f"of {devices}."
             )
+        if groups < 1 or devices % groups:
+            raise ValueError(
+                f"groups={groups} does not divide devices={devices}; every process must own "
+                "the same number of the mesh axis' devices."
+            )
         local = capacity // devices
         slots = np.arange(capacity)
         self._tie = (slots % local) * devices + slots // local
-        self._candidates: np.ndarray | None = None
-        self._threshold: tuple[int, int] | None = None
+        self.groups = int(groups)
+        self.group_capacity = capacity // self.groups
+        # Victim candidates and the (key, slot) bound they cover, per group.
+        self._candidates: list[np.ndarray | None] = [None] * self.groups
+        self._threshold: list[tuple[int, int] | None] = [None] * self.groups
 
     @property
     def capacity(self) -> int:
@@ -282,9 +295,16 @@ class Planner:
         self.dirty[:] = False
         self.next_index = next_index
         self.released = next_index - 1
-        self._candidates = None
-        self._threshold = None
-        if ids.size == self.capacity and policy_state.get("name") == self.policy.name:
+        self._candidates = [None] * self.groups
+        self._threshold = [None] * self.groups
+        same_homes = self.groups == 1 or bool(
+            (resident // self.group_capacity == resident_ids % self.groups).all()
+        )
+        if (
+            ids.size == self.capacity
+            and policy_state.get("name") == self.policy.name
+            and same_homes
+        ):
             self.id_of_slot[:] = ids
             self.slot_of_id[resident_ids] = resident
             self.last_use[:] = last_use
@@ -333,8 +353,19 @@ class Planner:
         ids = ids[self.slot_of_id[ids] < 0]
         _, first = np.unique(ids, return_index=True)
         ids = ids[np.sort(first)]
-        free = np.flatnonzero(self.id_of_slot < 0)[: ids.size]
-        ids = ids[: free.size]
+        free = np.flatnonzero(self.id_of_slot < 0)
+        if self.groups == 1:
+            free = free[: ids.size]
+            ids = ids[: free.size]
+        else:  # each id into a free slot of its home group, in order
+            home, free_group = ids % self.groups, free // self.group_capacity
+            pairs = []
+            for group in range(self.groups):
+                mine, theirs = ids[home == group], free[free_group == group]
+                size = min(mine.size, theirs.size)
+                pairs.append((mine[:size], theirs[:size]))
+            ids = np.concatenate([i for i, _ in pairs])
+            free = np.concatenate([f for _, f in pairs])
         self.slot_of_id[ids] = free
         self.id_of_slot[free] = ids
         self.policy.on_insert(self, free, ids)
@@ -377,34 +408,34 @@ class Planner:
         hit_unique, hit_inverse = self._distinct(slots[is_hit])
         miss_lookups = flat[~is_hit] if hit_unique.size else flat
         miss_ids = _sorted_unique(miss_lookups)
-        distinct = hit_unique.size + miss_ids.size
-        if distinct > self.capacity:
-            raise CapacityError(
-                f"the batch has {distinct} distinct ids but capacity is {self.capacity} rows; "
-                f"raise capacity to at least {distinct} or use smaller batches."
-            )
+        groups, size = self.groups, self.group_capacity
+        if groups == 1:
+            hits = np.array([hit_unique.size])
+            misses = np.array([miss_ids.size])
+        else:
+            hits = np.bincount(hit_unique // size, minlength=groups)
+            misses = np.bincount(miss_ids % groups, minlength=groups)
+        self._check_fits(hits + misses)
         protected = self.last_use > self.released
         protected[hit_unique] = True
-        available = self.capacity - int(np.count_nonzero(protected))
-        if miss_ids.size > available:
-            # The batch fits once at most `room` other slots stay protected:
-            # once the plan holding the room-th most recent of them is released.
-            room = self.capacity - hit_unique.size - miss_ids.size
-            others = np.delete(self.last_use, hit_unique)
-            error = CapacityError(
-                f"the batch needs {miss_ids.size} new rows but only {available} of "
-                f"{self.capacity} slots are free of in-flight batches; raise capacity, use "
-                "smaller batches or a shorter look-ahead."
-            )
-            error.fits_after = int(-np.partition(-others, room)[room])
-            raise error
+        available = size - np.count_nonzero(protected.reshape(groups, size), axis=1)
+        if (misses > available).any():
+            raise self._no_room(hit_unique, misses, available)
 
-        self._protect_upcoming(upcoming, protected, available - miss_ids.size)
+        self._protect_upcoming(upcoming, protected, available - misses)
 
         # From here on the state changes; everything above validated.
         index = self.next_index
         self.next_index += 1
-        victims = self._choose_victims(miss_ids.size, protected)
+        if groups == 1:
+            victims = self._choose_victims(miss_ids.size, protected, 0)
+        else:
+            # Groups are contiguous slot ranges: victims come out by slot, and
+            # the misses, ordered by home group (then id), line up with them.
+            victims = np.concatenate(
+                [self._choose_victims(int(m), protected, g) for g, m in enumerate(misses)]
+            )
+            miss_ids = miss_ids[np.argsort(miss_ids % groups, kind="stable")]
         old_ids = self.id_of_slot[victims]
         occupied = old_ids >= 0
         evicted_slots = victims[occupied]
@@ -449,15 +480,59 @@ class Planner:
             evictions=int(evicted_ids.size),
         )
 
-    def _protect_upcoming(self, upcoming: Any, protected: np.ndarray, spare: int) -> None:
-        """Marks the resident rows of ``upcoming`` protected, if ``spare``
-        unprotected slots (beyond the misses') can take them all; else none.
+    def _check_fits(self, distinct: np.ndarray) -> None:
+        """Raises when a group's distinct ids (``distinct[g]``) exceed its slots."""
+        size = self.group_capacity
+        if (distinct <= size).all():
+            return
+        if self.groups == 1:
+            raise CapacityError(
+                f"the batch has {distinct[0]} distinct ids but capacity is {size} rows; "
+                f"raise capacity to at least {distinct[0]} or use smaller batches."
+            )
+        group = int(np.argmax(distinct))
+        raise CapacityError(
+            f"the batch has {distinct[group]} distinct ids of process group {group} (ids i "
+            f"with i % {self.groups} == {group}) but its devices hold {size} rows; raise "
+            f"capacity to at least {self.groups * distinct[group]} or use smaller batches."
+        )
+
+    def _no_room(
+        self, hit_unique: np.ndarray, misses: np.ndarray, available: np.ndarray
+    ) -> CapacityError:
+        """The error for misses that do not fit next to in-flight rows, with
+        ``fits_after``: the batch fits once, in every short group, at most
+        ``room`` other slots stay protected, that is once the plan holding the
+        room-th most recent of them is released."""
+        size = self.group_capacity
+        short = np.flatnonzero(misses > available)
+        fits_after = []
+        for group in short:
+            block = self.last_use[group * size : (group + 1) * size]
+            hits = hit_unique[hit_unique // size == group] - group * size
+            room = size - hits.size - int(misses[group])
+            others = np.delete(block, hits)
+            fits_after.append(int(-np.partition(-others, room)[room]))
+        group = int(short[0])
+        where = "" if self.groups == 1 else f" of process group {group}"
+        error = CapacityError(
+            f"the batch needs {misses[group]} new rows{where} but only {available[group]} of "
+            f"{size} slots are free of in-flight batches; raise capacity, use smaller "
+            "batches or a shorter look-ahead."
+        )
+        error.fits_after = max(fits_after)
+        return error
+
+    def _protect_upcoming(self, upcoming: Any, protected: np.ndarray, spare: np.ndarray) -> None:
+        """Marks the resident rows of ``upcoming`` protected, group by group:
+        where ``spare[g]`` unprotected slots (beyond the misses') can take all
+        of them; else none of that group's.
 
         Ids out of range are clipped instead of filtered out (one pass less
         over the batch): at worst they keep the first or last id's row, which
         is only a hint, counted against ``spare`` like any other.
         """
-        if upcoming is None or spare <= 0:
+        if upcoming is None or not (spare > 0).any():
             return
         flat = np.asarray(upcoming).reshape(-1)
         if not np.issubdtype(flat.dtype, np.integer):
@@ -468,40 +543,45 @@ class Planner:
         kept = np.zeros(self.capacity, bool)
         kept[slots[slots >= 0]] = True
         kept &= ~protected
-        if np.count_nonzero(kept) <= spare:
+        fits = np.count_nonzero(kept.reshape(self.groups, -1), axis=1) <= spare
+        if fits.all():
             protected |= kept
+        elif fits.any():
+            protected |= kept & np.repeat(fits, self.group_capacity)
 
     def _keys(self, slots: np.ndarray) -> np.ndarray:
         """Eviction keys of ``slots``: -1 for a free slot, else the policy's priority."""
         return np.where(self.id_of_slot[slots] < 0, -1, self.policy.priority(self, slots))
 
-    def _snapshot(self, size: int) -> None:
-        """Keeps the ``size`` slots of lowest ``(key, slot)`` as victim candidates.
+    def _snapshot(self, size: int, group: int) -> None:
+        """Keeps the ``size`` slots of ``group`` of lowest ``(key, slot)`` as
+        its victim candidates.
 
         Keys never decrease while a row stays (policies guarantee it; a slot
         that gets a new row is a victim, hence a candidate already), so every
         slot left out keeps a ``(key, slot)`` above the threshold, and a choice
         made among candidates that stays at or below it is the global choice.
         """
-        capacity = self.capacity
+        first, capacity = group * self.group_capacity, self.group_capacity
+        slots = np.arange(first, first + capacity)
         if size >= capacity:
-            self._candidates = np.arange(capacity)
-            self._threshold = None  # every slot is a candidate
+            self._candidates[group] = slots
+            self._threshold[group] = None  # every slot is a candidate
             return
-        keys = self._keys(np.arange(capacity))
+        keys = self._keys(slots)
         kth = np.partition(keys, size - 1)[size - 1]
-        below = np.flatnonzero(keys < kth)
-        ties = self._by_tie(np.flatnonzero(keys == kth))[: size - below.size]
-        self._candidates = np.concatenate([below, ties])
-        self._threshold = (int(kth), int(self._tie[ties[-1]]))
+        below = first + np.flatnonzero(keys < kth)
+        ties = self._by_tie(first + np.flatnonzero(keys == kth))[: size - below.size]
+        self._candidates[group] = np.concatenate([below, ties])
+        self._threshold[group] = (int(kth), int(self._tie[ties[-1]]))
 
     def _by_tie(self, slots: np.ndarray) -> np.ndarray:
         """``slots`` in tie-break order: local slot first, then device, so that
         equal keys (free slots above all) spread new rows over the devices."""
         return slots[np.argsort(self._tie[slots], kind="stable")]
 
-    def _choose_victims(self, count: int, protected: np.ndarray) -> np.ndarray:
-        """The ``count`` unprotected slots of lowest ``(key, slot)``, by slot.
+    def _choose_victims(self, count: int, protected: np.ndarray, group: int) -> np.ndarray:
+        """The ``count`` unprotected slots of ``group`` of lowest ``(key, slot)``, by slot.
 
         Free slots come first (key -1); then the policy's priority of the
         resident row, lowest first; ties go to the lower local slot, then the
@@ -513,18 +593,20 @@ class Planner:
         """
         if count == 0:
             return np.empty(0, np.int64)
-        size = max(self.reserve, 2 * count, math.isqrt(self.capacity * count))
-        if self._candidates is None or self._candidates.size < count:
-            self._snapshot(size)
+        size = max(self.reserve, 2 * count, math.isqrt(self.group_capacity * count))
+        reserve = self._candidates[group]
+        if reserve is None or reserve.size < count:
+            self._snapshot(size, group)
         while True:
-            candidates = self._candidates[~protected[self._candidates]]
+            reserve, threshold = self._candidates[group], self._threshold[group]
+            candidates = reserve[~protected[reserve]]
             if candidates.size >= count:
                 keys = self._keys(candidates)
                 kth = np.partition(keys, count - 1)[count - 1]
                 below = candidates[keys < kth]
                 ties = self._by_tie(candidates[keys == kth])[: count - below.size]
                 last = (int(kth), int(self._tie[ties[-1]]))
-                if self._threshold is None or last <= self._threshold:
+                if threshold is None or last <= threshold:
                     return np.sort(np.concatenate([below, ties]))
-            size = max(size, 2 * self._candidates.size)
-            self._snapshot(size)
+            size = max(size, 2 * reserve.size)
+            self._snapshot(size, group)
