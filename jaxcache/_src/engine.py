@@ -262,6 +262,8 @@ class EmbeddingCache:
         """Device arrays split over the rows axis from this process's blocks
         (``[L X, ...]`` each, for a global ``[n X, ...]``)."""
         groups = self.shard[1]
+        if groups == 1:  # every block is here: one batched transfer
+            return jax.device_put(tree, self.row_sharding)
 
         def put(x: np.ndarray) -> jax.Array:
             shape = (x.shape[0] * groups, *x.shape[1:])
@@ -348,7 +350,10 @@ class EmbeddingCache:
                 route.owner_inverse[first:last],
             )
         )
-        overflow = jax.make_array_from_process_local_data(self.replicated, route.overflow)
+        if self.shard[1] == 1:
+            overflow = jax.device_put(route.overflow, self.replicated)
+        else:
+            overflow = jax.make_array_from_process_local_data(self.replicated, route.overflow)
         return Lookup(
             requests,
             overflow,
