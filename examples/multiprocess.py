@@ -46,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--save", default=None, help="process 0 saves the trained table here (.npy)"
     )
+    parser.add_argument(
+        "--checkpoint", default=None, help="directory: resume from its latest step, save at the end"
+    )
     return parser.parse_args(argv)
 
 
@@ -118,12 +121,22 @@ def run(args: argparse.Namespace) -> dict:
         top=(64, 32),
         rngs=nnx.Rngs(args.seed),
     )
-    _, step = jaxcache.models.make_train_step(model, jaxcache.models.dense_optimizer("adam", 1e-3))
+    optimizer, step = jaxcache.models.make_train_step(
+        model, jaxcache.models.dense_optimizer("adam", 1e-3)
+    )
+    # Every process saves and restores together; each writes and reads its own host rows.
+    checkpointer = jaxcache.Checkpointer(args.checkpoint) if args.checkpoint else None
+    start = 0
+    if checkpointer is not None and checkpointer.latest_step() is not None:
+        start = checkpointer.restore(model=model, optimizer=optimizer).batches_consumed
     losses = []
-    batches = data.batches(args.steps)
+    batches = data.batches(args.steps, start=start)
     with jaxcache.prefetch(batches, {"sparse": model.embed}, lookahead=args.lookahead) as pipeline:
         for batch in pipeline:
             losses.append(float(step(batch["dense"], batch["sparse"], batch["label"])))
+    if checkpointer is not None:
+        checkpointer.save(start + args.steps, model=model, optimizer=optimizer)
+        checkpointer.close()
     rows, _ = model.embed.export()  # every process calls it: a collective
     if args.save and jax.process_index() == 0:
         np.save(args.save, rows)

@@ -352,6 +352,13 @@ def test_mismatches_are_refused_before_anything_changes(tmp_path):
     with pytest.raises(ValueError, match="has no table 'users'"):
         checkpointer.restore(caches=[jaxcache.nnx.CachedEmbed(_cache(name="users"))])
     assert checkpointer.cache_config() == original[0].embed.cache.config
+    # A row file gone: refused before the planner or any row changes.
+    os.remove(tmp_path / "3" / "tables" / "embedding" / "state.accumulator.npy")
+    next_index = target[0].embed.cache.planner.next_index
+    with pytest.raises(ValueError, match=r"state\.accumulator\.npy is missing"):
+        checkpointer.restore(model=target[0])
+    assert target[0].embed.cache.planner.next_index == next_index
+    np.testing.assert_array_equal(target[0].embed.cache.table.rows, rows)
 
 
 def test_save_refuses_batches_staged_ahead(tmp_path):

@@ -220,3 +220,15 @@ def test_new_rows_spread_over_devices():
     plan = planner.plan(np.arange(40))
     per_device = np.bincount(plan.fetch_slots // 16, minlength=4)
     assert per_device.tolist() == [10, 10, 10, 10]
+
+
+def test_a_directory_saved_with_other_groups_is_placed_by_home():
+    cfg = jaxcache.CacheConfig(40, 1, 8, policy="lfu")
+    one = jaxcache.Planner(cfg, devices=4)
+    one.plan(np.arange(0, 16, 2))  # even ids only: all in group 0 of two groups
+    two = jaxcache.Planner(cfg, devices=4, groups=2)
+    two.load_state_dict(one.state_dict())
+    slots = np.flatnonzero(two.id_of_slot >= 0)
+    # Four fit in group 0's slots (0-3); the hottest others would need group 1.
+    assert (two.id_of_slot[slots] % 2 == slots // 4).all()
+    assert sorted(two.resident_ids().tolist()) == [0, 2, 4, 6]

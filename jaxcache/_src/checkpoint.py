@@ -12,7 +12,9 @@ Items of a step directory:
   per-row optimizer state in id order as plain ``.npy`` files (``rows.npy``,
   ``state.<name>.npy``), the planner's directory and the policy's counts
   (``planner.*.npy``, ``policy.*.npy``), and ``table.json`` (configuration,
-  statistics, padded sizes). Large arrays are streamed to disk without a copy
+  statistics, padded sizes). When the host rows are split over processes,
+  each process writes its own (``rows.shard-<i>-of-<p>.npy``, ...) and the
+  first the rest. Large arrays are streamed to disk without a copy
   in memory: a memory-mapped table is copied file to file by the kernel
   (``os.copy_file_range``), an in-memory one is written from its own buffer.
 * ``model/`` and ``optimizer/``: orbax PyTrees of the NNX state of the model
@@ -304,6 +306,7 @@ class Checkpointer:
         saved = self._tables(step, list(holders)) if holders else {}
         for name, holder in holders.items():
             _check_compatible(name, saved[name].meta, holder.cache)
+            saved[name].check_files(name)
             _check_nothing_in_flight(name, holder.cache)
         updates = []
         for item, node in (("model", model), ("optimizer", optimizer)):
@@ -368,13 +371,28 @@ class Checkpointer:
         os.makedirs(directory, exist_ok=True)
         paths = {}
         for name in names:
-            rows = saved[name].array("rows")
-            dtype = jnp.dtype(saved[name].meta["config"]["dtype"])
+            table = saved[name]
+            dtype = jnp.dtype(table.meta["config"]["dtype"])
             path = os.path.join(os.fspath(directory), f"{name}.npy")
-            if dtype == np.float32:
-                _write_array(path, rows, fsync=False)
-            else:
-                _write_array(path, rows.view(dtype), fsync=False, dtype=np.float32)
+            if table.shards == 1:
+                rows = table.array("rows")
+                if dtype == np.float32:
+                    _write_array(path, rows, fsync=False)
+                else:
+                    _write_array(path, rows.view(dtype), fsync=False, dtype=np.float32)
+            else:  # rows split over processes: interleave them back into id order
+                config = table.meta["config"]
+                shape = (config["num_embeddings"], config["features"])
+                out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
+                staging = np.empty(0, dtype)
+                for shard in range(table.shards):
+                    source = table.array(_shard_key("rows", shard, table.shards))
+                    for rows in _row_chunks(source):
+                        staging = source[rows].view(dtype)
+                        first = shard + table.shards * rows.start
+                        out[first :: table.shards][: len(staging)] = staging
+                out.flush()
+                del out, staging
             paths[name] = path
         return paths
 
@@ -455,12 +473,6 @@ def _find_tables(model: nnx.Module | None, caches: Iterable[CacheHolder]) -> dic
 
 
 def _check_nothing_in_flight(name: str, cache: EmbeddingCache) -> None:
-    if cache.shard[1] > 1:
-        raise NotImplementedError(
-            f"table {name!r} keeps its host rows split over {cache.shard[1]} processes, and "
-            "checkpoints are written by one process; export the table (EmbeddingCache.export, "
-            "on every process) and save it from process 0 instead."
-        )
     planner = cache.planner
     ahead = planner.next_index - 1 - planner.released
     if ahead > 1:
@@ -500,6 +512,11 @@ def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
 def _unsaveable(target: Any, value: Any) -> Any:
     if _is_key(target):
         return jax.random.wrap_key_data(value, impl=jax.random.key_impl(target))
+    if isinstance(target, jax.Array) and not getattr(target, "_committed", True):
+        # orbax commits what it restores to a device; a variable that was
+        # not committed (made without a sharding) stays free to follow the
+        # step's other arguments, as with several processes it must.
+        return jax.device_put(np.asarray(value))
     return value
 
 
@@ -511,8 +528,40 @@ class _SavedTable:
     directory: str
     meta: dict[str, Any]
 
+    @property
+    def shards(self) -> int:
+        """Processes whose host rows were saved (one file each), 1 for a whole table."""
+        return int(self.meta.get("shards", 1))
+
     def path(self, key: str) -> str:
         return os.path.join(self.directory, f"{key}.npy")
+
+    def check_files(self, name: str) -> None:
+        """Raises ``ValueError`` unless every row file of the table is there."""
+        keys = ["rows", *(f"state.{k}" for k in self.meta["config"]["row_state"])]
+        for key in keys:
+            for shard in range(self.shards):
+                path = self.path(_shard_key(key, shard, self.shards))
+                if not os.path.exists(path):
+                    raise ValueError(
+                        f"table {name!r}: {path} is missing; the checkpoint is incomplete."
+                    )
+
+    def copy_rows(self, key: str, out: np.ndarray, shard: tuple[int, int]) -> None:
+        """Reads array ``key`` (``rows`` or ``state.<name>``) into ``out``, the
+        ``shard=(index, count)`` of a host table, whatever split it was saved with."""
+        index, count = shard
+        if self.shards == 1 and count == 1:
+            _read_into(self.path(key), out)
+            return
+        for saved in range(self.shards):
+            source = self.array(_shard_key(key, saved, self.shards))
+            # Row r of this file is id saved + r * shards; keep the ids of `shard`.
+            for rows in _row_chunks(source):
+                ids = saved + self.shards * np.arange(rows.start, min(rows.stop, len(source)))
+                keep = ids % count == index
+                if keep.any():
+                    out[ids[keep] // count] = source[rows][keep].view(out.dtype)
 
     def array(self, key: str) -> np.ndarray:
         """A read-only memory map of array ``key`` (stored dtype; bfloat16 as raw bytes)."""
@@ -554,24 +603,37 @@ class _TablesRestore(ocp.args.CheckpointArgs):
     pass
 
 
+def _shard_key(key: str, index: int, count: int) -> str:
+    return key if count == 1 else f"{key}.shard-{index}-of-{count}"
+
+
 def _save_table(directory: str, cache: EmbeddingCache, *, fsync: bool) -> None:
+    """Writes one table. Every process writes its own host rows (one file per
+    array and process when they are split); the first process also writes
+    the planner, the policy and ``table.json``, the same in every process."""
     os.makedirs(directory, exist_ok=True)
     state = cache.state_dict()
     planner = state["planner"]
-    arrays = {"rows": cache.table.rows}
-    arrays.update({f"state.{k}": v for k, v in cache.table.state.items()})
-    arrays["planner.id_of_slot"] = planner["id_of_slot"]
-    arrays["planner.last_use"] = planner["last_use"]
+    index, count = cache.table.shard
+    rows = {"rows": cache.table.rows, **{f"state.{k}": v for k, v in cache.table.state.items()}}
+    arrays = {_shard_key(key, index, count): array for key, array in rows.items()}
+    if index == 0:
+        arrays["planner.id_of_slot"] = planner["id_of_slot"]
+        arrays["planner.last_use"] = planner["last_use"]
     policy = dict(planner["policy"])
-    arrays.update({f"policy.{k}": v for k, v in policy.items() if k != "name"})
+    if index == 0:
+        arrays.update({f"policy.{k}": v for k, v in policy.items() if k != "name"})
     files = {
         key: _write_array(os.path.join(directory, f"{key}.npy"), array, fsync=fsync)
         for key, array in arrays.items()
     }
+    if index:
+        return
     meta = {
         "format": _FORMAT,
         "config": _config_json(cache.config),
         "devices": int(cache.devices),
+        "shards": count,
         "arrays": files,
         "next_index": int(planner["next_index"]),
         "policy": policy["name"],
@@ -649,9 +711,10 @@ def _restore_table(saved: _SavedTable, holder: Any) -> None:
         state["buckets"] = meta["buckets"]
         state["stats"] = meta["stats"]
     cache.load_state_dict(state)
-    _read_into(saved.path("rows"), cache.table.rows)
-    for key, array in cache.table.state.items():
-        _read_into(saved.path(f"state.{key}"), array)
+    table = cache.table
+    saved.copy_rows("rows", table.rows, table.shard)
+    for key, array in table.state.items():
+        saved.copy_rows(f"state.{key}", array, table.shard)
     holder.set_state(cache.init_state())
 
 
