@@ -312,3 +312,35 @@ def test_flush_keeps_rows_of_batches_in_flight_dirty():
     rows, _ = embed.export()
     initial = jaxcache.HostTable(cfg, seed=0).rows
     np.testing.assert_allclose(rows[1], initial[1] - 0.5)  # the update was not lost
+
+
+def test_plans_do_not_depend_on_thread_timing():
+    """Every process of a multi-process run plans the same batches and must
+    choose the same slots: the plans may not depend on how far the loop got."""
+
+    def run(slow_source):
+        def source():
+            rng = np.random.default_rng(1)
+            for _ in range(30):
+                if slow_source:  # the loop releases each step before the next plan
+                    time.sleep(0.004)
+                yield {"ids": rng.zipf(1.3, size=(8, 6)) % 400}
+
+        # Static priorities: rows of the last batch are often the rarest, so
+        # whether its plan counts as finished changes the victims.
+        frequencies = np.random.default_rng(2).integers(0, 1000, 400)
+        cfg = jaxcache.CacheConfig(400, 4, 96, policy="frequency")
+        cache = jaxcache.EmbeddingCache(cfg, frequencies=frequencies)
+        embed = jaxcache.nnx.CachedEmbed(cache)
+        with jaxcache.prefetch(source(), {"ids": embed}, lookahead=1) as pipeline:
+            for batch in pipeline:
+                embed(batch["ids"])
+                if not slow_source:  # the producer plans ahead of every release
+                    time.sleep(0.004)
+        return cache.planner.id_of_slot.copy(), cache.stats.total
+
+    fast_slots, fast_stats = run(slow_source=False)
+    slow_slots, slow_stats = run(slow_source=True)
+    assert fast_stats.evictions > 50  # heavy churn: victims are chosen every step
+    assert fast_stats == slow_stats
+    np.testing.assert_array_equal(fast_slots, slow_slots)

@@ -406,6 +406,7 @@ class EmbeddingCache:
         train: bool = True,
         size: int | None = None,
         upcoming: Any = None,
+        released: int | None = None,
     ):
         """``stage`` without the transfer: the padded host arrays of a step.
 
@@ -416,6 +417,8 @@ class EmbeddingCache:
             host-callback form needs one fixed shape); default: buckets.
           upcoming: ids of the next batch, when known: their resident rows
             are kept if there is room (see ``Planner.plan``).
+          released: plan as if only plans up to this index were finished
+            (see ``Planner.plan``).
 
         Returns:
           A ``HostStaged``.
@@ -424,7 +427,7 @@ class EmbeddingCache:
         self._check_batch(np.shape(ids))
         with timers.time("plan"):
             with self._plan_lock:
-                plan = self.planner.plan(ids, train=train, upcoming=upcoming)
+                plan = self.planner.plan(ids, train=train, upcoming=upcoming, released=released)
             route = self._route(plan, size)
         moves = None
         if plan.misses or len(plan.evict_ids):

@@ -228,6 +228,10 @@ class Prefetcher(Iterator[dict[str, Any]]):
         self._source = iter(batches)
         self._queue: queue.Queue[Any] = queue.Queue()
         self._permits = threading.Semaphore(max(lookahead, 1))
+        # With several processes, whether a plan sees the next batch must not
+        # depend on timing (every process must choose the same slots): then
+        # the next batch is always read first, a slow source's latency aside.
+        self._read_ahead_always = lookahead > 1 and jax.process_count() > 1
         self._stop = threading.Event()
         self._released = threading.Condition()
         self._staging = threading.Lock()
@@ -341,7 +345,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
                     return
                 if isinstance(batch, _Raised):
                     raise batch.error
-                if self._queue.qsize():
+                if self._queue.qsize() or self._read_ahead_always:
                     # The loop has a batch to train on meanwhile: read the next
                     # one first, so that this plan keeps its rows. (With none
                     # queued the loop is waiting: stage this one at once.)
@@ -379,9 +383,17 @@ class Prefetcher(Iterator[dict[str, Any]]):
         """
         planner = cache.planner
         size = np.size(ids) if self.callback else None
+        # At most `lookahead` earlier plans are in flight now (staged, or the
+        # one the loop trains on): plans up to `finished` are surely released.
+        # Planning with that bound, not with whatever the loop has released
+        # by now, makes every plan independent of thread timing, so the
+        # processes of a multi-process run choose the same slots.
+        finished = planner.next_index - 1 - self.lookahead
         while True:
             try:
-                return cache.stage_host(ids, train=self.train, size=size, upcoming=upcoming)
+                return cache.stage_host(
+                    ids, train=self.train, size=size, upcoming=upcoming, released=finished
+                )
             except CapacityError as error:
                 if error.fits_after is None or error.fits_after >= planner.next_index:
                     raise
@@ -390,6 +402,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
                         if self._stop.is_set():
                             raise PipelineStopped("stopped while waiting for capacity") from None
                         self._released.wait(timeout=_POLL_SECONDS)
+                finished = max(finished, error.fits_after)
 
     # ------------------------------------------------------------ shutdown
     def close(self) -> None:

@@ -173,6 +173,12 @@ class Planner:
         # the same call are read, so they are never cleared.
         self._position = np.empty(capacity, np.int64)
         self._rank = np.empty(capacity, np.int32)
+        # Slots protected from eviction while planning: those of the plans in
+        # flight, the batch's hits and the next batch's kept rows carry the
+        # current stamp, so a plan never scans all C slots to find them.
+        self._mark = np.zeros(capacity, np.int64)
+        self._stamp = 0
+        self._in_flight: dict[int, np.ndarray] = {}  # plan index -> its slots
         # Victim candidates (see _snapshot) and the (key, slot) bound they cover.
         self.reserve = int(reserve)
         if capacity % devices:
@@ -295,6 +301,7 @@ class Planner:
         self.dirty[:] = False
         self.next_index = next_index
         self.released = next_index - 1
+        self._in_flight = {}
         self._candidates = [None] * self.groups
         self._threshold = [None] * self.groups
         same_homes = self.groups == 1 or bool(
@@ -371,7 +378,14 @@ class Planner:
         self.policy.on_insert(self, free, ids)
         return ids, free.astype(np.int32)
 
-    def plan(self, ids: np.ndarray, *, train: bool = True, upcoming: Any = None) -> Plan:
+    def plan(
+        self,
+        ids: np.ndarray,
+        *,
+        train: bool = True,
+        upcoming: Any = None,
+        released: int | None = None,
+    ) -> Plan:
         """Plans one batch.
 
         Args:
@@ -384,6 +398,11 @@ class Planner:
             read it out). Its ids are not validated here (that batch is
             checked when it is planned): padding is skipped and an
             out-of-range id at worst keeps the first or last id's row.
+          released: plan as if only the plans up to this index were
+            finished (at most ``self.released``; default: all released). A
+            pipeline passes a bound that does not depend on the timing of
+            its threads, so that every process of a multi-process run, each
+            planning the same batches, chooses the same victims.
 
         Returns:
           The plan. The directory already reflects it.
@@ -416,24 +435,27 @@ class Planner:
             hits = np.bincount(hit_unique // size, minlength=groups)
             misses = np.bincount(miss_ids % groups, minlength=groups)
         self._check_fits(hits + misses)
-        protected = self.last_use > self.released
-        protected[hit_unique] = True
-        available = size - np.count_nonzero(protected.reshape(groups, size), axis=1)
+        finished = self.released if released is None else min(int(released), self.released)
+        guarded = self._guard(hit_unique, finished)
+        if groups == 1:
+            available = size - np.array([guarded.size])
+        else:
+            available = size - np.bincount(guarded // size, minlength=groups)
         if (misses > available).any():
             raise self._no_room(hit_unique, misses, available)
 
-        self._protect_upcoming(upcoming, protected, available - misses)
+        self._protect_upcoming(upcoming, available - misses)
 
         # From here on the state changes; everything above validated.
         index = self.next_index
         self.next_index += 1
         if groups == 1:
-            victims = self._choose_victims(miss_ids.size, protected, 0)
+            victims = self._choose_victims(miss_ids.size, 0)
         else:
             # Groups are contiguous slot ranges: victims come out by slot, and
             # the misses, ordered by home group (then id), line up with them.
             victims = np.concatenate(
-                [self._choose_victims(int(m), protected, g) for g, m in enumerate(misses)]
+                [self._choose_victims(int(m), g) for g, m in enumerate(misses)]
             )
             miss_ids = miss_ids[np.argsort(miss_ids % groups, kind="stable")]
         old_ids = self.id_of_slot[victims]
@@ -457,6 +479,7 @@ class Planner:
             self._rank[victims] = np.arange(hit_unique.size, unique_slots.size, dtype=np.int32)
             inverse[~is_hit] = self._rank[self.slot_of_id[miss_lookups]]
         self.last_use[unique_slots] = index
+        self._in_flight[index] = unique_slots
         if train:
             self.dirty[unique_slots] = True
         self.policy.record(self, unique_slots, inverse)
@@ -523,7 +546,23 @@ class Planner:
         error.fits_after = max(fits_after)
         return error
 
-    def _protect_upcoming(self, upcoming: Any, protected: np.ndarray, spare: np.ndarray) -> None:
+    def _guard(self, hits: np.ndarray, finished: int) -> np.ndarray:
+        """Stamps the slots of the plans after ``finished`` and ``hits`` protected;
+        returns them, distinct. ``O(batch x plans in flight)``, not ``O(C)``:
+        the slots in flight are exactly those of the unreleased plans."""
+        self._stamp += 1
+        for index in [i for i in self._in_flight if i <= finished]:
+            del self._in_flight[index]
+        slots = np.concatenate([hits, *self._in_flight.values()]) if self._in_flight else hits
+        guarded = self._distinct(slots)[0] if self._in_flight else slots
+        self._mark[guarded] = self._stamp
+        return guarded
+
+    def _protected(self, slots: np.ndarray) -> np.ndarray:
+        """Whether each of ``slots`` is protected in the plan being made."""
+        return self._mark[slots] == self._stamp
+
+    def _protect_upcoming(self, upcoming: Any, spare: np.ndarray) -> None:
         """Marks the resident rows of ``upcoming`` protected, group by group:
         where ``spare[g]`` unprotected slots (beyond the misses') can take all
         of them; else none of that group's.
@@ -540,14 +579,18 @@ class Planner:
         if self.config.padding_id is not None:  # bags may be mostly padding
             flat = flat[flat != self.config.padding_id]
         slots = self.slot_of_id.take(flat, mode="clip")
-        kept = np.zeros(self.capacity, bool)
-        kept[slots[slots >= 0]] = True
-        kept &= ~protected
-        fits = np.count_nonzero(kept.reshape(self.groups, -1), axis=1) <= spare
-        if fits.all():
-            protected |= kept
-        elif fits.any():
-            protected |= kept & np.repeat(fits, self.group_capacity)
+        slots = slots[slots >= 0]
+        slots = slots[~self._protected(slots)]
+        if slots.size == 0:
+            return
+        kept = self._distinct(slots)[0]
+        if self.groups == 1:
+            fits = np.array([kept.size]) <= spare
+        else:
+            fits = np.bincount(kept // self.group_capacity, minlength=self.groups) <= spare
+        if not fits.all():
+            kept = kept[fits[kept // self.group_capacity]]
+        self._mark[kept] = self._stamp
 
     def _keys(self, slots: np.ndarray) -> np.ndarray:
         """Eviction keys of ``slots``: -1 for a free slot, else the policy's priority."""
@@ -580,7 +623,7 @@ class Planner:
         equal keys (free slots above all) spread new rows over the devices."""
         return slots[np.argsort(self._tie[slots], kind="stable")]
 
-    def _choose_victims(self, count: int, protected: np.ndarray, group: int) -> np.ndarray:
+    def _choose_victims(self, count: int, group: int) -> np.ndarray:
         """The ``count`` unprotected slots of ``group`` of lowest ``(key, slot)``, by slot.
 
         Free slots come first (key -1); then the policy's priority of the
@@ -599,7 +642,7 @@ class Planner:
             self._snapshot(size, group)
         while True:
             reserve, threshold = self._candidates[group], self._threshold[group]
-            candidates = reserve[~protected[reserve]]
+            candidates = reserve[~self._protected(reserve)]
             if candidates.size >= count:
                 keys = self._keys(candidates)
                 kth = np.partition(keys, count - 1)[count - 1]
