@@ -17,6 +17,13 @@ or start each process yourself, on one or several hosts::
     python examples/multiprocess.py --process-id 0 --num-processes 2 \\
         --coordinator 10.0.0.1:12355
 
+With ``--checkpoint DIR`` every process resumes from the latest checkpoint
+there (each reading the host rows it stores, whatever number of processes
+saved them) and saves one at the end; run it again to continue training::
+
+    python examples/multiprocess.py --steps 10 --checkpoint /tmp/dlrm-ckpt
+    python examples/multiprocess.py --steps 10 --checkpoint /tmp/dlrm-ckpt
+
 The last line of stdout is one JSON object (from process 0, or from the
 launcher: the processes' results and whether they agree).
 """
