@@ -114,9 +114,12 @@ class EmbeddingCache:
 
     Attributes:
       config: the configuration.
-      table: the ``HostTable`` (id order).
+      table: the ``HostTable`` (id order; this process's share of it when
+        the mesh spans several processes).
       planner: the ``Planner`` (directory and policy).
       stats: the ``CacheStats``.
+      shard: ``(index, count)``: which share of the host rows this process
+        stores (``process_shard``); ``(0, 1)`` in one process.
 
     Examples:
       >>> import numpy as np, jaxcache

@@ -137,6 +137,8 @@ class Planner:
       dirty: ``bool [C]``, the slot's row changed since it was fetched.
       released: plans with an index up to this one are finished; their rows
         may be evicted.
+      groups: host groups (processes) the slots are split over.
+      group_capacity: slots per group, ``C / groups``.
 
     Examples:
       >>> import numpy as np, jaxcache
