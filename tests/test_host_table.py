@@ -103,6 +103,14 @@ def test_shards_hold_the_whole_tables_rows(tmp_path):
                 np.testing.assert_array_equal(table.rows, whole.rows[index::count])
                 assert table.state["accumulator"].shape[0] == len(table.ids())
             np.testing.assert_array_equal(drawn.ids(), np.arange(70001)[index::count])
+    # Shards may share a directory: each keeps its own files.
+    shared = [
+        jaxcache.HostTable(cfg, seed=5, shard=(index, 2), directory=tmp_path / "shared")
+        for index in range(2)
+    ]
+    for index, table in enumerate(shared):
+        assert table.rows.filename.endswith(f"rows.shard-{index}-of-2.npy")
+        np.testing.assert_array_equal(table.rows, whole.rows[index::2])
     odd = jaxcache.HostTable(cfg, seed=5, shard=(1, 2))
     ids = np.array([69999, 1, 7])
     np.testing.assert_array_equal(odd.gather(ids)[0], whole.rows[ids])

@@ -105,7 +105,8 @@ class HostTable:
       init: initializer for new rows (default: ``embed_init()``).
       seed: seed of the initializer.
       directory: when given, rows and state live in ``np.memmap`` files there
-        (``rows.npy`` and ``<state>.npy``), for tables larger than RAM.
+        (``rows.npy`` and ``<state>.npy``; ``rows.shard-<i>-of-<p>.npy`` and
+        so on for a shard), for tables larger than RAM.
       copy: copy ``rows`` (default) or adopt the array as the table.
       shard: ``(index, count)``: keep only this process's ids; ``rows``, when
         given, is still the whole ``[N, D]`` table (or a memory map of it).
@@ -184,6 +185,9 @@ class HostTable:
     def _allocate(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         if self.directory is None:
             return np.empty(shape, dtype)
+        index, count = self.shard
+        if count > 1:  # processes may share the directory (a network filesystem)
+            name = f"{name}.shard-{index}-of-{count}"
         path = os.path.join(self.directory, f"{name}.npy")
         return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
 
