@@ -384,15 +384,9 @@ class Checkpointer:
                 config = table.meta["config"]
                 shape = (config["num_embeddings"], config["features"])
                 out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
-                staging = np.empty(0, dtype)
-                for shard in range(table.shards):
-                    source = table.array(_shard_key("rows", shard, table.shards))
-                    for rows in _row_chunks(source):
-                        staging = source[rows].view(dtype)
-                        first = shard + table.shards * rows.start
-                        out[first :: table.shards][: len(staging)] = staging
+                table.copy_rows("rows", out, (0, 1), stored=dtype)
                 out.flush()
-                del out, staging
+                del out
             paths[name] = path
         return paths
 
@@ -547,9 +541,14 @@ class _SavedTable:
                         f"table {name!r}: {path} is missing; the checkpoint is incomplete."
                     )
 
-    def copy_rows(self, key: str, out: np.ndarray, shard: tuple[int, int]) -> None:
+    def copy_rows(
+        self, key: str, out: np.ndarray, shard: tuple[int, int], stored: Any = None
+    ) -> None:
         """Reads array ``key`` (``rows`` or ``state.<name>``) into ``out``, the
-        ``shard=(index, count)`` of a host table, whatever split it was saved with."""
+        ``shard=(index, count)`` of a host table, whatever split it was saved with.
+
+        ``stored``: the saved values' dtype when it differs from ``out``'s
+        (bfloat16 rows, kept as raw bytes, exported widened to float32)."""
         index, count = shard
         if self.shards == 1 and count == 1:
             _read_into(self.path(key), out)
@@ -561,7 +560,9 @@ class _SavedTable:
                 ids = saved + self.shards * np.arange(rows.start, min(rows.stop, len(source)))
                 keep = ids % count == index
                 if keep.any():
-                    out[ids[keep] // count] = source[rows][keep].view(out.dtype)
+                    out[ids[keep] // count] = source[rows][keep].view(
+                        out.dtype if stored is None else stored
+                    )
 
     def array(self, key: str) -> np.ndarray:
         """A read-only memory map of array ``key`` (stored dtype; bfloat16 as raw bytes)."""

@@ -189,22 +189,42 @@ def pool(
     raise ValueError(f"combiner={combiner!r} is not supported; use 'sum', 'mean' or None.")
 
 
-@jax.jit
-def _read(state: CacheState, slots: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+def _read_rows(
+    rows: jax.Array, opt: dict[str, jax.Array], slots: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Rows and state at ``slots``; out-of-range slots read zeros."""
+
     def read(array):
         return array.at[slots].get(mode="fill", fill_value=0)
 
-    return read(state.rows), {k: read(v) for k, v in state.opt.items()}
+    return read(rows), {k: read(v) for k, v in opt.items()}
+
+
+def _write_rows(
+    rows: jax.Array,
+    opt: dict[str, jax.Array],
+    slots: jax.Array,
+    new_rows: jax.Array,
+    new_opt: dict[str, jax.Array],
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Rows and state with ``slots`` overwritten; out-of-range slots dropped."""
+
+    def write(array, values):
+        return array.at[slots].set(values.astype(array.dtype), mode="drop")
+
+    return write(rows, new_rows), {k: write(v, new_opt[k]) for k, v in opt.items()}
+
+
+@jax.jit
+def _read(state: CacheState, slots: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    return _read_rows(state.rows, state.opt, slots)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _write(
     state: CacheState, slots: jax.Array, rows: jax.Array, opt: dict[str, jax.Array]
 ) -> CacheState:
-    def write(array, values):
-        return array.at[slots].set(values.astype(array.dtype), mode="drop")
-
-    return CacheState(write(state.rows, rows), {k: write(v, opt[k]) for k, v in state.opt.items()})
+    return CacheState(*_write_rows(state.rows, state.opt, slots, rows, opt))
 
 
 def swap(
@@ -261,15 +281,8 @@ def read_blocks(
       [[4.0, 5.0], [0.0, 0.0]]
     """
     spec = PartitionSpec(axis)
-
-    def body(rows, opt, slots):
-        def read(array):
-            return array.at[slots].get(mode="fill", fill_value=0)
-
-        return read(rows), {k: read(v) for k, v in opt.items()}
-
     return jax.shard_map(
-        body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec), check_vma=False
+        _read_rows, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec), check_vma=False
     )(state.rows, state.opt, slots)
 
 
@@ -284,15 +297,8 @@ def _write_blocks(
     axis: str,
 ) -> CacheState:
     spec = PartitionSpec(axis)
-
-    def body(state_rows, state_opt, slots, rows, opt):
-        def write(array, values):
-            return array.at[slots].set(values.astype(array.dtype), mode="drop")
-
-        return write(state_rows, rows), {k: write(v, opt[k]) for k, v in state_opt.items()}
-
     rows, opt = jax.shard_map(
-        body, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec, spec), check_vma=False
+        _write_rows, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec, spec), check_vma=False
     )(state.rows, state.opt, slots, rows, opt)
     return CacheState(rows, opt)
 

@@ -259,34 +259,42 @@ class EmbeddingCache:
             array = np.full((cl, *spec.shape), spec.init, spec.dtype)
             array[slots] = opt[name]
             host_opt[name] = array
-        return self._put_blocks(CacheState(host_rows, host_opt))
+        return self._put(CacheState(host_rows, host_opt), self.row_sharding)
 
-    def _put_blocks(self, tree: Any) -> Any:
-        """Device arrays split over the rows axis from this process's blocks
-        (``[L X, ...]`` each, for a global ``[n X, ...]``)."""
-        groups = self.shard[1]
-        if groups == 1:  # every block is here: one batched transfer
-            return jax.device_put(tree, self.row_sharding)
+    def _put(self, tree: Any, sharding: NamedSharding) -> Any:
+        """Device arrays of ``sharding`` from this process's part of each
+        (its blocks ``[L X, ...]`` of a row-split ``[n X, ...]``; all of a
+        replicated array)."""
+        if self.shard[1] == 1:  # every block is here: one batched transfer
+            return jax.device_put(tree, sharding)
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
 
-        def put(x: np.ndarray) -> jax.Array:
-            shape = (x.shape[0] * groups, *x.shape[1:])
-            return jax.make_array_from_process_local_data(self.row_sharding, x, shape)
-
-        return jax.tree.map(put, tree)
-
-    def _block_positions(self, slots: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Where sorted global ``slots`` go in this process's ``[L size]`` blocks.
+    def _local_blocks(
+        self, slots: np.ndarray, size: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This process's ``[L size]`` blocks of sorted global ``slots``.
 
         Returns:
-          ``(at, mine)``: ``mine`` marks the slots of this process's devices,
-          ``at`` is each one's position (block, then rank within its device).
+          ``(blocks, at, mine)``: the blocks, as local slots padded with
+          ``C_l``; ``mine`` marks the slots of this process's devices and
+          ``at`` is each one's position in the blocks (block, then rank
+          within its device).
         """
         cl, first = self.local_capacity, self._first
         device = slots // cl
         start = np.searchsorted(device, np.arange(self.devices))
         rank = np.arange(slots.size) - start[device]
         mine = (device >= first) & (device < first + self._blocks)
-        return (device[mine] - first) * size + rank[mine], mine
+        at = (device[mine] - first) * size + rank[mine]
+        blocks = np.full(self._blocks * size, cl, np.int32)
+        blocks[at] = slots[mine] % cl
+        return blocks, at, mine
+
+    def _write_back(self, ids: np.ndarray, at: np.ndarray, rows: jax.Array, opt: dict) -> None:
+        """Writes the rows at ``at`` of this process's blocks of a read-out to ``ids``."""
+        self.table.scatter(
+            ids, _local_data(rows)[at], {k: _local_data(v)[at] for k, v in opt.items()}
+        )
 
     def _per_device_size(self, *slot_lists: np.ndarray, previous: int = 0) -> int:
         """Padded rows per device for lists of global slots (the largest device's)."""
@@ -338,25 +346,23 @@ class EmbeddingCache:
     def to_device(self, host: HostStaged) -> Staged:
         """Starts the transfer of a host-staged batch (``device_put``, asynchronous)."""
         with self.stats.timers.time("transfer"):
-            moves = None if host.moves is None else self._put_blocks(host.moves)
+            moves = None if host.moves is None else self._put(host.moves, self.row_sharding)
             lookup = self._device_lookup(host.route)
         return Staged(host.plan, moves, lookup)
 
     def _device_lookup(self, route: routing.HostRoute) -> Lookup:
         first, last = self._first, self._first + self._blocks
         per = route.inverse.shape[0] // self.devices  # batch rows per device
-        requests, inverse, owner_slots, owner_inverse = self._put_blocks(
+        requests, inverse, owner_slots, owner_inverse = self._put(
             (
                 route.requests[first:last],
                 route.inverse[first * per : last * per],
                 route.owner_slots[first:last],
                 route.owner_inverse[first:last],
-            )
+            ),
+            self.row_sharding,
         )
-        if self.shard[1] == 1:
-            overflow = jax.device_put(route.overflow, self.replicated)
-        else:
-            overflow = jax.make_array_from_process_local_data(self.replicated, route.overflow)
+        overflow = self._put(route.overflow, self.replicated)
         return Lookup(
             requests,
             overflow,
@@ -453,12 +459,12 @@ class EmbeddingCache:
     def _moves(self, plan: Plan) -> tuple[Any, ...]:
         """This process's blocks of ``plan``'s swap; lands the write-backs it
         needs first and queues its own evictions' write-back."""
-        timers, cl = self.stats.timers, self.local_capacity
+        timers = self.stats.timers
         size = self._fetch_bucket = self._per_device_size(
             plan.evict_slots, plan.fetch_slots, previous=self._fetch_bucket
         )
-        evict_at, evict_mine = self._block_positions(plan.evict_slots, size)
-        fetch_at, fetch_mine = self._block_positions(plan.fetch_slots, size)
+        evict_slots, evict_at, evict_mine = self._local_blocks(plan.evict_slots, size)
+        fetch_slots, fetch_at, fetch_mine = self._local_blocks(plan.fetch_slots, size)
         fetch_ids = plan.fetch_ids[fetch_mine]  # sorted: one home group's run
         with timers.time("write_back"):
             self._land(fetch_ids)
@@ -468,10 +474,6 @@ class EmbeddingCache:
         with timers.time("gather"):
             rows, opt = self.table.gather(fetch_ids)
             total = self._blocks * size
-            evict_slots = np.full(total, cl, np.int32)
-            evict_slots[evict_at] = plan.evict_slots[evict_mine] % cl
-            fetch_slots = np.full(total, cl, np.int32)
-            fetch_slots[fetch_at] = plan.fetch_slots[fetch_mine] % cl
             return (
                 evict_slots,
                 fetch_slots,
@@ -660,10 +662,7 @@ class EmbeddingCache:
             if needed is not None and index not in must:
                 if not (rows.is_ready() and all(v.is_ready() for v in opt.values())):
                     continue
-            ids, at = self._unlanded[index]
-            self.table.scatter(
-                ids, _local_data(rows)[at], {k: _local_data(v)[at] for k, v in opt.items()}
-            )
+            self._write_back(*self._unlanded[index], rows, opt)
             with self._write_back_lock:
                 del self._unlanded[index], self._dispatched[index]
 
@@ -693,18 +692,11 @@ class EmbeddingCache:
         slots = np.flatnonzero(planner.dirty)
         if slots.size == 0:
             return
-        cl = self.local_capacity
-        size = self._per_device_size(slots)
-        at, mine = self._block_positions(slots, size)
-        blocks = np.full(self._blocks * size, cl, np.int32)
-        blocks[at] = slots[mine] % cl
+        blocks, at, mine = self._local_blocks(slots, self._per_device_size(slots))
         rows, opt = device_ops.read_blocks(
-            state, self._put_blocks(blocks), mesh=self.mesh, axis=self.axis
+            state, self._put(blocks, self.row_sharding), mesh=self.mesh, axis=self.axis
         )
-        ids = self.planner.id_of_slot[slots[mine]]
-        self.table.scatter(
-            ids, _local_data(rows)[at], {k: _local_data(v)[at] for k, v in opt.items()}
-        )
+        self._write_back(self.planner.id_of_slot[slots[mine]], at, rows, opt)
         in_flight = planner.last_use[slots] > planner.released
         planner.dirty[slots[~in_flight]] = False
         self.stats.record_write_back(slots.size)

@@ -429,20 +429,12 @@ class Planner:
         hit_unique, hit_inverse = self._distinct(slots[is_hit])
         miss_lookups = flat[~is_hit] if hit_unique.size else flat
         miss_ids = _sorted_unique(miss_lookups)
-        groups, size = self.groups, self.group_capacity
-        if groups == 1:
-            hits = np.array([hit_unique.size])
-            misses = np.array([miss_ids.size])
-        else:
-            hits = np.bincount(hit_unique // size, minlength=groups)
-            misses = np.bincount(miss_ids % groups, minlength=groups)
-        self._check_fits(hits + misses)
+        groups = self.groups
+        misses = self._per_group(ids=miss_ids)
+        self._check_fits(self._per_group(slots=hit_unique) + misses)
         finished = self.released if released is None else min(int(released), self.released)
         guarded = self._guard(hit_unique, finished)
-        if groups == 1:
-            available = size - np.array([guarded.size])
-        else:
-            available = size - np.bincount(guarded // size, minlength=groups)
+        available = self.group_capacity - self._per_group(slots=guarded)
         if (misses > available).any():
             raise self._no_room(hit_unique, misses, available)
 
@@ -504,6 +496,14 @@ class Planner:
             access_hits=access_hits,
             evictions=int(evicted_ids.size),
         )
+
+    def _per_group(self, *, slots: np.ndarray | None = None, ids: np.ndarray | None = None):
+        """How many of ``slots`` (or of ``ids``, by home) fall in each group: ``int [groups]``."""
+        values = slots if ids is None else ids
+        if self.groups == 1:
+            return np.array([values.size])
+        group = values // self.group_capacity if ids is None else values % self.groups
+        return np.bincount(group, minlength=self.groups)
 
     def _check_fits(self, distinct: np.ndarray) -> None:
         """Raises when a group's distinct ids (``distinct[g]``) exceed its slots."""
@@ -586,10 +586,7 @@ class Planner:
         if slots.size == 0:
             return
         kept = self._distinct(slots)[0]
-        if self.groups == 1:
-            fits = np.array([kept.size]) <= spare
-        else:
-            fits = np.bincount(kept // self.group_capacity, minlength=self.groups) <= spare
+        fits = self._per_group(slots=kept) <= spare
         if not fits.all():
             kept = kept[fits[kept // self.group_capacity]]
         self._mark[kept] = self._stamp
