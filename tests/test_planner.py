@@ -86,14 +86,15 @@ def _too_full(ids, in_flight, capacity, groups):
     reserve=st.sampled_from([1, 3, 4096]),
     devices=st.sampled_from([1, 2, 4]),
     groups=st.sampled_from([1, 2]),
+    padded=st.booleans(),
 )
-def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devices, groups):
+def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devices, groups, padded):
     n = 40
     groups = groups if devices % groups == 0 else 1
     capacity = capacity // devices * devices
     rng = np.random.default_rng(seed)
     frequencies = rng.integers(0, 50, n)
-    cfg = jaxcache.CacheConfig(n, 1, capacity, policy=policy)
+    cfg = jaxcache.CacheConfig(n, 1, capacity, policy=policy, padding_id=-1 if padded else None)
     counts = frequencies if policy != "lru" else None
     planner = jaxcache.Planner(
         cfg, frequencies=counts, reserve=reserve, devices=devices, groups=groups
@@ -105,6 +106,9 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
         released = planner.next_index - 1 - lag
         planner.release(released)
         ids, following = following, rng.integers(0, n, size=int(rng.integers(1, 12)))
+        if padded:  # bags padded with -1, which the model never sees
+            following = np.where(rng.random(following.size) < 0.3, -1, following)
+        real = ids[ids >= 0]
         # The pipeline passes the next batch when it has read it (not always).
         upcoming = following if lag % 2 else None
         in_flight = set(planner.id_of_slot[planner.last_use > planner.released].tolist())
@@ -114,14 +118,16 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
         except jaxcache.CapacityError:
             # Refused: nothing may have changed, and it was really too full.
             assert dict(enumerate(planner.id_of_slot.tolist())) == before
-            assert _too_full(ids.tolist(), in_flight, capacity, groups)
+            assert _too_full(real.tolist(), in_flight, capacity, groups)
             _check_fits_after(planner, ids, upcoming)
             continue
-        upcoming_ids = [] if upcoming is None else upcoming.tolist()
-        hits, misses = model.plan(ids.tolist(), planner.released, upcoming_ids)
+        upcoming_ids = [] if upcoming is None else upcoming[upcoming >= 0].tolist()
+        hits, misses = model.plan(real.tolist(), planner.released, upcoming_ids)
         assert plan.hits == hits
         assert plan.fetch_ids.tolist() == misses
-        assert plan.hits + plan.misses == plan.distinct == len(set(ids.tolist()))
+        assert plan.hits + plan.misses == plan.distinct == len(set(real.tolist()))
+        assert plan.lookups == real.size
+        assert (plan.inverse[ids < 0] == -1).all()
         # Same slots as the specification.
         assert planner.id_of_slot.tolist() == [-1 if i is None else i for i in model.ids]
         # Directory is a bijection between resident ids and occupied slots.
@@ -131,7 +137,7 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
         # Rows of in-flight plans never leave.
         assert in_flight <= set(planner.id_of_slot.tolist())
         # Every id maps to a slot that holds it.
-        assert (planner.id_of_slot[plan.unique_slots[plan.inverse]] == ids).all()
+        assert (planner.id_of_slot[plan.unique_slots[plan.inverse[ids >= 0]]] == real).all()
         # Every row sits in its home group's slots; fetches come in slot order.
         occupied_ids = planner.id_of_slot[occupied]
         assert (occupied // (capacity // groups) == occupied_ids % groups).all()
@@ -144,7 +150,7 @@ def _check_fits_after(planner, ids, upcoming):
     with pytest.raises(jaxcache.CapacityError) as info:
         planner.plan(ids, upcoming=upcoming)
     after = info.value.fits_after
-    if _too_full(ids.tolist(), set(), planner.capacity, planner.groups):
+    if _too_full(ids[ids >= 0].tolist(), set(), planner.capacity, planner.groups):
         assert after is None
         return
     assert planner.released < after < planner.next_index
@@ -212,6 +218,19 @@ def test_rows_of_the_upcoming_batch_stay_when_there_is_room():
     # No room for the misses and all of the upcoming rows: the policy alone decides.
     planner.plan(np.array([8, 9]), upcoming=np.array([0, 2, 3, 7]))
     assert planner.slot_of_id[0] < 0 and planner.slot_of_id[2] < 0
+
+
+def test_upcoming_rows_that_do_not_fit_leave_the_batch_rows_protected():
+    cfg = jaxcache.CacheConfig(100, 1, 4, policy="lru")
+    planner = jaxcache.Planner(cfg)
+    for i in range(4):  # 0 is the least recently used
+        planner.release(planner.plan(np.array([i])).index)
+    # The batch hits 0 (the policy's first choice) and needs one slot; the
+    # next batch's other rows (1, 2, 3) do not fit beside it: they are not
+    # kept, and 0, already protected as a hit, must stay so.
+    plan = planner.plan(np.array([0, 10]), upcoming=np.array([0, 1, 2, 3]))
+    assert planner.slot_of_id[0] >= 0 and planner.slot_of_id[10] >= 0
+    assert plan.hits == 1 and planner.slot_of_id[1] < 0
 
 
 def test_new_rows_spread_over_devices():

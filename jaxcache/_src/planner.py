@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxcache._src import policies, validation
+from jaxcache._src import kernels, policies, validation
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.frequency import hottest
 
@@ -101,6 +101,10 @@ class Plan(NamedTuple):
         return len(self.fetch_ids)
 
 
+# Compared with ids where there is no padding id: equal to none of them.
+_NO_PAD = np.iinfo(np.int64).min
+
+
 def _sorted_unique(values: np.ndarray) -> np.ndarray:
     # np.sort + a mask is several times faster than np.unique on NumPy 2.x.
     if values.size == 0:
@@ -171,9 +175,8 @@ class Planner:
         self.dirty = np.zeros(capacity, bool)
         self.released = -1
         self.next_index = 0
-        # Scratch arrays for O(batch) distinct/inverse; only entries written in
-        # the same call are read, so they are never cleared.
-        self._position = np.empty(capacity, np.int64)
+        # Scratch for each distinct slot's rank in a plan; only entries written
+        # in the same plan are read, so it is never cleared.
         self._rank = np.empty(capacity, np.int32)
         # Slots protected from eviction while planning: those of the plans in
         # flight, the batch's hits and the next batch's kept rows carry the
@@ -335,22 +338,6 @@ class Planner:
             was_resident = resident_ids[sorter[at]] == placed
             self.last_use[slots[was_resident]] = recency[sorter[at[was_resident]]]
 
-    def _distinct(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Distinct values of ``slots`` and the position of each in that list.
-
-        ``O(len(slots))``: each slot records one position that holds it (any
-        one of the duplicates), which picks one
-        representative per distinct slot without sorting.
-        """
-        positions = np.arange(slots.size, dtype=np.int64)
-        # Written back to front so that (as NumPy keeps the last write) the
-        # first occurrence represents its slot and ``unique`` is in order of
-        # first appearance; correctness does not depend on which one wins.
-        self._position[slots[::-1]] = positions[::-1]
-        unique = slots[self._position[slots] == positions]
-        self._rank[unique] = np.arange(unique.size, dtype=np.int32)
-        return unique, self._rank[slots]
-
     def warm(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Places ``ids`` (not yet resident) into free slots, in order.
 
@@ -398,8 +385,8 @@ class Planner:
             without them, so the next plan never fetches a row this one
             just evicted (the pipeline would wait for this plan's swap to
             read it out). Its ids are not validated here (that batch is
-            checked when it is planned): padding is skipped and an
-            out-of-range id at worst keeps the first or last id's row.
+            checked when it is planned): padding and ids out of range are
+            skipped.
           released: plan as if only the plans up to this index were
             finished (at most ``self.released``; default: all released). A
             pipeline passes a bound that does not depend on the timing of
@@ -415,26 +402,39 @@ class Planner:
             that in-flight batches protect (nothing changed).
         """
         cfg = self.config
-        ids = validation.check_ids(ids, cfg.num_embeddings, cfg.padding_id, "ids")
-        flat = ids.reshape(-1)
-        valid = None
-        if cfg.padding_id is not None:
-            is_pad = flat == cfg.padding_id
-            if is_pad.any():
-                valid = ~is_pad
-                flat = flat[valid]
-
-        slots = self.slot_of_id[flat]
-        is_hit = slots >= 0
-        hit_unique, hit_inverse = self._distinct(slots[is_hit])
-        miss_lookups = flat[~is_hit] if hit_unique.size else flat
+        array = np.asarray(ids)
+        if array.dtype == bool or not np.issubdtype(array.dtype, np.integer) or array.ndim == 0:
+            validation.check_ids(array, cfg.num_embeddings, cfg.padding_id, "ids")  # raises
+        flat = kernels.as_index_array(array)
+        pad = _NO_PAD if cfg.padding_id is None else cfg.padding_id
+        self._stamp += 1  # the hits are marked protected as they are found
+        inverse = np.empty(flat.size, np.int32)
+        hits = np.empty(min(flat.size, self.capacity), np.int32)
+        miss_at = np.empty(flat.size, np.int64)
+        h, m, lookups, bad = kernels.lookup(
+            flat,
+            pad,
+            cfg.num_embeddings,
+            self.slot_of_id,
+            self._rank,
+            self._mark,
+            self._stamp,
+            inverse,
+            hits,
+            miss_at,
+        )
+        if bad >= 0:  # check_ids words the error; the kernel found where
+            validation.check_ids(array, cfg.num_embeddings, cfg.padding_id, "ids")
+            raise ValueError(f"ids hold {flat[bad]}, outside [0, {cfg.num_embeddings}).")
+        hit_unique, miss_at = hits[:h], miss_at[:m]
+        miss_lookups = flat[miss_at]
         miss_ids = _sorted_unique(miss_lookups)
         groups = self.groups
         misses = self._per_group(ids=miss_ids)
-        self._check_fits(self._per_group(slots=hit_unique) + misses)
+        hits_per_group = self._per_group(slots=hit_unique)
+        self._check_fits(hits_per_group + misses)
         finished = self.released if released is None else min(int(released), self.released)
-        guarded = self._guard(hit_unique, finished)
-        available = self.group_capacity - self._per_group(slots=guarded)
+        available = self.group_capacity - hits_per_group - self._guard(finished)
         if (misses > available).any():
             raise self._no_room(hit_unique, misses, available)
 
@@ -467,33 +467,25 @@ class Planner:
         # rows' (in id order). Missed lookups reach theirs through the
         # directory and the rank scratch, in linear time.
         unique_slots = np.concatenate([hit_unique, victims]).astype(np.int32)
-        inverse = np.empty(flat.size, np.int32)
-        inverse[is_hit] = hit_inverse
         if miss_ids.size:
             self._rank[victims] = np.arange(hit_unique.size, unique_slots.size, dtype=np.int32)
-            inverse[~is_hit] = self._rank[self.slot_of_id[miss_lookups]]
+            inverse[miss_at] = self._rank[self.slot_of_id[miss_lookups]]
         self.last_use[unique_slots] = index
         self._in_flight[index] = unique_slots
         if train:
             self.dirty[unique_slots] = True
         self.policy.record(self, unique_slots, inverse)
-
-        if valid is not None:
-            full = np.full(valid.shape, -1, np.int32)
-            full[valid] = inverse
-            inverse = full
-        access_hits = int(np.count_nonzero(is_hit))
         return Plan(
             index=index,
-            unique_slots=unique_slots.astype(np.int32),
-            inverse=inverse.reshape(ids.shape),
+            unique_slots=unique_slots,
+            inverse=inverse.reshape(array.shape),
             fetch_ids=miss_ids.astype(np.int64),
             fetch_slots=victims.astype(np.int32),
             evict_ids=evicted_ids[write_back],
             evict_slots=evicted_slots[write_back].astype(np.int32),
-            lookups=int(flat.size),
+            lookups=int(lookups),
             hits=int(hit_unique.size),
-            access_hits=access_hits,
+            access_hits=int(lookups - m),
             evictions=int(evicted_ids.size),
         )
 
@@ -548,17 +540,16 @@ class Planner:
         error.fits_after = max(fits_after)
         return error
 
-    def _guard(self, hits: np.ndarray, finished: int) -> np.ndarray:
-        """Stamps the slots of the plans after ``finished`` and ``hits`` protected;
-        returns them, distinct. ``O(batch x plans in flight)``, not ``O(C)``:
-        the slots in flight are exactly those of the unreleased plans."""
-        self._stamp += 1
+    def _guard(self, finished: int) -> np.ndarray:
+        """Stamps the slots of the plans after ``finished`` protected (the
+        hits already are); returns how many it newly protected per group.
+        ``O(slots of the plans in flight)``, not ``O(C)``."""
         for index in [i for i in self._in_flight if i <= finished]:
             del self._in_flight[index]
-        slots = np.concatenate([hits, *self._in_flight.values()]) if self._in_flight else hits
-        guarded = self._distinct(slots)[0] if self._in_flight else slots
-        self._mark[guarded] = self._stamp
-        return guarded
+        counts = np.zeros(self.groups, np.int64)
+        for slots in self._in_flight.values():
+            kernels.mark_new(slots, self._mark, self._stamp, self.group_capacity, counts)
+        return counts
 
     def _protected(self, slots: np.ndarray) -> np.ndarray:
         """Whether each of ``slots`` is protected in the plan being made."""
@@ -569,23 +560,21 @@ class Planner:
         where ``spare[g]`` unprotected slots (beyond the misses') can take all
         of them; else none of that group's.
 
-        Ids out of range are clipped instead of filtered out (one pass less
-        over the batch): at worst they keep the first or last id's row, which
-        is only a hint, counted against ``spare`` like any other.
+        Padding and ids out of range are skipped (that batch is checked when
+        it is planned).
         """
         if upcoming is None or not (spare > 0).any():
             return
-        flat = np.asarray(upcoming).reshape(-1)
-        if not np.issubdtype(flat.dtype, np.integer):
+        array = np.asarray(upcoming)
+        if not np.issubdtype(array.dtype, np.integer) or array.dtype == bool:
             return
-        if self.config.padding_id is not None:  # bags may be mostly padding
-            flat = flat[flat != self.config.padding_id]
-        slots = self.slot_of_id.take(flat, mode="clip")
-        slots = slots[slots >= 0]
-        slots = slots[~self._protected(slots)]
-        if slots.size == 0:
-            return
-        kept = self._distinct(slots)[0]
+        flat = kernels.as_index_array(array)
+        pad = _NO_PAD if self.config.padding_id is None else self.config.padding_id
+        kept = np.empty(min(flat.size, self.capacity), np.int32)
+        k = kernels.collect_unmarked(
+            flat, pad, self.config.num_embeddings, self.slot_of_id, self._mark, self._stamp, kept
+        )
+        kept = kept[:k]
         fits = self._per_group(slots=kept) <= spare
         if not fits.all():
             kept = kept[fits[kept // self.group_capacity]]

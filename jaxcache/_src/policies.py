@@ -110,7 +110,8 @@ class LFUPolicy(_CountPolicy):
 
     def record(self, planner, unique_slots, inverse):
         ids = planner.id_of_slot[unique_slots]
-        self.counts[ids] += np.bincount(inverse, minlength=unique_slots.size)
+        looked_up = inverse[inverse >= 0]  # padding is -1
+        self.counts[ids] += np.bincount(looked_up, minlength=unique_slots.size)
         self.slot_counts[unique_slots] = self.counts[ids]
 
 

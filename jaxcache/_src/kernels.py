@@ -1,0 +1,114 @@
+"""Compiled loops of the planner's per-id passes (Numba, GIL released).
+
+A plan touches every id position of a batch (hundreds of thousands for
+multi-hot bags, most of them padding). In NumPy that is a dozen full passes
+(range check, padding mask, compress, directory gather, distinct, inverse,
+expand) with a temporary array each; here it is one pass. The loops release
+the GIL, so the pipeline's producer thread plans while the training thread
+dispatches.
+
+Scratch arrays (``rank``, ``mark``) are indexed by slot and only read where
+the same call wrote them; ``mark[s] == stamp`` means slot ``s`` is protected
+in the plan being made (``stamp`` grows by one per plan, so old marks never
+match).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+__all__ = ["as_index_array", "collect_unmarked", "lookup", "mark_new"]
+
+_JIT = {"nogil": True, "cache": True, "boundscheck": False}
+
+
+def as_index_array(ids: np.ndarray) -> np.ndarray:
+    """``ids`` flattened, as int32 or int64 (the kernels' compiled types)."""
+    flat = ids.reshape(-1)
+    if flat.dtype not in (np.int32, np.int64):
+        flat = flat.astype(np.int64)
+    return flat
+
+
+@numba.njit(**_JIT)
+def _slots(flat, pad, num_embeddings, slot_of_id, out):
+    """``out[p]``: the slot of ``flat[p]`` (``-1`` not resident), ``-2`` for
+    padding, ``-3`` for an id out of range. Branch-free, so the random reads
+    of the directory overlap instead of waiting on each other."""
+    for p in range(flat.size):
+        i = flat[p]
+        is_pad = i == pad
+        valid = (i >= 0) & (i < num_embeddings) & ~is_pad
+        s = slot_of_id[i if valid else 0]
+        out[p] = s if valid else (-2 if is_pad else -3)
+
+
+@numba.njit(**_JIT)
+def lookup(flat, pad, num_embeddings, slot_of_id, rank, mark, stamp, inverse, hits, misses):
+    """Looks a batch's ids up in the directory.
+
+    Writes ``inverse[p]``: ``-1`` for padding, the hit's rank among the
+    distinct hits (in order of first appearance) for a resident id, and
+    leaves misses unwritten; ``hits[:h]``: the distinct hit slots, marked
+    ``stamp``; ``misses[:m]``: the positions of the misses.
+
+    Returns:
+      ``(h, m, valid, bad)``: ``valid`` non-padding positions; ``bad`` the
+      first position holding an id outside ``[0, num_embeddings)`` (then the
+      other outputs are incomplete), else ``-1``.
+    """
+    _slots(flat, pad, num_embeddings, slot_of_id, inverse)
+    h = 0
+    m = 0
+    valid = 0
+    for p in range(flat.size):
+        s = inverse[p]
+        if s == -2:
+            inverse[p] = -1
+            continue
+        if s == -3:
+            return h, m, valid, p
+        valid += 1
+        if s == -1:
+            misses[m] = p
+            m += 1
+            continue
+        if mark[s] != stamp:
+            mark[s] = stamp
+            rank[s] = h
+            hits[h] = s
+            h += 1
+        inverse[p] = rank[s]
+    return h, m, valid, -1
+
+
+@numba.njit(**_JIT)
+def mark_new(slots, mark, stamp, group_capacity, counts):
+    """Marks ``slots`` with ``stamp``; adds the newly marked ones per group to ``counts``."""
+    for s in slots:
+        if mark[s] != stamp:
+            mark[s] = stamp
+            counts[s // group_capacity] += 1
+
+
+@numba.njit(**_JIT)
+def collect_unmarked(flat, pad, num_embeddings, slot_of_id, mark, stamp, out):
+    """The distinct resident slots of ``flat`` not marked ``stamp``, into ``out``.
+
+    Padding and ids out of range are skipped. Collected slots are marked
+    ``-stamp`` (seen, not protected), so each is collected once.
+
+    Returns:
+      How many were collected (``out[:k]``, in order of first appearance).
+    """
+    slots = np.empty(flat.size, np.int32)
+    _slots(flat, pad, num_embeddings, slot_of_id, slots)
+    k = 0
+    for s in slots:
+        if s < 0 or mark[s] == stamp or mark[s] == -stamp:
+            continue
+        mark[s] = -stamp
+        out[k] = s
+        k += 1
+    return k
