@@ -35,7 +35,7 @@ class DictPlanner:
             return self.last_use[slot]
         return self.counts.get(self.ids[slot], 0)
 
-    def plan(self, ids, released, upcoming=()):
+    def plan(self, ids, released):
         t = self.index
         self.index += 1
         resident = self.resident()
@@ -43,16 +43,11 @@ class DictPlanner:
         misses = [i for i in distinct if i not in resident]
         protected = {s for s in range(len(self.ids)) if self.last_use[s] > released}
         protected |= {resident[i] for i in distinct if i in resident}
-        kept = {resident[i] for i in upcoming if i in resident} - protected
         fetched = []
         for group in range(self.groups):  # id i lives in the slots of group i % groups
             block = range(group * self.size, (group + 1) * self.size)
             mine = [i for i in misses if i % self.groups == group]
             guarded = {s for s in protected if s in block}
-            # The next batch's resident rows stay too, if the misses fit without them.
-            kept_here = {s for s in kept if s in block}
-            if self.size - len(guarded) - len(kept_here) >= len(mine):
-                guarded |= kept_here
             candidates = sorted(
                 (s for s in block if s not in guarded), key=lambda s: (self.key(s), self.tie[s])
             )
@@ -100,29 +95,25 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
         cfg, frequencies=counts, reserve=reserve, devices=devices, groups=groups
     )
     model = DictPlanner(capacity, policy, counts, devices, groups)
-    following = rng.integers(0, n, size=int(rng.integers(1, 12)))
     for lag in lags:
         # Release all but the last `lag` plans, as a pipeline with look-ahead does.
         released = planner.next_index - 1 - lag
         planner.release(released)
-        ids, following = following, rng.integers(0, n, size=int(rng.integers(1, 12)))
+        ids = rng.integers(0, n, size=int(rng.integers(1, 12)))
         if padded:  # bags padded with -1, which the model never sees
-            following = np.where(rng.random(following.size) < 0.3, -1, following)
+            ids = np.where(rng.random(ids.size) < 0.3, -1, ids)
         real = ids[ids >= 0]
-        # The pipeline passes the next batch when it has read it (not always).
-        upcoming = following if lag % 2 else None
         in_flight = set(planner.id_of_slot[planner.last_use > planner.released].tolist())
         before = dict(enumerate(planner.id_of_slot.tolist()))
         try:
-            plan = planner.plan(ids, upcoming=upcoming)
+            plan = planner.plan(ids)
         except jaxcache.CapacityError:
             # Refused: nothing may have changed, and it was really too full.
             assert dict(enumerate(planner.id_of_slot.tolist())) == before
             assert _too_full(real.tolist(), in_flight, capacity, groups)
-            _check_fits_after(planner, ids, upcoming)
+            _check_fits_after(planner, ids)
             continue
-        upcoming_ids = [] if upcoming is None else upcoming[upcoming >= 0].tolist()
-        hits, misses = model.plan(real.tolist(), planner.released, upcoming_ids)
+        hits, misses = model.plan(real.tolist(), planner.released)
         assert plan.hits == hits
         assert plan.fetch_ids.tolist() == misses
         assert plan.hits + plan.misses == plan.distinct == len(set(real.tolist()))
@@ -145,10 +136,10 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
         assert len(set(plan.unique_slots.tolist())) == plan.distinct
 
 
-def _check_fits_after(planner, ids, upcoming):
+def _check_fits_after(planner, ids):
     """A refused plan names the first release after which it fits, exactly."""
     with pytest.raises(jaxcache.CapacityError) as info:
-        planner.plan(ids, upcoming=upcoming)
+        planner.plan(ids)
     after = info.value.fits_after
     if _too_full(ids[ids >= 0].tolist(), set(), planner.capacity, planner.groups):
         assert after is None
@@ -157,10 +148,10 @@ def _check_fits_after(planner, ids, upcoming):
     earlier = copy.deepcopy(planner)
     earlier.release(after - 1)
     with pytest.raises(jaxcache.CapacityError):
-        earlier.plan(ids, upcoming=upcoming)
+        earlier.plan(ids)
     planner = copy.deepcopy(planner)
     planner.release(after)
-    planner.plan(ids, upcoming=upcoming)
+    planner.plan(ids)
 
 
 def test_padding_ids_map_to_minus_one_and_are_not_counted():
@@ -204,33 +195,6 @@ def test_warm_then_repeat_batch_is_all_hits(policy):
     planner.release(0)
     plan = planner.plan(np.array([3, 1, 2]))
     assert (plan.hits, plan.misses, plan.access_hits) == (3, 0, 3)
-
-
-def test_rows_of_the_upcoming_batch_stay_when_there_is_room():
-    cfg = jaxcache.CacheConfig(100, 1, 4, policy="lru")
-    planner = jaxcache.Planner(cfg)
-    for i in range(4):  # 0 is the least recently used, then 1, ...
-        planner.release(planner.plan(np.array([i])).index)
-    plan = planner.plan(np.array([7]), upcoming=np.array([[0, 0], [99, -5]]))
-    assert planner.slot_of_id[0] >= 0 and plan.evictions == 1
-    assert planner.slot_of_id[1] < 0  # the next least recent went instead
-    planner.release(plan.index)
-    # No room for the misses and all of the upcoming rows: the policy alone decides.
-    planner.plan(np.array([8, 9]), upcoming=np.array([0, 2, 3, 7]))
-    assert planner.slot_of_id[0] < 0 and planner.slot_of_id[2] < 0
-
-
-def test_upcoming_rows_that_do_not_fit_leave_the_batch_rows_protected():
-    cfg = jaxcache.CacheConfig(100, 1, 4, policy="lru")
-    planner = jaxcache.Planner(cfg)
-    for i in range(4):  # 0 is the least recently used
-        planner.release(planner.plan(np.array([i])).index)
-    # The batch hits 0 (the policy's first choice) and needs one slot; the
-    # next batch's other rows (1, 2, 3) do not fit beside it: they are not
-    # kept, and 0, already protected as a hit, must stay so.
-    plan = planner.plan(np.array([0, 10]), upcoming=np.array([0, 1, 2, 3]))
-    assert planner.slot_of_id[0] >= 0 and planner.slot_of_id[10] >= 0
-    assert plan.hits == 1 and planner.slot_of_id[1] < 0
 
 
 def test_new_rows_spread_over_devices():

@@ -44,12 +44,17 @@ class HostStaged(NamedTuple):
         ``None``: for each of this process's devices, ``P`` local slots
         (padding ``C_l``) and rows, blocks one after another (``[L P]``).
       route: which rows each device fetches from which owner.
+      deferred: ``(ids, at)`` of fetched rows whose write-back from an
+        earlier plan had not landed when this one was staged: ``to_device``
+        lands it (that plan's swap has been applied by then) and copies them
+        into the fetch rows at ``at``. ``None`` when there are none.
     """
 
     plan: Plan
     ids: np.ndarray
     moves: tuple[Any, ...] | None
     route: routing.HostRoute
+    deferred: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class Staged(NamedTuple):
@@ -192,6 +197,7 @@ class EmbeddingCache:
         self._write_back_lock = threading.Condition()
         self._unlanded: dict[int, np.ndarray] = {}
         self._dispatched: dict[int, tuple[jax.Array, dict[str, jax.Array]]] = {}
+        self._landing: set[int] = set()  # plans a thread is writing back now
         # The host-callback form: batches staged ahead, and one planner user at a time.
         self._offers: collections.deque[HostStaged] = collections.deque()
         self._offer_lock = threading.Lock()
@@ -341,10 +347,17 @@ class EmbeddingCache:
         Returns:
           The ``Staged`` batch, to pass to ``apply`` in plan order.
         """
-        return self.to_device(self.stage_host(ids, train=train))
+        return self.to_device(self.stage_host(ids, train=train, defer=True))
 
     def to_device(self, host: HostStaged) -> Staged:
-        """Starts the transfer of a host-staged batch (``device_put``, asynchronous)."""
+        """Starts the transfer of a host-staged batch (``device_put``, asynchronous).
+
+        Call it after every earlier plan was applied (``apply``): rows it
+        fetches that an earlier plan evicted are read once that plan's
+        write-back landed (``HostStaged.deferred``).
+        """
+        if host.deferred is not None:
+            self._fetch_deferred(host)
         with self.stats.timers.time("transfer"):
             moves = None if host.moves is None else self._put(host.moves, self.row_sharding)
             lookup = self._device_lookup(host.route)
@@ -414,8 +427,8 @@ class EmbeddingCache:
         *,
         train: bool = True,
         size: int | None = None,
-        upcoming: Any = None,
         released: int | None = None,
+        defer: bool = False,
     ):
         """``stage`` without the transfer: the padded host arrays of a step.
 
@@ -424,10 +437,12 @@ class EmbeddingCache:
           train: the step will update these rows.
           size: pad every per-step list to exactly this many rows (the
             host-callback form needs one fixed shape); default: buckets.
-          upcoming: ids of the next batch, when known: their resident rows
-            are kept if there is room (see ``Planner.plan``).
           released: plan as if only plans up to this index were finished
             (see ``Planner.plan``).
+          defer: a row to fetch whose write-back from an earlier plan has
+            not landed is left for ``to_device`` to read (the training loop
+            applies that plan's swap meanwhile) instead of waiting here for
+            the swap to be dispatched.
 
         Returns:
           A ``HostStaged``.
@@ -436,11 +451,11 @@ class EmbeddingCache:
         self._check_batch(np.shape(ids))
         with timers.time("plan"):
             with self._plan_lock:
-                plan = self.planner.plan(ids, train=train, upcoming=upcoming, released=released)
+                plan = self.planner.plan(ids, train=train, released=released)
             route = self._route(plan, size)
-        moves = None
+        moves = deferred = None
         if plan.misses or len(plan.evict_ids):
-            moves = self._moves(plan)
+            moves, deferred = self._moves(plan, defer)
         self.stats.record(
             StepStats(
                 lookups=plan.lookups,
@@ -454,11 +469,12 @@ class EmbeddingCache:
                 overflow=route.overflowed,
             )
         )
-        return HostStaged(plan, np.asarray(ids), moves, route)
+        return HostStaged(plan, np.asarray(ids), moves, route, deferred)
 
-    def _moves(self, plan: Plan) -> tuple[Any, ...]:
-        """This process's blocks of ``plan``'s swap; lands the write-backs it
-        needs first and queues its own evictions' write-back."""
+    def _moves(self, plan: Plan, defer: bool) -> tuple[tuple[Any, ...], Any]:
+        """This process's blocks of ``plan``'s swap and the fetches deferred
+        to ``to_device``; lands the write-backs it needs first (or defers the
+        rows that wait for one) and queues its own evictions' write-back."""
         timers = self.stats.timers
         size = self._fetch_bucket = self._per_device_size(
             plan.evict_slots, plan.fetch_slots, previous=self._fetch_bucket
@@ -466,20 +482,51 @@ class EmbeddingCache:
         evict_slots, evict_at, evict_mine = self._local_blocks(plan.evict_slots, size)
         fetch_slots, fetch_at, fetch_mine = self._local_blocks(plan.fetch_slots, size)
         fetch_ids = plan.fetch_ids[fetch_mine]  # sorted: one home group's run
+        deferred = None
         with timers.time("write_back"):
-            self._land(fetch_ids)
+            if defer:
+                self._land(fetch_ids[:0])  # those ready
+                late = self._unlanded_among(fetch_ids)
+                if late.any():
+                    deferred = (fetch_ids[late], fetch_at[late])
+                    self.stats.deferred_fetches += int(late.sum())
+                    fetch_ids, fetch_at = fetch_ids[~late], fetch_at[~late]
+            else:
+                self._land(fetch_ids)
         if evict_at.size:  # after landing: a plan never fetches what it evicts
             with self._write_back_lock:
                 self._unlanded[plan.index] = (plan.evict_ids[evict_mine], evict_at)
         with timers.time("gather"):
             rows, opt = self.table.gather(fetch_ids)
             total = self._blocks * size
-            return (
+            moves = (
                 evict_slots,
                 fetch_slots,
                 _scatter_into(total, fetch_at, rows),
                 {k: _scatter_into(total, fetch_at, v) for k, v in opt.items()},
             )
+        return moves, deferred
+
+    def _unlanded_among(self, ids: np.ndarray) -> np.ndarray:
+        """Which of sorted ``ids`` an earlier plan evicted, unlanded yet."""
+        with self._write_back_lock:
+            late = np.zeros(ids.shape, bool)
+            for evicted, _ in self._unlanded.values():
+                late |= np.isin(ids, evicted)
+        return late
+
+    def _fetch_deferred(self, host: HostStaged) -> None:
+        """Copies the deferred rows of ``host`` into its fetch rows, once the
+        write-backs they wait for landed."""
+        ids, at = host.deferred
+        with self.stats.timers.time("write_back"):
+            self._land(ids)
+        with self.stats.timers.time("gather"):
+            rows, opt = self.table.gather(ids)
+            _, _, fetch_rows, fetch_opt = host.moves
+            fetch_rows[at] = rows
+            for name, values in opt.items():
+                fetch_opt[name][at] = values
 
     def _route(self, plan: Plan, size: int | None) -> routing.HostRoute:
         """Routes ``plan`` over the devices, with padded sizes from buckets (or
@@ -637,34 +684,51 @@ class EmbeddingCache:
 
     def _land(self, needed: np.ndarray | None) -> None:
         """Lands write-backs: all dispatched ones when ``needed`` is ``None``;
-        else those ready now plus those evicting an id in ``needed``.
+        else those ready now plus those evicting an id in sorted ``needed``.
 
         A row is read only after its write-back landed: when an earlier plan
         evicted a row this one fetches, this waits until that plan's swap is
         dispatched (the training loop applies plans in order, so it comes).
+        Two threads may land at once (the producer what is ready, the
+        training loop a deferred fetch's): each claims the plans it writes,
+        in plan order, and one that needs a plan another claimed waits for it.
         """
         with self._write_back_lock:
-            must = {
-                index
-                for index, (ids, _) in self._unlanded.items()
-                if needed is not None and _intersects(ids, needed)
-            }
+            if needed is None:  # all: wait for those another thread is writing
+                must = set(self._landing)
+            else:
+                must = {i for i, (ids, _) in self._unlanded.items() if _intersects(ids, needed)}
 
-            def missing() -> bool:  # evicted, not yet read out by a swap, not landed
-                return any(i in self._unlanded and i not in self._dispatched for i in must)
+            def missing() -> bool:  # not read out by a swap yet, or being landed
+                return any(
+                    i in self._unlanded and (i not in self._dispatched or i in self._landing)
+                    for i in must
+                )
 
-            if missing():
+            if any(i in self._unlanded and i not in self._dispatched for i in must):
                 self.stats.write_back_waits += 1
             while missing():
                 self._write_back_lock.wait()
-            dispatched = sorted(self._dispatched.items())
-        for index, (rows, opt) in dispatched:
-            if needed is not None and index not in must:
-                if not (rows.is_ready() and all(v.is_ready() for v in opt.values())):
+            claimed = []
+            for index, (rows, opt) in sorted(self._dispatched.items()):
+                if index in self._landing:
                     continue
-            self._write_back(*self._unlanded[index], rows, opt)
-            with self._write_back_lock:
-                del self._unlanded[index], self._dispatched[index]
+                if needed is not None and index not in must:
+                    if not (rows.is_ready() and all(v.is_ready() for v in opt.values())):
+                        continue
+                self._landing.add(index)
+                claimed.append((index, self._unlanded[index], rows, opt))
+        for index, (ids, at), rows, opt in claimed:
+            landed = False
+            try:
+                self._write_back(ids, at, rows, opt)
+                landed = True
+            finally:  # a failed write stays unlanded, to be landed again
+                with self._write_back_lock:
+                    self._landing.discard(index)
+                    if landed:
+                        del self._unlanded[index], self._dispatched[index]
+                    self._write_back_lock.notify_all()
 
     # ---------------------------------------------------------------- export
     def flush(self, state: CacheState) -> None:
@@ -741,6 +805,7 @@ class EmbeddingCache:
                 "last": dataclasses.asdict(stats.last),
                 "steps": stats.steps,
                 "write_back_waits": stats.write_back_waits,
+                "deferred_fetches": stats.deferred_fetches,
             },
         }
 
@@ -778,6 +843,7 @@ class EmbeddingCache:
             self.stats.last = StepStats(**{k: int(saved["last"].get(k, 0)) for k in fields})
             self.stats.steps = int(saved["steps"])
             self.stats.write_back_waits = int(saved["write_back_waits"])
+            self.stats.deferred_fetches = int(saved.get("deferred_fetches", 0))
 
     def _check_idle(self) -> None:
         with self._write_back_lock:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["as_index_array", "collect_unmarked", "lookup", "mark_new"]
+__all__ = ["as_index_array", "lookup", "mark_new"]
 
 _JIT = {"nogil": True, "cache": True, "boundscheck": False}
 
@@ -90,25 +90,3 @@ def mark_new(slots, mark, stamp, group_capacity, counts):
         if mark[s] != stamp:
             mark[s] = stamp
             counts[s // group_capacity] += 1
-
-
-@numba.njit(**_JIT)
-def collect_unmarked(flat, pad, num_embeddings, slot_of_id, mark, stamp, out):
-    """The distinct resident slots of ``flat`` not marked ``stamp``, into ``out``.
-
-    Padding and ids out of range are skipped. Collected slots are marked
-    ``-stamp`` (seen, not protected), so each is collected once.
-
-    Returns:
-      How many were collected (``out[:k]``, in order of first appearance).
-    """
-    slots = np.empty(flat.size, np.int32)
-    _slots(flat, pad, num_embeddings, slot_of_id, slots)
-    k = 0
-    for s in slots:
-        if s < 0 or mark[s] == stamp or mark[s] == -stamp:
-            continue
-        mark[s] = -stamp
-        out[k] = s
-        k += 1
-    return k

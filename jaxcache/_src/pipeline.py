@@ -14,12 +14,6 @@ Stage by stage, for batch ``t + k`` while the device runs step ``t``:
   dispatch happens on this thread, so the device state has one owner and
   several processes issue their collectives in the same order.
 
-When the training loop has a staged batch to work on, the producer reads one
-batch further than it stages: planning batch ``t``, it keeps the resident rows
-of batch ``t + 1`` too when there is room, so that
-plan ``t + 1`` does not fetch a row plan ``t`` just evicted, which would make
-it wait for swap ``t`` to run on the device.
-
 Rows of batches planned but not yet handed to the training loop are protected
 from eviction; a batch is released when the loop asks for the next one (its
 step has been dispatched, and device order puts every later swap after it).
@@ -228,10 +222,6 @@ class Prefetcher(Iterator[dict[str, Any]]):
         self._source = iter(batches)
         self._queue: queue.Queue[Any] = queue.Queue()
         self._permits = threading.Semaphore(max(lookahead, 1))
-        # With several processes, whether a plan sees the next batch must not
-        # depend on timing (every process must choose the same slots): then
-        # the next batch is always read first, a slow source's latency aside.
-        self._read_ahead_always = lookahead > 1 and jax.process_count() > 1
         self._stop = threading.Event()
         self._released = threading.Condition()
         self._staging = threading.Lock()
@@ -331,41 +321,31 @@ class Prefetcher(Iterator[dict[str, Any]]):
     def _produce(self) -> None:
         staged: dict[str, Staged] = {}
         try:
-            following = None
             while True:
                 while not self._permits.acquire(timeout=_POLL_SECONDS):
                     if self._stop.is_set():
                         return
                 if self._stop.is_set():
                     return
-                batch = self._pull() if following is None else following
-                following = None
+                batch = self._pull()
                 if isinstance(batch, _End):
                     self._queue.put(batch)
                     return
                 if isinstance(batch, _Raised):
                     raise batch.error
-                if self._queue.qsize() or self._read_ahead_always:
-                    # The loop has a batch to train on meanwhile: read the next
-                    # one first, so that this plan keeps its rows. (With none
-                    # queued the loop is waiting: stage this one at once.)
-                    following = self._pull()
                 with self._staging:
                     if self._stop.is_set():
                         return
                     staged = {}
                     for key, cache in self._caches.items():
-                        staged[key] = self._stage_with_retry(
-                            cache, _ids(batch, key), _upcoming(following, key)
-                        )
+                        staged[key] = self._stage_with_retry(cache, _ids(batch, key))
                     self._queue.put((batch, staged))
                     staged = {}
         except BaseException as error:  # re-raised in the training loop
             self._queue.put(_Failure(error, staged))
 
     def _pull(self) -> Any:
-        """The source's next batch, ``_End``, or ``_Raised`` with its error
-        (raised after the batches before it are staged)."""
+        """The source's next batch, ``_End``, or ``_Raised`` with its error."""
         try:
             return next(self._source)
         except StopIteration:
@@ -373,7 +353,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         except Exception as error:
             return _Raised(error)
 
-    def _stage_with_retry(self, cache: EmbeddingCache, ids: Any, upcoming: Any) -> HostStaged:
+    def _stage_with_retry(self, cache: EmbeddingCache, ids: Any) -> HostStaged:
         """Stages ``ids``; while in-flight batches hold too many rows, waits for them.
 
         The look-ahead window shrinks instead of failing: the batch waits
@@ -392,7 +372,11 @@ class Prefetcher(Iterator[dict[str, Any]]):
         while True:
             try:
                 return cache.stage_host(
-                    ids, train=self.train, size=size, upcoming=upcoming, released=finished
+                    ids,
+                    train=self.train,
+                    size=size,
+                    released=finished,
+                    defer=not self.callback,
                 )
             except CapacityError as error:
                 if error.fits_after is None or error.fits_after >= planner.next_index:
@@ -460,11 +444,6 @@ class Prefetcher(Iterator[dict[str, Any]]):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _upcoming(batch: Any, key: str) -> Any:
-    """The ids of a batch read ahead, or ``None`` (end of data, no such key)."""
-    return batch.get(key) if isinstance(batch, Mapping) else None
 
 
 def _ids(batch: Mapping[str, Any], key: str) -> Any:

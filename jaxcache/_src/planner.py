@@ -372,7 +372,6 @@ class Planner:
         ids: np.ndarray,
         *,
         train: bool = True,
-        upcoming: Any = None,
         released: int | None = None,
     ) -> Plan:
         """Plans one batch.
@@ -380,13 +379,6 @@ class Planner:
         Args:
           ids: integer ids of any shape ``[B, ...]``.
           train: the batch will update its rows (they become dirty).
-          upcoming: ids of the batch that will be planned next, if known. Its
-            resident rows are not evicted by this plan when the misses fit
-            without them, so the next plan never fetches a row this one
-            just evicted (the pipeline would wait for this plan's swap to
-            read it out). Its ids are not validated here (that batch is
-            checked when it is planned): padding and ids out of range are
-            skipped.
           released: plan as if only the plans up to this index were
             finished (at most ``self.released``; default: all released). A
             pipeline passes a bound that does not depend on the timing of
@@ -437,8 +429,6 @@ class Planner:
         available = self.group_capacity - hits_per_group - self._guard(finished)
         if (misses > available).any():
             raise self._no_room(hit_unique, misses, available)
-
-        self._protect_upcoming(upcoming, available - misses)
 
         # From here on the state changes; everything above validated.
         index = self.next_index
@@ -554,31 +544,6 @@ class Planner:
     def _protected(self, slots: np.ndarray) -> np.ndarray:
         """Whether each of ``slots`` is protected in the plan being made."""
         return self._mark[slots] == self._stamp
-
-    def _protect_upcoming(self, upcoming: Any, spare: np.ndarray) -> None:
-        """Marks the resident rows of ``upcoming`` protected, group by group:
-        where ``spare[g]`` unprotected slots (beyond the misses') can take all
-        of them; else none of that group's.
-
-        Padding and ids out of range are skipped (that batch is checked when
-        it is planned).
-        """
-        if upcoming is None or not (spare > 0).any():
-            return
-        array = np.asarray(upcoming)
-        if not np.issubdtype(array.dtype, np.integer) or array.dtype == bool:
-            return
-        flat = kernels.as_index_array(array)
-        pad = _NO_PAD if self.config.padding_id is None else self.config.padding_id
-        kept = np.empty(min(flat.size, self.capacity), np.int32)
-        k = kernels.collect_unmarked(
-            flat, pad, self.config.num_embeddings, self.slot_of_id, self._mark, self._stamp, kept
-        )
-        kept = kept[:k]
-        fits = self._per_group(slots=kept) <= spare
-        if not fits.all():
-            kept = kept[fits[kept // self.group_capacity]]
-        self._mark[kept] = self._stamp
 
     def _keys(self, slots: np.ndarray) -> np.ndarray:
         """Eviction keys of ``slots``: -1 for a free slot, else the policy's priority."""

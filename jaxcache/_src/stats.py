@@ -142,8 +142,11 @@ class CacheStats:
       last: counts of the last planned batch.
       steps: batches planned.
       timers: ``PhaseTimers`` of the host and swap phases.
-      write_back_waits: times a prefetched batch needed a row whose eviction
+      write_back_waits: times a batch being staged needed a row whose eviction
         had not been applied yet, and waited for it (look-ahead cost).
+      deferred_fetches: rows a prefetched batch needed while their
+        write-back from an earlier plan was pending: read when the batch is
+        transferred, after that write-back landed, instead of waiting.
 
     Examples:
       >>> import jaxcache
@@ -161,6 +164,7 @@ class CacheStats:
         self.steps = 0
         self.timers = PhaseTimers()
         self.write_back_waits = 0
+        self.deferred_fetches = 0
         self._compilations_at_start = compilations()
 
     def record(self, step: StepStats) -> None:
@@ -199,5 +203,6 @@ class CacheStats:
             bytes_to_host=self.bytes_to_host,
             compilations=self.compilations,
             write_back_waits=self.write_back_waits,
+            deferred_fetches=self.deferred_fetches,
         )
         return out
