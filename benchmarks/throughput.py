@@ -47,6 +47,7 @@ the side-by-side runs.
     python benchmarks/throughput.py                # about 5 minutes on 2 CPU cores
     python benchmarks/throughput.py --lookahead 0  # the loops unpipelined
     python benchmarks/throughput.py --quick        # a minute or two, smaller table
+    python benchmarks/throughput.py --side-by-side-only --rounds 5  # the two ratios alone
 """
 
 from __future__ import annotations
@@ -634,6 +635,12 @@ def main() -> None:
         "--rounds", type=int, default=None, help="rounds of the side-by-side runs (default 3)"
     )
     parser.add_argument("--quick", action="store_true", help="small table, few steps")
+    parser.add_argument(
+        "--side-by-side-only",
+        action="store_true",
+        help="only the embedding-heavy side-by-side rounds and pipelined_over_ideal "
+        "(about 2.5 minutes)",
+    )
     parser.add_argument("--scale", type=float, default=None, help="SyntheticCriteo scale")
     parser.add_argument("--policy", default="frequency", choices=jaxcache.POLICIES)
     parser.add_argument("--seed", type=int, default=0)
@@ -671,13 +678,16 @@ def main() -> None:
         f"{len(os.sched_getaffinity(0))} cores; {args.steps} timed steps after {args.warmup} "
         f"warm-up; loops at lookahead {args.lookahead}"
     )
-    Bench(dlrm, args).compare()
+    if not args.side_by_side_only:
+        Bench(dlrm, args).compare()
     bench = Bench(heavy, args)
-    bench.compare()
+    if not args.side_by_side_only:
+        bench.compare()
     over_ideal, cached_over_full = side_by_side(bench)
     print(f"pipelined_over_ideal={over_ideal:.3f}")
-    planner_throughput(heavy, args)
-    capacity_scaling(bench)
+    if not args.side_by_side_only:
+        planner_throughput(heavy, args)
+        capacity_scaling(bench)
     print(f"cached_2pct_over_full={cached_over_full:.3f}")
 
 
