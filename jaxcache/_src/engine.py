@@ -66,6 +66,9 @@ class Staged(NamedTuple):
         ``swap``, or ``None`` when no row moves.
       lookup: the batch's device ``Lookup``.
 
+    On a single CPU device the arrays stay NumPy arrays (fresh ones, never
+    written again): the jitted programs take them without ``device_put``.
+
     Examples:
       >>> import numpy as np, jaxcache
       >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8))
@@ -192,6 +195,11 @@ class EmbeddingCache:
         self._first = shard * self._blocks
         self.row_sharding = NamedSharding(mesh, PartitionSpec(axis))
         self.replicated = NamedSharding(mesh, PartitionSpec())
+        # On one CPU device a batch's host arrays are already where the device
+        # reads them: the jitted programs take them as they are (JAX's C++
+        # dispatch), where jax.device_put would spend Python time on each
+        # array, on the thread the training loop needs.
+        self._host_is_device = mesh.size == 1 and mesh.devices.flat[0].platform == "cpu"
         # Write-backs: evicted ids by plan index, from planning until landed,
         # and the device rows read out by each applied swap.
         self._write_back_lock = threading.Condition()
@@ -350,7 +358,8 @@ class EmbeddingCache:
         return self.to_device(self.stage_host(ids, train=train, defer=True))
 
     def to_device(self, host: HostStaged) -> Staged:
-        """Starts the transfer of a host-staged batch (``device_put``, asynchronous).
+        """Starts the transfer of a host-staged batch (``device_put``, asynchronous;
+        on a single CPU device the arrays are handed over as they are).
 
         Call it after every earlier plan was applied (``apply``): rows it
         fetches that an earlier plan evicted are read once that plan's
@@ -359,14 +368,19 @@ class EmbeddingCache:
         if host.deferred is not None:
             self._fetch_deferred(host)
         with self.stats.timers.time("transfer"):
-            moves = None if host.moves is None else self._put(host.moves, self.row_sharding)
+            moves = None if host.moves is None else self._transfer(host.moves, self.row_sharding)
             lookup = self._device_lookup(host.route)
         return Staged(host.plan, moves, lookup)
+
+    def _transfer(self, tree: Any, sharding: NamedSharding) -> Any:
+        """A staged batch's arrays for the device: ``_put``, or on one CPU
+        device the fresh NumPy arrays themselves."""
+        return tree if self._host_is_device else self._put(tree, sharding)
 
     def _device_lookup(self, route: routing.HostRoute) -> Lookup:
         first, last = self._first, self._first + self._blocks
         per = route.inverse.shape[0] // self.devices  # batch rows per device
-        requests, inverse, owner_slots, owner_inverse = self._put(
+        requests, inverse, owner_slots, owner_inverse = self._transfer(
             (
                 route.requests[first:last],
                 route.inverse[first * per : last * per],
@@ -375,7 +389,7 @@ class EmbeddingCache:
             ),
             self.row_sharding,
         )
-        overflow = self._put(route.overflow, self.replicated)
+        overflow = self._transfer(route.overflow, self.replicated)
         return Lookup(
             requests,
             overflow,
