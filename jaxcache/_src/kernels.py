@@ -18,7 +18,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["as_index_array", "lookup", "mark_new"]
+__all__ = ["as_index_array", "fill_negative", "lookup", "mark_new"]
 
 _JIT = {"nogil": True, "cache": True, "boundscheck": False}
 
@@ -90,3 +90,13 @@ def mark_new(slots, mark, stamp, group_capacity, counts):
         if mark[s] != stamp:
             mark[s] = stamp
             counts[s // group_capacity] += 1
+
+
+@numba.njit(**_JIT)
+def fill_negative(values, fill):
+    """A copy of 1-D ``values`` with every negative entry (padding) set to ``fill``."""
+    out = np.empty_like(values)
+    for p in range(values.size):
+        v = values[p]
+        out[p] = fill if v < 0 else v
+    return out

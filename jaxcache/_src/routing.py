@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcache._src import kernels
 from jaxcache._src.optimizers import SparseOptimizer
 
 __all__ = [
@@ -206,7 +207,9 @@ def _one_device(
     owner_slots[0, :u] = unique_slots
     owner_inverse = np.full((1, received), v, np.int32)
     owner_inverse[0, :u] = np.arange(u, dtype=np.int32)
-    out_inverse = np.where(inverse < 0, received, inverse).astype(np.int32)
+    # One compiled pass: np.where over a mostly-padding batch cost 0.2-0.6 ms.
+    flat = np.ascontiguousarray(inverse, dtype=np.int32).reshape(-1)
+    out_inverse = kernels.fill_negative(flat, received).reshape(inverse.shape)
     overflow = np.full(o, cl, np.int32)
     return HostRoute(requests, overflow, out_inverse, owner_slots, owner_inverse, 0)
 
