@@ -32,19 +32,6 @@ def as_index_array(ids: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(**_JIT)
-def _slots(flat, pad, num_embeddings, slot_of_id, out):
-    """``out[p]``: the slot of ``flat[p]`` (``-1`` not resident), ``-2`` for
-    padding, ``-3`` for an id out of range. Branch-free, so the random reads
-    of the directory overlap instead of waiting on each other."""
-    for p in range(flat.size):
-        i = flat[p]
-        is_pad = i == pad
-        valid = (i >= 0) & (i < num_embeddings) & ~is_pad
-        s = slot_of_id[i if valid else 0]
-        out[p] = s if valid else (-2 if is_pad else -3)
-
-
-@numba.njit(**_JIT)
 def lookup(flat, pad, num_embeddings, slot_of_id, rank, mark, stamp, inverse, hits, misses):
     """Looks a batch's ids up in the directory.
 
@@ -58,19 +45,19 @@ def lookup(flat, pad, num_embeddings, slot_of_id, rank, mark, stamp, inverse, hi
       first position holding an id outside ``[0, num_embeddings)`` (then the
       other outputs are incomplete), else ``-1``.
     """
-    _slots(flat, pad, num_embeddings, slot_of_id, inverse)
     h = 0
     m = 0
     valid = 0
     for p in range(flat.size):
-        s = inverse[p]
-        if s == -2:
+        i = flat[p]
+        if i == pad:
             inverse[p] = -1
             continue
-        if s == -3:
+        if i < 0 or i >= num_embeddings:
             return h, m, valid, p
         valid += 1
-        if s == -1:
+        s = slot_of_id[i]
+        if s < 0:
             misses[m] = p
             m += 1
             continue
