@@ -394,9 +394,7 @@ class Planner:
             that in-flight batches protect (nothing changed).
         """
         cfg = self.config
-        array = np.asarray(ids)
-        if array.dtype == bool or not np.issubdtype(array.dtype, np.integer) or array.ndim == 0:
-            validation.check_ids(array, cfg.num_embeddings, cfg.padding_id, "ids")  # raises
+        array = validation.check_id_type(ids, "ids")  # the values: in the loop below
         flat = kernels.as_index_array(array)
         pad = _NO_PAD if cfg.padding_id is None else cfg.padding_id
         self._stamp += 1  # the hits are marked protected as they are found

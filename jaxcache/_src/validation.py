@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["check_frequencies", "check_ids"]
+__all__ = ["check_frequencies", "check_id_type", "check_ids"]
 
 
 def check_ids(ids: object, num_embeddings: int, padding_id: int | None, name: str) -> np.ndarray:
@@ -14,17 +14,7 @@ def check_ids(ids: object, num_embeddings: int, padding_id: int | None, name: st
     ``padding_id``. Nothing is cast silently: a float or bool array is refused
     rather than truncated, and a large int64 is never wrapped to int32.
     """
-    array = np.asarray(ids)
-    if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
-        raise TypeError(
-            f"{name} must be an integer array, got dtype {array.dtype}; "
-            f"convert with np.asarray({name}, dtype=np.int64) if the values are whole ids."
-        )
-    if array.ndim == 0:
-        raise ValueError(
-            f"{name} must have rank >= 1 (e.g. [batch] or [batch, bag]), got a scalar; "
-            f"wrap it as np.array([{name}])."
-        )
+    array = check_id_type(ids, name)
     if array.size == 0:
         return array
     lo, hi = array.min(), array.max()
@@ -45,6 +35,23 @@ def check_ids(ids: object, num_embeddings: int, padding_id: int | None, name: st
         raise ValueError(
             f"{name} holds {value} at index {where}, outside [0, {num_embeddings}) "
             f"({int(bad.sum())} bad value(s)); {hint}."
+        )
+    return array
+
+
+def check_id_type(ids: object, name: str) -> np.ndarray:
+    """Returns ``ids`` as a NumPy integer array of rank >= 1, or raises a clear
+    error; the values are not checked (``check_ids`` checks them too)."""
+    array = np.asarray(ids)
+    if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(
+            f"{name} must be an integer array, got dtype {array.dtype}; "
+            f"convert with np.asarray({name}, dtype=np.int64) if the values are whole ids."
+        )
+    if array.ndim == 0:
+        raise ValueError(
+            f"{name} must have rank >= 1 (e.g. [batch] or [batch, bag]), got a scalar; "
+            f"wrap it as np.array([{name}])."
         )
     return array
 
