@@ -523,10 +523,10 @@ class EmbeddingCache:
 
     def _unlanded_among(self, ids: np.ndarray) -> np.ndarray:
         """Which of sorted ``ids`` an earlier plan evicted, unlanded yet."""
+        late = np.zeros(ids.shape, bool)
         with self._write_back_lock:
-            late = np.zeros(ids.shape, bool)
             for evicted, _ in self._unlanded.values():
-                late |= np.isin(ids, evicted)
+                late[_found_in(evicted, ids)] = True
         return late
 
     def _fetch_deferred(self, host: HostStaged) -> None:
@@ -713,13 +713,13 @@ class EmbeddingCache:
             else:
                 must = {i for i, (ids, _) in self._unlanded.items() if _intersects(ids, needed)}
 
-            def missing() -> bool:  # not read out by a swap yet, or being landed
-                return any(
-                    i in self._unlanded and (i not in self._dispatched or i in self._landing)
-                    for i in must
-                )
+            def unread() -> bool:  # evicted, not read out by a swap yet
+                return any(i in self._unlanded and i not in self._dispatched for i in must)
 
-            if any(i in self._unlanded and i not in self._dispatched for i in must):
+            def missing() -> bool:  # or being landed by another thread (still unlanded)
+                return unread() or any(i in self._landing for i in must)
+
+            if unread():
                 self.stats.write_back_waits += 1
             while missing():
                 self._write_back_lock.wait()
@@ -904,12 +904,17 @@ def _scatter_into(size: int, at: np.ndarray, values: np.ndarray) -> np.ndarray:
     return out
 
 
-def _intersects(values: np.ndarray, sorted_ids: np.ndarray) -> bool:
-    """Whether any of ``values`` is in ``sorted_ids`` (binary search, no sort)."""
+def _found_in(values: np.ndarray, sorted_ids: np.ndarray) -> np.ndarray:
+    """Positions in ``sorted_ids`` of the ``values`` it holds (binary search, no sort)."""
     if values.size == 0 or sorted_ids.size == 0:
-        return False
+        return np.zeros(0, np.int64)
     at = np.minimum(np.searchsorted(sorted_ids, values), sorted_ids.size - 1)
-    return bool((sorted_ids[at] == values).any())
+    return at[sorted_ids[at] == values]
+
+
+def _intersects(values: np.ndarray, sorted_ids: np.ndarray) -> bool:
+    """Whether any of ``values`` is in ``sorted_ids``."""
+    return _found_in(values, sorted_ids).size > 0
 
 
 def _pad(values: np.ndarray, size: int, fill: int | float) -> np.ndarray:
