@@ -59,6 +59,7 @@ import dataclasses
 import functools
 import os
 import time
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import jax
@@ -230,27 +231,44 @@ def run_loop(
     """A training loop fed by ``jaxcache.prefetch``; times the interval between steps."""
     embed, train_step = _trainer(setup, cache, seed, host_callback=host_callback)
     timing = Timing(name, cache.config.capacity)
-    intervals = []
+    windows = []
     pipeline = jaxcache.prefetch(
         batches, {"sparse": embed}, lookahead=lookahead, callback=host_callback
     )
     with pipeline:
-        tick = time.perf_counter()
-        for i, batch in enumerate(pipeline):
-            if i == warmup:
-                window = _Window(cache)
-                cpu, wall = time.process_time(), time.perf_counter()
-            timing.losses.append(train_step(batch["dense"], batch["sparse"], batch["label"]))
-            if i:
-                timing.losses[-2].block_until_ready()  # the loss of the step before
-            tock = time.perf_counter()
-            if i > warmup:
-                intervals.append(tock - tick)
-            tick = tock
+        steps = ((b["dense"], b["sparse"], b["label"]) for b in pipeline)
+        _time_steps(timing, train_step, steps, warmup, lambda: windows.append(_Window(cache)))
+    return windows[0].close(timing)
+
+
+def _time_steps(
+    timing: Timing,
+    train_step: Callable[..., jax.Array],
+    steps: Iterable[tuple[Any, ...]],
+    warmup: int,
+    at_warmup: Callable[[], Any] | None = None,
+) -> None:
+    """Runs ``train_step(*args)`` for each of ``steps``, reading each loss one
+    step later as a logging loop does; fills ``timing``'s losses, the step
+    intervals after ``warmup`` and the cores busy meanwhile. ``at_warmup``
+    is called when the timed steps begin."""
+    intervals = []
+    tick = time.perf_counter()
+    for i, args in enumerate(steps):
+        if i == warmup:
+            if at_warmup is not None:
+                at_warmup()
+            cpu, wall = time.process_time(), time.perf_counter()
+        timing.losses.append(train_step(*args))
+        if i:
+            timing.losses[-2].block_until_ready()  # the loss of the step before
+        tock = time.perf_counter()
+        if i > warmup:
+            intervals.append(tock - tick)
+        tick = tock
     timing.losses[-1].block_until_ready()
     timing.cores = (time.process_time() - cpu) / (time.perf_counter() - wall)
     timing.parts = {"step": intervals}
-    return window.close(timing)
 
 
 def run_staged_loop(
@@ -269,21 +287,8 @@ def run_staged_loop(
     inputs = jax.device_put([(b["dense"], b["label"]) for b in batches])
     jax.block_until_ready((lookups, inputs))
     timing = Timing("staged beforehand", cache.config.capacity)
-    intervals = []
-    tick = time.perf_counter()
-    for i, ((dense, label), lookup) in enumerate(zip(inputs, lookups, strict=True)):
-        if i == warmup:
-            cpu, wall = time.process_time(), time.perf_counter()
-        timing.losses.append(train_step(dense, lookup, label))
-        if i:
-            timing.losses[-2].block_until_ready()
-        tock = time.perf_counter()
-        if i > warmup:
-            intervals.append(tock - tick)
-        tick = tock
-    timing.losses[-1].block_until_ready()
-    timing.cores = (time.process_time() - cpu) / (time.perf_counter() - wall)
-    timing.parts = {"step": intervals}
+    steps = ((d, lookup, y) for (d, y), lookup in zip(inputs, lookups, strict=True))
+    _time_steps(timing, train_step, steps, warmup)
     return timing
 
 
