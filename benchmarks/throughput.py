@@ -41,7 +41,9 @@ host thread, so the two compete.
 
 Then: planner throughput on batches of 100k+ ids, and the blocking parts at
 capacities x1 and x8 of 2% (the training step must not grow with the
-capacity: the cache is donated to it, never copied). The last line is
+capacity: the cache is donated to it, never copied), and the CPU time the
+training thread spends calling the step, through ``nnx.jit`` and through
+``jaxcache.models.make_train_step``. The last line is
 ``cached_2pct_over_full=R`` for the embedding-heavy configuration: full-table
 step time over 2%-cache step time, both in the loop at ``--lookahead``, from
 the side-by-side runs.
@@ -650,6 +652,48 @@ def planner_throughput(setup: Setup, args: argparse.Namespace) -> None:
     )
 
 
+def step_dispatch(bench: Bench) -> None:
+    """CPU time of the calling thread per training-step call: ``nnx.jit``
+    through ``nnx.cached_partial`` against ``make_train_step``'s single
+    ``jax.jit`` over the variables (full table, every batch staged first)."""
+    args = bench.args
+    tx = jaxcache.models.dense_optimizer("adagrad", DENSE_LEARNING_RATE)
+    print()
+    print(f"training-step dispatch ({bench.setup.name}), CPU ms of the calling thread per call:")
+    for kind in ("nnx.jit + nnx.cached_partial", "jaxcache.models.make_train_step"):
+        cache = bench.cache(None)
+        embed = jaxcache.nnx.CachedEmbed(cache, combiner=bench.setup.combiner)
+        model = _model(bench.setup, embed, args.seed)
+        if kind.startswith("nnx"):
+            optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+            step = nnx.cached_partial(_nnx_train_step, model, optimizer)
+        else:
+            _, step = jaxcache.models.make_train_step(model, tx)
+        lookups = []
+        for batch in bench.batches:
+            cache.planner.release(cache.planner.next_index - 1)
+            lookups.append(cache.stage(batch["sparse"]).lookup)
+        inputs = jax.device_put([(b["dense"], b["label"]) for b in bench.batches])
+        jax.block_until_ready((lookups, inputs))
+        cpu = []
+        for (dense, labels), lookup in zip(inputs, lookups, strict=True):
+            start = time.thread_time()
+            loss = step(dense, lookup, labels)
+            cpu.append(time.thread_time() - start)
+            loss.block_until_ready()
+        print(f"  {kind:<34}{1e3 * np.median(cpu[args.warmup :]):6.3f}")
+
+
+@nnx.jit(donate_argnums=(0, 1))
+def _nnx_train_step(model, optimizer, dense, lookup, labels):
+    def loss_fn(model, lookup):
+        return jaxcache.models.bce_loss(model(dense, lookup), labels)
+
+    loss, grads = jaxcache.nnx.value_and_grad(loss_fn)(model, lookup)
+    optimizer.update(model, grads)
+    return loss
+
+
 def capacity_scaling(bench: Bench) -> None:
     """Device step time at capacities x1 and x8: must not grow with the capacity."""
     print()
@@ -735,6 +779,7 @@ def main() -> None:
     if not args.side_by_side_only:
         planner_throughput(heavy, args)
         capacity_scaling(bench)
+        step_dispatch(bench)
     print(f"cached_2pct_over_full={cached_over_full:.3f}")
 
 
