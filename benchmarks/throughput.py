@@ -41,9 +41,11 @@ host thread, so the two compete.
 
 Then: planner throughput on batches of 100k+ ids, and the blocking parts at
 capacities x1 and x8 of 2% (the training step must not grow with the
-capacity: the cache is donated to it, never copied), and the CPU time the
-training thread spends calling the step, through ``nnx.jit`` and through
-``jaxcache.models.make_train_step``. The last line is
+capacity: the cache is donated to it, never copied), and the training step
+with every batch staged beforehand: the CPU time the training thread spends
+calling it, through ``nnx.jit`` and through ``jaxcache.models.make_train_step``,
+and its time when pooling reads every position of the bags instead of the
+real ids only. The last line is
 ``cached_2pct_over_full=R`` for the embedding-heavy configuration: full-table
 step time over 2%-cache step time, both in the loop at ``--lookahead``, from
 the side-by-side runs.
@@ -652,15 +654,27 @@ def planner_throughput(setup: Setup, args: argparse.Namespace) -> None:
     )
 
 
-def step_dispatch(bench: Bench) -> None:
-    """CPU time of the calling thread per training-step call: ``nnx.jit``
-    through ``nnx.cached_partial`` against ``make_train_step``'s single
-    ``jax.jit`` over the variables (full table, every batch staged first)."""
+def staged_steps(bench: Bench) -> None:
+    """The training step with every batch staged beforehand (full table):
+    the CPU time of the calling thread per call through ``nnx.jit`` (and
+    ``nnx.cached_partial``) against ``make_train_step``'s single ``jax.jit``
+    over the variables, and the step's time when pooling reads every
+    position of the bags (``Lookup.positions`` dropped) against the real
+    ids only."""
     args = bench.args
     tx = jaxcache.models.dense_optimizer("adagrad", DENSE_LEARNING_RATE)
     print()
-    print(f"training-step dispatch ({bench.setup.name}), CPU ms of the calling thread per call:")
-    for kind in ("nnx.jit + nnx.cached_partial", "jaxcache.models.make_train_step"):
+    print(
+        f"training step, {bench.setup.name}, full table, every batch staged beforehand; "
+        "medians in ms:"
+    )
+    print(f"  {'step':<34}{'pooling reads':<16}{'CPU per call':>13}{'step':>7}")
+    variants = [
+        ("nnx.jit + nnx.cached_partial", "real ids"),
+        ("jaxcache.models.make_train_step", "real ids"),
+        ("jaxcache.models.make_train_step", "all positions"),
+    ]
+    for kind, pooling in variants:
         cache = bench.cache(None)
         embed = jaxcache.nnx.CachedEmbed(cache, combiner=bench.setup.combiner)
         model = _model(bench.setup, embed, args.seed)
@@ -672,16 +686,24 @@ def step_dispatch(bench: Bench) -> None:
         lookups = []
         for batch in bench.batches:
             cache.planner.release(cache.planner.next_index - 1)
-            lookups.append(cache.stage(batch["sparse"]).lookup)
+            lookup = cache.stage(batch["sparse"]).lookup
+            if pooling == "all positions":
+                lookup = dataclasses.replace(lookup, positions=None)
+            lookups.append(lookup)
         inputs = jax.device_put([(b["dense"], b["label"]) for b in bench.batches])
         jax.block_until_ready((lookups, inputs))
-        cpu = []
+        cpu, wall = [], []
         for (dense, labels), lookup in zip(inputs, lookups, strict=True):
-            start = time.thread_time()
+            start, tick = time.thread_time(), time.perf_counter()
             loss = step(dense, lookup, labels)
             cpu.append(time.thread_time() - start)
             loss.block_until_ready()
-        print(f"  {kind:<34}{1e3 * np.median(cpu[args.warmup :]):6.3f}")
+            wall.append(time.perf_counter() - tick)
+        w = args.warmup
+        print(
+            f"  {kind:<34}{pooling:<16}{1e3 * np.median(cpu[w:]):>13.3f}"
+            f"{1e3 * np.median(wall[w:]):>7.2f}"
+        )
 
 
 @nnx.jit(donate_argnums=(0, 1))
@@ -779,7 +801,7 @@ def main() -> None:
     if not args.side_by_side_only:
         planner_throughput(heavy, args)
         capacity_scaling(bench)
-        step_dispatch(bench)
+        staged_steps(bench)
     print(f"cached_2pct_over_full={cached_over_full:.3f}")
 
 

@@ -70,6 +70,36 @@ def test_sharded_training_matches_full_table(devices):
         _assert_matches(model, losses, reference, ref_losses)
 
 
+@pytest.mark.parametrize("devices", [2, 8])
+def test_sharded_weighted_bags_with_padding_match_full_table(devices):
+    # [B, F, L] bags, three quarters of the positions padding, per-id weights: pooling
+    # reads only the real positions of each device's share of the batch.
+    bag, steps, rng = 8, 10, np.random.default_rng(3)
+    batches = []
+    for ids, y in zipf_batches(N, B * bag, F, steps, seed=12):
+        ids = ids.reshape(B, bag, F).transpose(0, 2, 1).copy()
+        ids[rng.random(ids.shape) < 0.75] = -1
+        ids[0, 0] = -1  # an empty bag
+        batches.append({"ids": ids, "w": rng.uniform(0.5, 2.0, ids.shape), "y": y[:B]})
+    cfg = jaxcache.CacheConfig(N, D, 600, optimizer=jaxcache.adam(0.02), padding_id=-1)
+    rows = np.array(jaxcache.HostTable(cfg, seed=1).rows)
+    reference, ref_train = make_reference(rows, cfg.optimizer, F, combiner="mean")
+    ref_losses = [float(ref_train(b["ids"], b["y"], b["w"].astype(np.float32))) for b in batches]
+    cache = jaxcache.EmbeddingCache(
+        cfg, table=jaxcache.HostTable(cfg, rows=rows), mesh=_mesh(devices)
+    )
+    model, train = make_cached(cache, F, combiner="mean")
+    losses = []
+    with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=2) as pipeline:
+        for b in pipeline:
+            share = b["ids"].inverse.size // devices
+            assert b["ids"].positions.shape[0] == devices
+            assert b["ids"].positions.shape[1] < share  # padding is skipped
+            losses.append(float(train.with_lookup(b["ids"], b["y"], b["w"].astype(np.float32))))
+    assert cache.stats.total.evictions > 100
+    _assert_matches(model, losses, reference, ref_losses)
+
+
 def test_forced_overflow_is_exact():
     # One row per (device, owner) pair through all_to_all: most rows overflow.
     cache, model, losses, _ = _train(8, "lru", 400, lookahead=1, route_capacity=1)

@@ -60,7 +60,15 @@ class CacheState(NamedTuple):
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["requests", "overflow", "inverse", "owner_slots", "owner_inverse", "delta"],
+    data_fields=[
+        "requests",
+        "overflow",
+        "inverse",
+        "owner_slots",
+        "owner_inverse",
+        "delta",
+        "positions",
+    ],
     meta_fields=["table", "mesh", "axis"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +93,11 @@ class Lookup:
         differentiating, so the gradient w.r.t. it is the per-row gradient;
         set by the ``value_and_grad`` of ``jaxcache.nnx`` and
         ``jaxcache.linen``, ``None`` otherwise.
+      positions: ``int32 [n, P]`` or ``None``: for bags with padding, where
+        the real ids are in each device's share of the flattened ids, padded
+        with the share's length. Pooling reads and differentiates only these
+        ``P`` rows per device instead of every position of the bags (mostly
+        padding in multi-hot batches).
       table: name of the table.
       mesh: the device mesh of the table's rows.
       axis: the mesh axis the rows and the batch are split over.
@@ -103,6 +116,7 @@ class Lookup:
     owner_slots: jax.Array
     owner_inverse: jax.Array
     delta: jax.Array | None = None
+    positions: jax.Array | None = None
     table: str = "embedding"
     mesh: Mesh | None = None
     axis: str = "rows"
@@ -436,8 +450,63 @@ def _gather_and_pool(
 ) -> jax.Array:
     # One program when called outside a jitted step (``model.init``, a first
     # eager call): op by op, the routed gather and pooling compile ~50 times.
+    if combiner is not None and lookup.positions is not None:
+        return _pool_real(rows, lookup, combiner, weights)
     embeddings = lookup_rows(rows, lookup)
     return embeddings if combiner is None else pool(embeddings, lookup, combiner, weights)
+
+
+def _pool_real(
+    rows: jax.Array, lookup: Lookup, combiner: str, weights: jax.Array | None
+) -> jax.Array:
+    """``pool(lookup_rows(rows, lookup), ...)`` from the real ids alone.
+
+    Each device gathers the rows of the ``P`` real positions of its share
+    (``lookup.positions``) and sums them into their bags (``segment_sum``,
+    positions in order); padding is never read, and the backward pass
+    scatters ``P`` gradients, not one per position of the bags.
+    """
+    if combiner not in ("sum", "mean"):
+        raise ValueError(f"combiner={combiner!r} is not supported; use 'sum', 'mean' or None.")
+    spec = PartitionSpec(lookup.axis)
+    axis = lookup.axis
+    received = lookup.received
+    bag = lookup.shape[-1]
+
+    def body(rows, requests, overflow, inverse, positions, *rest):
+        rest = list(rest)
+        delta = rest.pop(0) if lookup.delta is not None else None
+        w = rest.pop(0) if weights is not None else None
+        got = routing.routed_gather(rows, requests, overflow, axis)
+        if delta is not None:
+            got = got + delta[0].astype(got.dtype)
+        at = positions[0]  # [P]; padding: the share's length
+        real = inverse.reshape(-1).at[at].get(mode="fill", fill_value=received)
+        embeddings = got.at[real].get(mode="fill", fill_value=0)
+        scale = (real < received).astype(embeddings.dtype)
+        if w is not None:
+            scale = scale * w.reshape(-1).at[at].get(mode="fill", fill_value=0).astype(scale.dtype)
+        bags = inverse.size // bag
+        segment = at // bag  # padding falls in bag ``bags``: dropped
+
+        def per_bag(values):
+            return jax.ops.segment_sum(values, segment, num_segments=bags, indices_are_sorted=True)
+
+        total = per_bag(embeddings * scale[:, None])
+        if combiner == "mean":
+            count = per_bag(scale)[:, None]
+            total = total / jnp.where(count == 0, 1, count)
+        return total.reshape(*inverse.shape[:-1], total.shape[-1])
+
+    args = [rows, lookup.requests, lookup.overflow, lookup.inverse, lookup.positions]
+    specs = [spec, spec, PartitionSpec(), spec, spec]
+    for extra in (lookup.delta, weights):
+        if extra is not None:
+            args.append(extra)
+            specs.append(spec)
+    return jax.shard_map(
+        body, mesh=lookup.mesh, in_specs=tuple(specs), out_specs=spec, check_vma=False
+    )(*args)
 
 
 def _is_lookup(x: object) -> bool:

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxcache._src import device_ops, routing
+from jaxcache._src import device_ops, kernels, routing
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.device_ops import CacheState, Lookup
 from jaxcache._src.frequency import hottest
@@ -212,6 +212,7 @@ class EmbeddingCache:
         self._plan_lock = threading.Lock()
         self._fetch_bucket = 0
         self._route_buckets = (0, 0, 0)  # K, V, O in use
+        self._bag_bucket = 0  # P: real ids per device in a batch of bags
         self._applied = -1  # index of the last plan whose rows reached the device
         if warm is None:
             warm = config.policy == "frequency"
@@ -390,12 +391,16 @@ class EmbeddingCache:
             self.row_sharding,
         )
         overflow = self._transfer(route.overflow, self.replicated)
+        positions = None
+        if route.positions is not None:
+            positions = self._transfer(route.positions[first:last], self.row_sharding)
         return Lookup(
             requests,
             overflow,
             inverse,
             owner_slots,
             owner_inverse,
+            positions=positions,
             table=self.name,
             mesh=self.mesh,
             axis=self.axis,
@@ -574,7 +579,7 @@ class EmbeddingCache:
                 overflowing = need.overflow_count(k)
             o = bucket_size(overflowing, 8, o_prev) if overflowing or o_prev else 0
             self._route_buckets = (k, v, o)
-        return routing.plan_route(
+        route = routing.plan_route(
             plan.unique_slots,
             plan.inverse,
             devices=n,
@@ -584,6 +589,21 @@ class EmbeddingCache:
             owner_size=v,
             demand=need,
         )
+        if size is not None or self.config.padding_id is None or plan.inverse.ndim < 2:
+            return route  # no padding to skip (or the callback form: its own sizes)
+        return route._replace(positions=self._real_positions(plan.inverse))
+
+    def _real_positions(self, inverse: np.ndarray) -> np.ndarray:
+        """``[n, P]`` positions of the real ids in each device's share of a
+        batch of bags (``HostRoute.positions``); ``P`` from buckets."""
+        flat = np.ascontiguousarray(inverse, dtype=np.int32).reshape(-1)
+        minimum = max(1, self.config.min_bucket // self.devices)
+        size = max(self._bag_bucket, minimum)
+        positions, most = kernels.real_positions(flat, self.devices, size)
+        self._bag_bucket = bucket_size(most, minimum, self._bag_bucket)
+        if self._bag_bucket != size:  # cut short, or the bucket shrinks
+            positions, _ = kernels.real_positions(flat, self.devices, self._bag_bucket)
+        return positions
 
     # ------------------------------------------------------- host callbacks
     def offer(self, staged: HostStaged) -> None:

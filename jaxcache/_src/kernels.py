@@ -18,7 +18,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["as_index_array", "fill_negative", "lookup", "mark_new"]
+__all__ = ["as_index_array", "fill_negative", "lookup", "mark_new", "real_positions"]
 
 _JIT = {"nogil": True, "cache": True, "boundscheck": False}
 
@@ -87,3 +87,28 @@ def fill_negative(values, fill):
         v = values[p]
         out[p] = fill if v < 0 else v
     return out
+
+
+@numba.njit(**_JIT)
+def real_positions(values, devices, size):
+    """Where the real (non-negative) entries of 1-D ``values`` are, per device.
+
+    ``values`` splits evenly over ``devices``; row ``d`` of the result lists
+    the positions, within device ``d``'s share, of its real entries in order,
+    padded to ``size`` with the share's length. Returns ``(positions [devices,
+    size], the most real entries of a device)``; when that exceeds ``size``
+    the positions are cut short and the caller must retry with more room.
+    """
+    share = values.size // devices
+    out = np.full((devices, size), share, np.int32)
+    most = 0
+    for d in range(devices):
+        j = 0
+        base = d * share
+        for p in range(share):
+            if values[base + p] >= 0:
+                if j < size:
+                    out[d, j] = p
+                j += 1
+        most = max(most, j)
+    return out, most

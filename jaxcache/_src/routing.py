@@ -57,6 +57,10 @@ class HostRoute(NamedTuple):
       owner_inverse: ``int32 [n, R]``: for owner ``e``, the row of
         ``owner_slots[e]`` each received gradient adds to; ``V`` drops it.
       overflowed: rows that took the overflow path (statistics).
+      positions: ``int32 [n, P]`` or ``None``: for batches of bags with
+        padding, where the real ids are in each device's share of the
+        (flattened) batch, padded with the share's length; pooling reads
+        only these (``EmbeddingCache`` fills it in).
     """
 
     requests: np.ndarray
@@ -65,6 +69,7 @@ class HostRoute(NamedTuple):
     owner_slots: np.ndarray
     owner_inverse: np.ndarray
     overflowed: int
+    positions: np.ndarray | None = None
 
 
 def _first_occurrence(keys: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
