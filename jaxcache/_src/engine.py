@@ -47,7 +47,9 @@ class HostStaged(NamedTuple):
       deferred: ``(ids, at)`` of fetched rows whose write-back from an
         earlier plan had not landed when this one was staged: ``to_device``
         lands it (that plan's swap has been applied by then) and copies them
-        into the fetch rows at ``at``. ``None`` when there are none.
+        into the fetch rows at ``at``; in the host-callback form the step's
+        stage callback copies them (the earlier steps' write-back callbacks
+        have run by then). ``None`` when there are none.
     """
 
     plan: Plan
@@ -459,9 +461,9 @@ class EmbeddingCache:
           released: plan as if only plans up to this index were finished
             (see ``Planner.plan``).
           defer: a row to fetch whose write-back from an earlier plan has
-            not landed is left for ``to_device`` to read (the training loop
-            applies that plan's swap meanwhile) instead of waiting here for
-            the swap to be dispatched.
+            not landed is left for ``to_device`` (or the host-callback form's
+            stage callback) to read, once that plan's swap ran, instead of
+            waiting here for it.
 
         Returns:
           A ``HostStaged``.
@@ -640,6 +642,15 @@ class EmbeddingCache:
                     "the step looked up ids that differ from the batch the pipeline prepared; "
                     "pass each step the batch the pipeline yields, in order."
                 )
+            if host.deferred is not None:
+                # Every earlier step's write-back callback ran before this
+                # (ordered callbacks): the rows it waits for are home.
+                if self._unlanded_among(host.deferred[0]).any():
+                    raise RuntimeError(
+                        f"batch {host.plan.index} fetches rows an earlier step has not written "
+                        "back; run a step for every batch the pipeline yields, in order."
+                    )
+                self._fetch_deferred(host)
         else:
             self.planner.release(self.planner.next_index - 1)
             host = self.stage_host(ids, train=train, size=ids.size)

@@ -376,7 +376,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
                     train=self.train,
                     size=size,
                     released=finished,
-                    defer=not self.callback,
+                    defer=True,
                 )
             except CapacityError as error:
                 if error.fits_after is None or error.fits_after >= planner.next_index:
