@@ -660,50 +660,61 @@ def staged_steps(bench: Bench) -> None:
     ``nnx.cached_partial``) against ``make_train_step``'s single ``jax.jit``
     over the variables, and the step's time when pooling reads every
     position of the bags (``Lookup.positions`` dropped) against the real
-    ids only."""
+    ids only. ``--rounds`` interleaved rounds; medians over the rounds of
+    each run's median, and their range."""
     args = bench.args
-    tx = jaxcache.models.dense_optimizer("adagrad", DENSE_LEARNING_RATE)
-    print()
-    print(
-        f"training step, {bench.setup.name}, full table, every batch staged beforehand; "
-        "medians in ms:"
-    )
-    print(f"  {'step':<34}{'pooling reads':<16}{'CPU per call':>13}{'step':>7}")
     variants = [
         ("nnx.jit + nnx.cached_partial", "real ids"),
         ("jaxcache.models.make_train_step", "real ids"),
         ("jaxcache.models.make_train_step", "all positions"),
     ]
-    for kind, pooling in variants:
-        cache = bench.cache(None)
-        embed = jaxcache.nnx.CachedEmbed(cache, combiner=bench.setup.combiner)
-        model = _model(bench.setup, embed, args.seed)
-        if kind.startswith("nnx"):
-            optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-            step = nnx.cached_partial(_nnx_train_step, model, optimizer)
-        else:
-            _, step = jaxcache.models.make_train_step(model, tx)
-        lookups = []
-        for batch in bench.batches:
-            cache.planner.release(cache.planner.next_index - 1)
-            lookup = cache.stage(batch["sparse"]).lookup
-            if pooling == "all positions":
-                lookup = dataclasses.replace(lookup, positions=None)
-            lookups.append(lookup)
-        inputs = jax.device_put([(b["dense"], b["label"]) for b in bench.batches])
-        jax.block_until_ready((lookups, inputs))
-        cpu, wall = [], []
-        for (dense, labels), lookup in zip(inputs, lookups, strict=True):
-            start, tick = time.thread_time(), time.perf_counter()
-            loss = step(dense, lookup, labels)
-            cpu.append(time.thread_time() - start)
-            loss.block_until_ready()
-            wall.append(time.perf_counter() - tick)
-        w = args.warmup
-        print(
-            f"  {kind:<34}{pooling:<16}{1e3 * np.median(cpu[w:]):>13.3f}"
-            f"{1e3 * np.median(wall[w:]):>7.2f}"
-        )
+    results: dict[tuple[str, str], list[tuple[float, float]]] = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for variant in variants:
+            results[variant].append(_staged_step_times(bench, *variant))
+    print()
+    print(
+        f"training step, {bench.setup.name}, full table, every batch staged beforehand; "
+        f"{args.rounds} round(s), ms:"
+    )
+    print(f"  {'step':<34}{'pooling reads':<16}{'CPU per call':>18}{'step':>18}")
+    for (kind, pooling), rounds in results.items():
+        cells = ""
+        for values in zip(*rounds, strict=True):
+            spread = f"({1e3 * min(values):.2f}-{1e3 * max(values):.2f})"
+            cells += f"{1e3 * np.median(values):>6.2f} {spread:>11}"
+        print(f"  {kind:<34}{pooling:<16}{cells}")
+
+
+def _staged_step_times(bench: Bench, kind: str, pooling: str) -> tuple[float, float]:
+    """Medians of the CPU time per call and of the step time of one run."""
+    tx = jaxcache.models.dense_optimizer("adagrad", DENSE_LEARNING_RATE)
+    cache = bench.cache(None)
+    embed = jaxcache.nnx.CachedEmbed(cache, combiner=bench.setup.combiner)
+    model = _model(bench.setup, embed, bench.args.seed)
+    if kind.startswith("nnx"):
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        step = nnx.cached_partial(_nnx_train_step, model, optimizer)
+    else:
+        _, step = jaxcache.models.make_train_step(model, tx)
+    lookups = []
+    for batch in bench.batches:
+        cache.planner.release(cache.planner.next_index - 1)
+        lookup = cache.stage(batch["sparse"]).lookup
+        if pooling == "all positions":
+            lookup = dataclasses.replace(lookup, positions=None)
+        lookups.append(lookup)
+    inputs = jax.device_put([(b["dense"], b["label"]) for b in bench.batches])
+    jax.block_until_ready((lookups, inputs))
+    cpu, wall = [], []
+    for (dense, labels), lookup in zip(inputs, lookups, strict=True):
+        start, tick = time.thread_time(), time.perf_counter()
+        loss = step(dense, lookup, labels)
+        cpu.append(time.thread_time() - start)
+        loss.block_until_ready()
+        wall.append(time.perf_counter() - tick)
+    w = bench.args.warmup
+    return float(np.median(cpu[w:])), float(np.median(wall[w:]))
 
 
 @nnx.jit(donate_argnums=(0, 1))
