@@ -275,6 +275,44 @@ def test_host_callback_form_matches_prepared_slots(lookahead):
     np.testing.assert_array_equal(np.array(losses), np.array(base_losses))
 
 
+def test_host_callback_reads_a_deferred_row_that_a_later_plan_evicts_again():
+    # The callback form releases a batch when its step is dispatched; the step's
+    # callbacks run later. Here, by hand: batch 2 fetches A and B, which batch 1
+    # evicted (deferred: batch 1's step has not run), and batch 3, planned after
+    # batch 2's release, evicts them again before batch 2's step runs. Batch 2's
+    # stage callback must read the values batch 1's write-back landed.
+    cfg = jaxcache.CacheConfig(100, 2, capacity=4, policy="lru", optimizer=jaxcache.sgd(0.1))
+    cache = jaxcache.EmbeddingCache(cfg)
+    a_b, c_to_f = np.array([[10, 11]]), np.array([[20, 21, 22, 23]])
+
+    def stage(ids):  # what the producer does, then the loop's release
+        host = cache.stage_host(ids, size=ids.size, defer=True)
+        cache.offer(host)
+        cache.planner.release(host.plan.index)
+        return host
+
+    def run_step(ids, written_back):  # the step's two callbacks, in order
+        index, *_, evict, fetch, rows, opt = cache.callback_stage(ids)
+        evicted = cache._unlanded.get(int(index), (np.zeros(0, np.int64), None))[0]
+        marks = np.stack([written_back.get(int(i), np.zeros(2)) for i in evicted] or [[0, 0]])
+        cache.callback_write_back(index, marks.astype(np.float32), {})
+        return fetch, rows
+
+    stage(a_b)
+    run_step(a_b, {})
+    stage(c_to_f)  # evicts A and B
+    second = stage(a_b)  # A and B wait for batch 1's write-back
+    assert second.deferred is not None and sorted(second.deferred[0]) == [10, 11]
+    stage(c_to_f)  # evicts A and B again, before batch 2's step
+    assert any(10 in ids for ids, _ in cache._unlanded.values())
+    run_step(c_to_f, {10: np.array([1.0, 1.5]), 11: np.array([2.0, 2.5])})
+    fetch, rows = run_step(a_b, {})
+    fetched = rows[fetch < cfg.capacity]
+    np.testing.assert_array_equal(
+        sorted(fetched.tolist()), [[1.0, 1.5], [2.0, 2.5]]
+    )  # batch 1's write-back, not the table's first values
+
+
 def test_host_callback_pipeline_closed_early_applies_staged_batches():
     batches = _batches(30, seed=8)
     cfg = jaxcache.CacheConfig(N, D, 600, policy="lru", optimizer=jaxcache.sgd(0.5))

@@ -528,20 +528,26 @@ class EmbeddingCache:
             )
         return moves, deferred
 
-    def _unlanded_among(self, ids: np.ndarray) -> np.ndarray:
-        """Which of sorted ``ids`` an earlier plan evicted, unlanded yet."""
+    def _unlanded_among(self, ids: np.ndarray, before: int | None = None) -> np.ndarray:
+        """Which of sorted ``ids`` a plan evicted, unlanded yet (only plans
+        with an index below ``before``, when given)."""
         late = np.zeros(ids.shape, bool)
         with self._write_back_lock:
-            for evicted, _ in self._unlanded.values():
-                late[_found_in(evicted, ids)] = True
+            for index, (evicted, _) in self._unlanded.items():
+                if before is None or index < before:
+                    late[_found_in(evicted, ids)] = True
         return late
 
     def _fetch_deferred(self, host: HostStaged) -> None:
         """Copies the deferred rows of ``host`` into its fetch rows, once the
         write-backs they wait for landed."""
-        ids, at = host.deferred
         with self.stats.timers.time("write_back"):
-            self._land(ids)
+            self._land(host.deferred[0])
+        self._copy_deferred(host)
+
+    def _copy_deferred(self, host: HostStaged) -> None:
+        """Copies the deferred rows of ``host`` from the host table into its fetch rows."""
+        ids, at = host.deferred
         with self.stats.timers.time("gather"):
             rows, opt = self.table.gather(ids)
             _, _, fetch_rows, fetch_opt = host.moves
@@ -643,14 +649,16 @@ class EmbeddingCache:
                     "pass each step the batch the pipeline yields, in order."
                 )
             if host.deferred is not None:
-                # Every earlier step's write-back callback ran before this
-                # (ordered callbacks): the rows it waits for are home.
-                if self._unlanded_among(host.deferred[0]).any():
+                # Every earlier step's write-back callback ran before this one
+                # (ordered callbacks), so the rows are home. Plans made after
+                # this batch was released may have evicted them again: their
+                # write-backs hold later values and land in later steps.
+                if self._unlanded_among(host.deferred[0], before=host.plan.index).any():
                     raise RuntimeError(
                         f"batch {host.plan.index} fetches rows an earlier step has not written "
                         "back; run a step for every batch the pipeline yields, in order."
                     )
-                self._fetch_deferred(host)
+                self._copy_deferred(host)
         else:
             self.planner.release(self.planner.next_index - 1)
             host = self.stage_host(ids, train=train, size=ids.size)
