@@ -292,7 +292,7 @@ def test_host_callback_reads_a_deferred_row_that_a_later_plan_evicts_again():
         return host
 
     def run_step(ids, written_back):  # the step's two callbacks, in order
-        index, *_, evict, fetch, rows, opt = cache.callback_stage(ids)
+        index, *_, fetch, rows, _ = cache.callback_stage(ids)
         evicted = cache._unlanded.get(int(index), (np.zeros(0, np.int64), None))[0]
         marks = np.stack([written_back.get(int(i), np.zeros(2)) for i in evicted] or [[0, 0]])
         cache.callback_write_back(index, marks.astype(np.float32), {})
