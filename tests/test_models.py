@@ -89,6 +89,6 @@ def test_a_step_that_changes_the_model_structure_is_refused():
         module.extra = nnx.Variable(x)
         return x
 
-    step = models._StagedStep(grows, Counter(), update=True)
+    step = jaxcache.nnx.jit_step(grows, Counter())
     with pytest.raises(ValueError, match="grows changed the structure"):
         step(np.float32(1.0))

@@ -11,10 +11,8 @@ Shape letters: ``B`` batch, ``F`` sparse features, ``D`` embedding width,
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +21,7 @@ import optax
 from flax import nnx
 
 from jaxcache._src.device_ops import Lookup
-from jaxcache._src.nnx_module import CachedEmbed, value_and_grad
+from jaxcache._src.nnx_module import CachedEmbed, jit_step, value_and_grad
 
 __all__ = [
     "DLRM",
@@ -195,82 +193,6 @@ def _predict_step(model: nnx.Module, dense: jax.Array, sparse: Lookup) -> jax.Ar
     return jax.nn.sigmoid(model(dense, sparse))
 
 
-class _StagedStep:
-    """``fn(*nodes, *args)`` jitted over the arrays of ``nodes``' variables.
-
-    ``nnx.jit`` walks the object graph of the model and optimizer in Python
-    at every call (about 0.8 ms per call for the benchmark's DLRM on a CPU, even through
-    ``nnx.cached_partial``). Here the graph is walked once: the variables are
-    found when the step is built, and a call reads their arrays, runs one
-    ``jax.jit`` program on them (merging the modules inside, Flax's functional
-    training loop) and writes the new arrays back into the same variables, so
-    the modules stay the one place the state lives (the pipeline swaps rows
-    into a ``CachedEmbed`` between steps; checkpoints read the modules).
-
-    The modules' structure must not change after the step is built (no new
-    attributes holding variables), as with ``nnx.cached_partial``. With
-    ``update=False`` the step only reads the variables (nothing is copied
-    out, nothing written back); with ``update=True`` their arrays are donated
-    to it and replaced by its results.
-    """
-
-    def __init__(self, fn: Callable[..., Any], *nodes: Any, update: bool) -> None:
-        graphdef, state = nnx.split(nodes)
-        treedef = jax.tree.structure(state)
-        paths = [
-            path
-            for path, _ in jax.tree_util.tree_flatten_with_path(
-                state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-            )[0]
-        ]
-        live = {
-            path: node
-            for path, node in nnx.graph.iter_graph(nodes)
-            if isinstance(node, nnx.Variable)
-        }
-        self._variables = [live[tuple(_path_key(k) for k in path)] for path in paths]
-        self._values = jax.tree.structure([v.get_raw_value() for v in self._variables])
-        if self._values.num_leaves != treedef.num_leaves:  # a variable's value is not its leaves
-            raise TypeError(
-                f"the variables of {type(nodes[0]).__name__} hold {self._values.num_leaves} "
-                f"arrays but their state {treedef.num_leaves}; use nnx.jit for this model."
-            )
-
-        def pure(values: list[Any], *args: Any) -> Any:
-            inside = nnx.merge(graphdef, jax.tree.unflatten(treedef, jax.tree.leaves(values)))
-            out = fn(*inside, *args)
-            if not update:
-                return out
-            after, new_state = nnx.split(inside)
-            if after != graphdef:
-                raise ValueError(
-                    f"{fn.__name__} changed the structure of the model or optimizer (it must "
-                    "only update their variables)."
-                )
-            return jax.tree.leaves(new_state), out
-
-        self._update = update
-        self._jitted = jax.jit(pure, donate_argnums=(0,) if update else ())
-        functools.update_wrapper(self, fn)
-
-    def __call__(self, *args: Any) -> Any:
-        values = [v.get_raw_value() for v in self._variables]
-        if not self._update:
-            return self._jitted(values, *args)
-        new, out = self._jitted(values, *args)
-        for variable, value in zip(self._variables, self._values.unflatten(new), strict=True):
-            variable.set_raw_value(value)
-        return out
-
-
-def _path_key(key: Any) -> Any:
-    """The plain key of a ``jax.tree_util`` path entry (dict key, index, attribute)."""
-    for name in ("key", "idx", "name"):
-        if hasattr(key, name):
-            return getattr(key, name)
-    raise TypeError(f"unexpected path entry {key!r}")
-
-
 def make_train_step(
     model: nnx.Module, tx: optax.GradientTransformation, *, host_callback: bool = False
 ) -> tuple[nnx.Optimizer, TrainStep]:
@@ -328,7 +250,7 @@ def make_train_step(
     # The model and optimizer are donated: every variable, the cache rows
     # included, is updated in place instead of being copied each step.
     step = _train_step_ids if host_callback else _train_step
-    return optimizer, _StagedStep(step, model, optimizer, update=True)
+    return optimizer, jit_step(step, model, optimizer)
 
 
 def make_predict_step(model: nnx.Module) -> PredictStep:
@@ -350,4 +272,4 @@ def make_predict_step(model: nnx.Module) -> PredictStep:
       >>> p.shape, bool(((p > 0) & (p < 1)).all())
       ((2,), True)
     """
-    return _StagedStep(_predict_step, model, update=False)
+    return jit_step(_predict_step, model, update=False)
