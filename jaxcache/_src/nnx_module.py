@@ -351,8 +351,9 @@ class _JitStep:
             after, new_state = nnx.split(inside)
             if after != graphdef:
                 raise ValueError(
-                    f"{fn.__name__} changed the structure of the model or optimizer (it must "
-                    "only update their variables)."
+                    f"{getattr(fn, '__name__', fn)} changed the structure of the modules its "
+                    "step was built with; create every variable before building the step (in "
+                    "__init__) and only update variables inside it."
                 )
             return jax.tree.leaves(new_state), out
 
