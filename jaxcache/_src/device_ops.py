@@ -156,9 +156,7 @@ def lookup_rows(rows: jax.Array, lookup: Lookup) -> jax.Array:
     axis = lookup.axis
 
     def body(rows, requests, overflow, inverse, *delta):
-        received = routing.routed_gather(rows, requests, overflow, axis)
-        if delta:
-            received = received + delta[0][0].astype(received.dtype)
+        received = _received(rows, requests, overflow, axis, *delta)
         return received.at[inverse].get(mode="fill", fill_value=0)
 
     args = [rows, lookup.requests, lookup.overflow, lookup.inverse]
@@ -169,6 +167,18 @@ def lookup_rows(rows: jax.Array, lookup: Lookup) -> jax.Array:
     return jax.shard_map(
         body, mesh=lookup.mesh, in_specs=tuple(specs), out_specs=spec, check_vma=False
     )(*args)
+
+
+def _received(
+    rows: jax.Array, requests: jax.Array, overflow: jax.Array, axis: str, *delta: jax.Array
+) -> jax.Array:
+    """Inside ``shard_map``: this device's received rows ``[R, D]``, plus its
+    block of ``Lookup.delta`` when given (so the gradient w.r.t. it is each
+    received row's)."""
+    received = routing.routed_gather(rows, requests, overflow, axis)
+    if delta:
+        received = received + delta[0][0].astype(received.dtype)
+    return received
 
 
 def pool(
@@ -473,13 +483,11 @@ def _pool_real(
     received = lookup.received
     bag = lookup.shape[-1]
 
+    deltas = int(lookup.delta is not None)  # the optional arguments: delta, then weights
+
     def body(rows, requests, overflow, inverse, positions, *rest):
-        rest = list(rest)
-        delta = rest.pop(0) if lookup.delta is not None else None
-        w = rest.pop(0) if weights is not None else None
-        got = routing.routed_gather(rows, requests, overflow, axis)
-        if delta is not None:
-            got = got + delta[0].astype(got.dtype)
+        got = _received(rows, requests, overflow, axis, *rest[:deltas])
+        w = rest[deltas] if weights is not None else None
         at = positions[0]  # [P]; padding: the share's length
         real = inverse.reshape(-1).at[at].get(mode="fill", fill_value=received)
         embeddings = got.at[real].get(mode="fill", fill_value=0)
