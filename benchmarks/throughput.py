@@ -72,6 +72,7 @@ import numpy as np
 from flax import nnx
 
 import jaxcache
+from jaxcache._src import models as models_src
 
 ROW_LEARNING_RATE = 0.05
 DENSE_LEARNING_RATE = 0.01
@@ -284,16 +285,27 @@ def run_staged_loop(
     a control for how close a loop of device steps comes to the step alone.
     """
     _, train_step = _trainer(setup, cache, seed, host_callback=False)
-    lookups = []
-    for batch in batches:
-        cache.planner.release(cache.planner.next_index - 1)
-        lookups.append(cache.stage(batch["sparse"]).lookup)
-    inputs = jax.device_put([(b["dense"], b["label"]) for b in batches])
-    jax.block_until_ready((lookups, inputs))
+    lookups, inputs = _stage_all(cache, batches)
     timing = Timing("staged beforehand", cache.config.capacity)
     steps = ((d, lookup, y) for (d, y), lookup in zip(inputs, lookups, strict=True))
     _time_steps(timing, train_step, steps, warmup)
     return timing
+
+
+def _stage_all(
+    cache: jaxcache.EmbeddingCache, batches: list[dict], all_positions: bool = False
+) -> tuple[list[jaxcache.Lookup], list[tuple[jax.Array, jax.Array]]]:
+    """Every batch's lookup (the full table: no rows move) and its dense
+    features and labels on the device, ready. ``all_positions``: drop
+    ``Lookup.positions``, so pooling reads every position of the bags."""
+    lookups = []
+    for batch in batches:
+        cache.planner.release(cache.planner.next_index - 1)
+        lookup = cache.stage(batch["sparse"]).lookup
+        lookups.append(dataclasses.replace(lookup, positions=None) if all_positions else lookup)
+    inputs = jax.device_put([(b["dense"], b["label"]) for b in batches])
+    jax.block_until_ready((lookups, inputs))
+    return lookups, inputs
 
 
 # --------------------------------------------------------------------- naive
@@ -697,15 +709,7 @@ def _staged_step_times(bench: Bench, kind: str, pooling: str) -> tuple[float, fl
         step = nnx.cached_partial(_nnx_train_step, model, optimizer)
     else:
         _, step = jaxcache.models.make_train_step(model, tx)
-    lookups = []
-    for batch in bench.batches:
-        cache.planner.release(cache.planner.next_index - 1)
-        lookup = cache.stage(batch["sparse"]).lookup
-        if pooling == "all positions":
-            lookup = dataclasses.replace(lookup, positions=None)
-        lookups.append(lookup)
-    inputs = jax.device_put([(b["dense"], b["label"]) for b in bench.batches])
-    jax.block_until_ready((lookups, inputs))
+    lookups, inputs = _stage_all(cache, bench.batches, all_positions=pooling == "all positions")
     cpu, wall = [], []
     for (dense, labels), lookup in zip(inputs, lookups, strict=True):
         start, tick = time.thread_time(), time.perf_counter()
@@ -717,14 +721,8 @@ def _staged_step_times(bench: Bench, kind: str, pooling: str) -> tuple[float, fl
     return float(np.median(cpu[w:])), float(np.median(wall[w:]))
 
 
-@nnx.jit(donate_argnums=(0, 1))
-def _nnx_train_step(model, optimizer, dense, lookup, labels):
-    def loss_fn(model, lookup):
-        return jaxcache.models.bce_loss(model(dense, lookup), labels)
-
-    loss, grads = jaxcache.nnx.value_and_grad(loss_fn)(model, lookup)
-    optimizer.update(model, grads)
-    return loss
+# The body make_train_step jits, here through nnx.jit: the same step both ways.
+_nnx_train_step = nnx.jit(models_src._train_step, donate_argnums=(0, 1))
 
 
 def capacity_scaling(bench: Bench) -> None:
