@@ -37,7 +37,10 @@ on the machine falls on all of them; the table gives the median over the
 rounds and their range. A perfect pipeline
 would run a step in ``max(a, b)``; ``pipelined_over_ideal=R`` is the
 pipelined step time over that. On a CPU the "device" is the same cores as the
-host thread, so the two compete.
+host thread, so the two compete: the loops' CPU time per step, by thread
+(training thread, the pipeline's producer, JAX's runtime threads), shows the
+floor that puts under a step (all of it over the cores), and how far above
+that floor each loop ran.
 
 Then: planner throughput on batches of 100k+ ids, and the blocking parts at
 capacities x1 and x8 of 2% (the training step must not grow with the
@@ -62,6 +65,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -132,6 +136,9 @@ class Timing:
     # Cores busy (process CPU time over wall time, every thread): during the
     # device steps of a blocking run, during the timed steps of a loop.
     cores: float = float("nan")
+    # A loop's CPU seconds per step by thread (see ThreadCPU); empty where
+    # threads' CPU clocks cannot be read.
+    cpu: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def median(self, part: str) -> float:
         values = self.parts.get(part, [])
@@ -146,6 +153,50 @@ class Timing:
         """Median of the sum of the blocking parts."""
         parts = [self.parts[p] for p in ("staging", "swap", "device") if p in self.parts]
         return float(np.median(np.sum(parts, axis=0)))
+
+
+class ThreadCPU:
+    """CPU time of a loop split by thread: the training thread (``loop``),
+    the JAX runtime's threads (``runtime``: those alive from start to end,
+    XLA's among them) and the rest (``prefetch``: the pipeline's producer,
+    which ends with its source).
+
+    Linux only (each thread's CPU clock, found through ``/proc``); elsewhere
+    ``per_step`` is empty.
+    """
+
+    def __init__(self) -> None:
+        self.main = threading.get_native_id()
+        self.process, self.threads = time.process_time(), _thread_seconds()
+
+    def per_step(self, steps: int) -> dict[str, float]:
+        threads = _thread_seconds()
+        if not threads:
+            return {}
+        ran = {t: threads[t] - self.threads[t] for t in threads.keys() & self.threads.keys()}
+        total = time.process_time() - self.process
+        loop = ran.pop(self.main)
+        runtime = sum(ran.values())
+        return {
+            "loop": loop / steps,
+            "prefetch": (total - loop - runtime) / steps,
+            "runtime": runtime / steps,
+        }
+
+
+def _thread_seconds() -> dict[int, float]:
+    """CPU seconds of each live thread of this process, by native id."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return {}
+    seconds = {}
+    for tid in tids:
+        try:  # a thread's CPU clock id (Linux: MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED))
+            seconds[tid] = time.clock_gettime((~tid << 3) | 6)
+        except OSError:  # it ended meanwhile
+            pass
+    return seconds
 
 
 class _Window:
@@ -255,15 +306,15 @@ def _time_steps(
 ) -> None:
     """Runs ``train_step(*args)`` for each of ``steps``, reading each loss one
     step later as a logging loop does; fills ``timing``'s losses, the step
-    intervals after ``warmup`` and the cores busy meanwhile. ``at_warmup``
-    is called when the timed steps begin."""
+    intervals after ``warmup``, the cores busy meanwhile and each thread's
+    CPU per step. ``at_warmup`` is called when the timed steps begin."""
     intervals = []
     tick = time.perf_counter()
     for i, args in enumerate(steps):
         if i == warmup:
             if at_warmup is not None:
                 at_warmup()
-            cpu, wall = time.process_time(), time.perf_counter()
+            cpu, wall = ThreadCPU(), time.perf_counter()
         timing.losses.append(train_step(*args))
         if i:
             timing.losses[-2].block_until_ready()  # the loss of the step before
@@ -272,7 +323,8 @@ def _time_steps(
             intervals.append(tock - tick)
         tick = tock
     timing.losses[-1].block_until_ready()
-    timing.cores = (time.process_time() - cpu) / (time.perf_counter() - wall)
+    timing.cores = (time.process_time() - cpu.process) / (time.perf_counter() - wall)
+    timing.cpu = cpu.per_step(i + 1 - warmup)
     timing.parts = {"step": intervals}
 
 
@@ -627,6 +679,7 @@ def side_by_side(bench: Bench) -> tuple[float, float]:
         print(line)
         if part == "staging":
             print(f"{'    ideal: max(a, b)':<36}{1e3 * ideal:>8.2f}")
+    _print_cpu(rows, results, ideal, pipelined, ("cached", k))
     for key in [key for key in runs if key[0] in ("cached", "callback")]:
         timings = results[key]
         phases = {p: np.mean([t.phases.get(p, 0.0) for t in timings]) for p in timings[0].phases}
@@ -641,6 +694,43 @@ def side_by_side(bench: Bench) -> tuple[float, float]:
         "of the first round; |dloss|: vs the unpipelined loop."
     )
     return pipelined / ideal, full_step / pipelined
+
+
+def _print_cpu(
+    rows: list[tuple[str, Any, str]],
+    results: dict[Any, list[Timing]],
+    ideal: float,
+    pipelined: float,
+    key_pipelined: Any,
+) -> None:
+    """The loops' CPU per step by thread, and the floor it puts under a step:
+    on ``cores`` cores no loop runs a step in less than all its threads' CPU
+    time over ``cores``, however well it overlaps."""
+    loops = [(label, key) for label, key, part in rows if part == "step" and results[key][0].cpu]
+    if not loops:
+        return
+    cores = len(os.sched_getaffinity(0))
+    print(
+        f"  CPU per step, ms (median over the rounds): {'loop':>6}{'prefetch':>9}"
+        f"{'runtime':>8}{'all':>7}{f'all/{cores}':>7}{'/ ideal':>8}"
+    )
+    floors = {}
+    for label, key in loops:
+        parts = {p: np.median([t.cpu[p] for t in results[key]]) for p in results[key][0].cpu}
+        total = float(np.median([sum(t.cpu.values()) for t in results[key]]))
+        floors[key] = total / cores
+        print(
+            f"  {label.strip():<41}{1e3 * parts['loop']:>6.2f}{1e3 * parts['prefetch']:>9.2f}"
+            f"{1e3 * parts['runtime']:>8.2f}{1e3 * total:>7.2f}{1e3 * floors[key]:>7.2f}"
+            f"{floors[key] / ideal:>8.2f}"
+        )
+    if key_pipelined in floors:
+        floor = floors[key_pipelined]
+        print(
+            f"  loop: the training thread; prefetch: the pipeline's producer; runtime: JAX's "
+            f"threads (XLA's). Pipelined over ideal {pipelined / ideal:.2f} = its CPU floor "
+            f"{floor / ideal:.2f} x ideal, times {pipelined / floor:.2f} that did not overlap."
+        )
 
 
 def planner_throughput(setup: Setup, args: argparse.Namespace) -> None:
