@@ -30,7 +30,9 @@ another XLA program, so rounding makes it drift.
 For the embedding-heavy configuration at 2%, the side-by-side table compares
 (a) the device step alone and (b) host staging alone with the loops:
 unpipelined, pipelined, the host-callback form (``CachedEmbed.lookup_ids``
-inside the step), and the full table; and (g), a control: the full table's
+inside the step; its lists ``CacheConfig.callback_rows`` long, the most
+distinct ids of a batch rounded up to a power of two, and once as long as the
+batch's ids, the default), and the full table; and (g), a control: the full table's
 loop with every batch staged beforehand, so no host work is left in it.
 These runs go round ``--rounds`` times, interleaved, so that a change of load
 on the machine falls on all of them; the table gives the median over the
@@ -96,7 +98,9 @@ class Setup:
     def combiner(self) -> str | None:
         return "sum" if self.data.multi_hot else None
 
-    def config(self, capacity: float | int, policy: str) -> jaxcache.CacheConfig:
+    def config(
+        self, capacity: float | int, policy: str, callback_rows: int | None = None
+    ) -> jaxcache.CacheConfig:
         return jaxcache.CacheConfig(
             num_embeddings=self.data.num_embeddings,
             features=self.features,
@@ -104,6 +108,7 @@ class Setup:
             policy=policy,
             optimizer=jaxcache.rowwise_adagrad(ROW_LEARNING_RATE),
             padding_id=self.data.padding_id if self.data.multi_hot else None,
+            callback_rows=callback_rows,
         )
 
     def describe(self) -> str:
@@ -508,15 +513,21 @@ class Bench:
         self.frequencies = setup.data.count_frequencies(args.profile_batches)
         self.base = jaxcache.HostTable(setup.config(1, "lru"), seed=args.seed).rows
         self.common = {"warmup": args.warmup, "seed": args.seed}
+        # The host-callback form's list size: the most distinct ids of a
+        # batch (padding counted), rounded up to a power of two.
+        most = max(np.unique(b["sparse"]).size for b in self.batches)
+        self.callback_rows = 1 << (most - 1).bit_length()
 
-    def cache(self, fraction: float | None) -> jaxcache.EmbeddingCache:
+    def cache(
+        self, fraction: float | None, callback_rows: int | None = None
+    ) -> jaxcache.EmbeddingCache:
         """A fresh cache of ``fraction`` of the rows (``None``: the full table)."""
         if fraction is None:
             cfg = self.setup.config(1, "lru")
             return jaxcache.EmbeddingCache.full_table(
                 cfg, table=jaxcache.HostTable(cfg, rows=self.base)
             )
-        cfg = self.setup.config(fraction, self.args.policy)
+        cfg = self.setup.config(fraction, self.args.policy, callback_rows)
         table = jaxcache.HostTable(cfg, rows=self.base)
         return jaxcache.EmbeddingCache(cfg, table=table, frequencies=self.frequencies)
 
@@ -524,12 +535,21 @@ class Bench:
         return run_blocking(self.setup, self.batches, self.cache(fraction), name, **self.common)
 
     def loop(
-        self, fraction: float | None, name: str, lookahead: int, host_callback: bool = False
+        self,
+        fraction: float | None,
+        name: str,
+        lookahead: int,
+        host_callback: bool = False,
+        batch_sized: bool = False,
     ) -> Timing:
+        """``host_callback``: the step looks the ids up with the host-callback
+        form, its lists ``callback_rows`` long (``batch_sized``: the default,
+        as long as the batch's ids)."""
+        rows = self.callback_rows if host_callback and not batch_sized else None
         return run_loop(
             self.setup,
             self.batches,
-            self.cache(fraction),
+            self.cache(fraction, rows),
             name,
             lookahead=lookahead,
             host_callback=host_callback,
@@ -624,6 +644,14 @@ def side_by_side(bench: Bench) -> tuple[float, float]:
             bench.loop, 0.02, f"cache 2%, host callback, lookahead {n}", n, host_callback=True
         )
         runs["full", n] = functools.partial(bench.loop, None, f"full table, lookahead {n}", n)
+    runs["batch-sized", k] = functools.partial(
+        bench.loop,
+        0.02,
+        f"cache 2%, host callback, batch-sized lists, lookahead {k}",
+        k,
+        host_callback=True,
+        batch_sized=True,
+    )
     results: dict[Any, list[Timing]] = {key: [] for key in runs}
     for _ in range(args.rounds):
         for key, run in runs.items():
@@ -641,6 +669,7 @@ def side_by_side(bench: Bench) -> tuple[float, float]:
             for n in lookaheads
         ),
         *((f"(e) host callback, lookahead {n}", ("callback", n), "step") for n in lookaheads),
+        (f"    lists of all ids, lookahead {k}", ("batch-sized", k), "step"),
         *((f"(f) full table, lookahead {n}", ("full", n), "step") for n in lookaheads),
         ("(g) full table, staged beforehand", "staged", "step"),
     ]
@@ -680,7 +709,7 @@ def side_by_side(bench: Bench) -> tuple[float, float]:
         if part == "staging":
             print(f"{'    ideal: max(a, b)':<36}{1e3 * ideal:>8.2f}")
     _print_cpu(rows, results, ideal, pipelined, ("cached", k))
-    for key in [key for key in runs if key[0] in ("cached", "callback")]:
+    for key in [key for key in runs if key[0] in ("cached", "callback", "batch-sized")]:
         timings = results[key]
         phases = {p: np.mean([t.phases.get(p, 0.0) for t in timings]) for p in timings[0].phases}
         parts = ", ".join(f"{p} {x:.2f}" for p, x in phases.items() if x > 0)

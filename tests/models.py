@@ -91,6 +91,26 @@ def make_cached(cache: jaxcache.EmbeddingCache, num_features: int, *, seed=0, co
     return model, train
 
 
+def make_callback(cache: jaxcache.EmbeddingCache, num_features: int, *, seed=0):
+    """The model of ``make_cached`` with a step that takes raw ids and looks
+    them up inside with ``CachedEmbed.lookup_ids`` (the host-callback form)."""
+    model = Tower(jaxcache.nnx.CachedEmbed(cache), num_features, cache.config.features, seed=seed)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, ids, labels):
+        lookup = model.embed.lookup_ids(ids)  # slots obtained inside the step
+
+        def loss_fn(model, lookup):
+            return bce(model(lookup), labels)
+
+        loss, grads = jaxcache.nnx.value_and_grad(loss_fn)(model, lookup)
+        optimizer.update(model, grads)
+        return loss
+
+    return model, optimizer, step
+
+
 def make_reference(
     rows, opt: jaxcache.SparseOptimizer, num_features: int, *, seed=0, combiner=None
 ):

@@ -70,6 +70,7 @@ def test_bad_ids_raise_before_any_change(cache_and_state, ids, error, pattern):
         (dict(capacity=10, dtype="float16"), ValueError, r"dtype='float16'.*bfloat16"),
         (dict(capacity=10, padding_id=5), ValueError, r"padding_id=5 is a real row id"),
         (dict(capacity="all"), TypeError, r"got 'all'; pass a row count such as 5000"),
+        (dict(capacity=10, callback_rows=0), ValueError, r"callback_rows=0 must be a positive"),
         (
             dict(capacity=10, optimizer="sgd"),
             TypeError,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxcache
-from tests.models import dense_params, make_cached, make_reference, zipf_batches
+from tests.models import dense_params, make_cached, make_callback, make_reference, zipf_batches
 
 N, D, B, F = 20000, 8, 32, 4
 
@@ -230,35 +230,18 @@ def test_switch_interval_is_lowered_while_the_producer_runs_then_restored():
         assert sys.getswitchinterval() == before
 
 
-def _callback_model(cache):
-    import optax
-    from flax import nnx
-
-    from tests.models import Tower, bce
-
-    model = Tower(jaxcache.nnx.CachedEmbed(cache), F, D)
-    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, optimizer, ids, labels):
-        lookup = model.embed.lookup_ids(ids)  # slots obtained inside the step
-
-        def loss_fn(model, lookup):
-            return bce(model(lookup), labels)
-
-        loss, grads = jaxcache.nnx.value_and_grad(loss_fn)(model, lookup)
-        optimizer.update(model, grads)
-        return loss
-
-    return model, optimizer, step
-
-
 @pytest.mark.parametrize("lookahead", [0, 2])
-def test_host_callback_form_matches_prepared_slots(lookahead):
+@pytest.mark.parametrize("tight", [False, True], ids=["batch-sized", "tight"])
+def test_host_callback_form_matches_prepared_slots(lookahead, tight):
     batches = _batches(16, seed=7)
-    cfg = jaxcache.CacheConfig(N, D, 300, policy="lfu", optimizer=jaxcache.adagrad(0.2))
+    # Tight: the lists padded to the most distinct ids of a batch, not its ids.
+    rows = max(np.unique(b["ids"]).size for b in batches) if tight else None
+    assert not tight or rows < B * F
+    cfg = jaxcache.CacheConfig(
+        N, D, 300, policy="lfu", optimizer=jaxcache.adagrad(0.2), callback_rows=rows
+    )
     cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, seed=1))
-    model, optimizer, step = _callback_model(cache)
+    model, optimizer, step = make_callback(cache, F)
     with jaxcache.prefetch(
         batches, {"ids": model.embed}, lookahead=lookahead, callback=True
     ) as pipeline:
@@ -273,6 +256,23 @@ def test_host_callback_form_matches_prepared_slots(lookahead):
     np.testing.assert_array_equal(rows, base_rows)
     np.testing.assert_array_equal(state["accumulator"], base_state["accumulator"])
     np.testing.assert_array_equal(np.array(losses), np.array(base_losses))
+
+
+def test_host_callback_refuses_a_batch_over_callback_rows():
+    cfg = jaxcache.CacheConfig(N, D, 300, optimizer=jaxcache.sgd(0.1), callback_rows=5)
+    cache = jaxcache.EmbeddingCache(cfg)
+    model, optimizer, step = make_callback(cache, F)
+    ids = np.array([[1, 2, 3, 1], [4, 5, 6, 2]])  # 6 distinct ids
+    with pytest.raises(ValueError, match=r"6 distinct ids.*callback_rows=5.*at least 6"):
+        cache.callback_stage(ids)
+    with pytest.raises(Exception, match=r"callback_rows=5.*at least 6"):
+        step(model, optimizer, ids, np.zeros(2, np.float32)).block_until_ready()
+    # Refused before anything changed: no plan, no resident row, no statistics.
+    assert cache.planner.next_index == 0 and cache.stats.steps == 0
+    assert (cache.planner.id_of_slot == -1).all()
+    np.testing.assert_array_equal(  # and a batch that fits trains
+        cache.callback_stage(ids[:, :2])[0], 0
+    )
 
 
 def test_host_callback_reads_a_deferred_row_that_a_later_plan_evicts_again():
@@ -317,7 +317,7 @@ def test_host_callback_pipeline_closed_early_applies_staged_batches():
     batches = _batches(30, seed=8)
     cfg = jaxcache.CacheConfig(N, D, 600, policy="lru", optimizer=jaxcache.sgd(0.5))
     cache = jaxcache.EmbeddingCache(cfg)
-    model, optimizer, step = _callback_model(cache)
+    model, optimizer, step = make_callback(cache, F)
     with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=3, callback=True) as p:
         for i, b in enumerate(p):
             if i == 4:

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxcache
-from tests.models import dense_params, make_cached, make_reference, zipf_batches
+from tests.models import dense_params, make_cached, make_callback, make_reference, zipf_batches
 
 N, D, B, F = 20000, 8, 32, 4
 
@@ -203,3 +203,29 @@ def test_routed_gather_and_update_against_numpy(k):
     summed = np.zeros_like(table)
     np.add.at(summed, slots[real], weights[real])
     np.testing.assert_allclose(np.asarray(new), table - summed, atol=1e-5)
+
+
+def test_host_callback_form_with_lists_shorter_than_a_device_share_matches_full_table():
+    # Batches of few distinct ids, each repeated: the host-callback form's
+    # lists (callback_rows) are shorter than one device's share of the ids,
+    # so a device's requests to one owner are bounded by the list size.
+    rng = np.random.default_rng(5)
+    batches = [
+        {"ids": (rng.choice(40, (B, F)) + 25 * step) * 7, "y": rng.random(B).astype(np.float32)}
+        for step in range(10)
+    ]
+    rows = max(np.unique(b["ids"]).size for b in batches)
+    assert rows < B * F // 2  # the share of one of two devices
+    cfg = jaxcache.CacheConfig(
+        N, D, 64, policy="lru", optimizer=jaxcache.adam(0.02), callback_rows=rows
+    )
+    cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, seed=1), mesh=_mesh(2))
+    model, optimizer, step = make_callback(cache, F)
+    with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=1, callback=True) as pipeline:
+        losses = [float(step(model, optimizer, b["ids"], b["y"])) for b in pipeline]
+    reference, ref_train = make_reference(
+        np.array(jaxcache.HostTable(cfg, seed=1).rows), jaxcache.adam(0.02), F
+    )
+    ref_losses = [float(ref_train(b["ids"], b["y"])) for b in batches]
+    assert cache.stats.total.evictions > 100  # rows really move
+    _assert_matches(model, losses, reference, ref_losses)

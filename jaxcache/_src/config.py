@@ -39,6 +39,12 @@ class CacheConfig:
         device takes from one owner per step through the fast ``all_to_all``
         path; the rest take an exact overflow path. ``None`` sizes it from
         each batch (padded to buckets), so nothing overflows.
+      callback_rows: how many rows the host-callback form
+        (``CachedEmbed.lookup_ids``) pads its per-step lists to (distinct
+        ids, fetched and evicted rows); it needs one fixed size. ``None``: the
+        number of ids in the batch, which always suffices but with padded
+        multi-hot bags is many times their distinct ids. A batch with more
+        distinct ids than this is refused before anything changes.
 
     Examples:
       >>> import jaxcache
@@ -57,6 +63,7 @@ class CacheConfig:
     min_bucket: int = 64
     name: str = "embedding"
     route_capacity: int | None = None
+    callback_rows: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("num_embeddings", "features", "min_bucket"):
@@ -77,6 +84,15 @@ class CacheConfig:
                 f"{given}; pass jaxcache.sgd, jaxcache.adagrad, jaxcache.rowwise_adagrad or "
                 "jaxcache.adam (e.g. optimizer=jaxcache.adagrad(0.1)). optax transformations "
                 "are for the dense parameters, not the cached rows."
+            )
+        rows = self.callback_rows
+        if rows is not None and (
+            isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 1
+        ):
+            raise ValueError(
+                f"callback_rows={rows!r} must be a positive integer (at least the most distinct "
+                "ids of a batch), or None to pad the host-callback form's lists to the batch's "
+                "number of ids."
             )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} is not supported; use 'float32' or 'bfloat16'.")

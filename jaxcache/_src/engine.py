@@ -457,7 +457,8 @@ class EmbeddingCache:
           ids: integer ids ``[B, ...]``.
           train: the step will update these rows.
           size: pad every per-step list to exactly this many rows (the
-            host-callback form needs one fixed shape); default: buckets.
+            host-callback form needs one fixed shape, ``callback_size``); a
+            batch with more distinct ids is refused. Default: buckets.
           released: plan as if only plans up to this index were finished
             (see ``Planner.plan``).
           defer: a row to fetch whose write-back from an earlier plan has
@@ -472,7 +473,7 @@ class EmbeddingCache:
         self._check_batch(np.shape(ids))
         with timers.time("plan"):
             with self._plan_lock:
-                plan = self.planner.plan(ids, train=train, released=released)
+                plan = self.planner.plan(ids, train=train, released=released, max_distinct=size)
             route = self._route(plan, size)
         moves = deferred = None
         if plan.misses or len(plan.evict_ids):
@@ -560,9 +561,8 @@ class EmbeddingCache:
         the fixed ``size`` of the host-callback form: no overflow possible)."""
         n, cl = self.devices, self.local_capacity
         need = None
-        if size is not None:
-            per_device = size // n
-            k, v, o = per_device, size, 0
+        if size is not None:  # a device needs no more rows from one owner than its ids
+            k, v, o = min(size, plan.inverse.size // n), size, 0
         else:
             if n == 1:  # one device needs every distinct row, from itself
                 k_need = v_need = plan.distinct
@@ -614,6 +614,12 @@ class EmbeddingCache:
         return positions
 
     # ------------------------------------------------------- host callbacks
+    def callback_size(self, num_ids: int) -> int:
+        """Rows per list of the host-callback form for a batch of ``num_ids``
+        ids: ``CacheConfig.callback_rows``, or the number of ids."""
+        rows = self.config.callback_rows
+        return num_ids if rows is None else min(rows, num_ids)
+
     def offer(self, staged: HostStaged) -> None:
         """Queues a batch staged ahead for the host-callback form (in plan order)."""
         with self._offer_lock:
@@ -630,8 +636,8 @@ class EmbeddingCache:
         """Host side of ``CachedEmbed.lookup_ids``, run by ``io_callback`` in the step.
 
         Serves the batch a pipeline offered (it must be these ids), or plans
-        it on the spot. Every list is padded to ``ids.size`` so the callback
-        has one fixed output shape.
+        it on the spot. Every list is padded to ``callback_size(ids.size)``
+        rows so the callback has one fixed output shape.
 
         Returns:
           ``(plan index, requests, overflow, inverse, owner_slots,
@@ -639,6 +645,7 @@ class EmbeddingCache:
           as NumPy arrays.
         """
         ids = np.asarray(ids)
+        size = self.callback_size(ids.size)
         with self._offer_lock:
             host = self._offers.popleft() if self._offers else None
         if host is not None:
@@ -661,9 +668,9 @@ class EmbeddingCache:
                 self._copy_deferred(host)
         else:
             self.planner.release(self.planner.next_index - 1)
-            host = self.stage_host(ids, train=train, size=ids.size)
+            host = self.stage_host(ids, train=train, size=size)
             self._applied = max(self._applied, host.plan.index)
-        return (np.int32(host.plan.index), *host.route[:5], *self._global_moves(host, ids.size))
+        return (np.int32(host.plan.index), *host.route[:5], *self._global_moves(host, size))
 
     def _global_moves(self, host: HostStaged, size: int) -> tuple[Any, ...]:
         """``host.moves`` as global slot lists padded to ``size``, for ``swap``

@@ -113,8 +113,9 @@ class CachedEmbed(nnx.Module):
         staged with ``callback=True``, or planned on the spot), then the swap
         runs inside the step and a second callback writes evicted rows back.
         Same results as ``prepare``; slower, because every list is padded to
-        the batch size and the callbacks serialize host and device work. Under
-        a sharded ``jit`` a callback runs on one device (see the docs).
+        one fixed size (``CacheConfig.callback_rows``, by default the number of
+        ids in the batch) and the callbacks serialize host and device work.
+        Under a sharded ``jit`` a callback runs on one device (see the docs).
 
         Ids travel into the step as JAX integers: with 64-bit types disabled
         they must be below ``2**31``.
@@ -134,7 +135,8 @@ class CachedEmbed(nnx.Module):
                 "jaxcache.prefetch (or CachedEmbed.prepare) makes instead."
             )
         cfg = cache.config
-        size = int(np.prod(ids.shape))
+        num_ids = int(np.prod(ids.shape))
+        size = cache.callback_size(num_ids)
         devices = cache.devices
         opt_specs = {
             name: jax.ShapeDtypeStruct((size, *spec.shape), spec.dtype)
@@ -144,14 +146,16 @@ class CachedEmbed(nnx.Module):
         def int32(*shape):
             return jax.ShapeDtypeStruct(shape, np.int32)
 
-        # Fixed sizes: K = the ids of one device, no overflow, V = all ids.
+        # Fixed sizes: V = the list size, K = no more than a device's ids (so
+        # nothing overflows), R = n K rows received per device.
+        k = min(size, num_ids // devices)
         shapes = (
             int32(),
-            int32(devices, devices, size // devices),
-            int32(0),
-            int32(*ids.shape),
-            int32(devices, size),
-            int32(devices, size),
+            int32(devices, devices, k),  # requests
+            int32(0),  # overflow
+            int32(*ids.shape),  # inverse
+            int32(devices, size),  # owner_slots
+            int32(devices, devices * k),  # owner_inverse
             int32(size),
             int32(size),
             jax.ShapeDtypeStruct((size, cfg.features), cfg.row_dtype),

@@ -362,7 +362,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         fit with nothing in flight raises ``CapacityError``.
         """
         planner = cache.planner
-        size = np.size(ids) if self.callback else None
+        size = cache.callback_size(np.size(ids)) if self.callback else None
         # At most `lookahead` earlier plans are in flight now (staged, or the
         # one the loop trains on): plans up to `finished` are surely released.
         # Planning with that bound, not with whatever the loop has released

@@ -373,6 +373,7 @@ class Planner:
         *,
         train: bool = True,
         released: int | None = None,
+        max_distinct: int | None = None,
     ) -> Plan:
         """Plans one batch.
 
@@ -384,12 +385,15 @@ class Planner:
             pipeline passes a bound that does not depend on the timing of
             its threads, so that every process of a multi-process run, each
             planning the same batches, chooses the same victims.
+          max_distinct: refuse a batch with more distinct ids (the lists of
+            the host-callback form have this fixed size).
 
         Returns:
           The plan. The directory already reflects it.
 
         Raises:
-          TypeError, ValueError: bad ids (nothing changed).
+          TypeError, ValueError: bad ids, or more than ``max_distinct``
+            distinct ids (nothing changed).
           CapacityError: the batch's distinct ids do not fit next to the rows
             that in-flight batches protect (nothing changed).
         """
@@ -419,6 +423,13 @@ class Planner:
         hit_unique, miss_at = hits[:h], miss_at[:m]
         miss_lookups = flat[miss_at]
         miss_ids = _sorted_unique(miss_lookups)
+        if max_distinct is not None and h + miss_ids.size > max_distinct:
+            raise ValueError(
+                f"the batch has {h + miss_ids.size} distinct ids, but the host-callback form "
+                f"pads its lists to callback_rows={max_distinct}; raise "
+                f"CacheConfig(callback_rows=...) to at least {h + miss_ids.size}, or leave it "
+                "None to pad to the batch's number of ids."
+            )
         groups = self.groups
         misses = self._per_group(ids=miss_ids)
         hits_per_group = self._per_group(slots=hit_unique)
