@@ -163,6 +163,13 @@ def parse_args(
             action="store_true",
             help="pass the ids into the jitted step, looked up there by CachedEmbed.lookup_ids",
         )
+        parser.add_argument(
+            "--callback-rows",
+            type=int,
+            default=None,
+            help="with --host-callback: pad the step's row lists to this many rows (at least "
+            "the most distinct ids of a batch) instead of the batch's number of ids",
+        )
     if devices:
         parser.add_argument(
             "--devices",
@@ -174,6 +181,7 @@ def parse_args(
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
     args.host_callback = getattr(args, "host_callback", False)
+    args.callback_rows = getattr(args, "callback_rows", None)
     _check(parser, args)
     return args
 
@@ -186,6 +194,11 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--devices={args.devices} must be at least 1.")
     if args.lookahead < 0:
         parser.error(f"--lookahead={args.lookahead} must be 0 (unpipelined) or more, e.g. 2.")
+    if args.callback_rows is not None:
+        if not args.host_callback:
+            parser.error("--callback-rows sizes the host-callback form; add --host-callback.")
+        if args.callback_rows < 1:
+            parser.error(f"--callback-rows={args.callback_rows} must be at least 1, e.g. 4096.")
     if not 0 < args.cache_fraction <= 1:
         parser.error(f"--cache-fraction={args.cache_fraction} must be in (0, 1], e.g. 0.02.")
     if args.scale is None:
@@ -411,6 +424,7 @@ def build_cache(
         policy=args.policy,
         optimizer=row_optimizer,
         padding_id=data.padding_id,
+        callback_rows=args.callback_rows,
     )
     if args.full_table:
         return jaxcache.EmbeddingCache.full_table(config, seed=args.seed, mesh=mesh, axis=axis)

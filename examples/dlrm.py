@@ -15,8 +15,10 @@ Batches go through ``jaxcache.prefetch``: a host thread plans, gathers and
 transfers the next ``--lookahead`` batches while the device trains on the
 current one. ``--lookahead 0`` does that work in the training loop instead
 (the unpipelined path); ``--host-callback`` passes the raw ids into the jitted
-step, which looks them up with ``CachedEmbed.lookup_ids``. All three compute
-the same thing: with the same seed they end with the same loss, bit for bit.
+step, which looks them up with ``CachedEmbed.lookup_ids`` (``--callback-rows
+N`` pads its per-step lists to ``N`` rows instead of the batch's number of
+ids; a batch with more distinct ids stops the run). All three compute the
+same thing: with the same seed they end with the same loss, bit for bit.
 
     python examples/dlrm.py                      # ~1 minute on 2 CPU cores
     python examples/dlrm.py --full-table         # the baseline

@@ -61,7 +61,8 @@ def runs():
             "cached": [EXAMPLE, *CACHED],
             "again": [EXAMPLE, *CACHED],
             "unpipelined": [EXAMPLE, *CACHED, "--lookahead", "0"],
-            "callback": [EXAMPLE, *CACHED, "--host-callback"],
+            # At most 924 distinct ids per batch here, of 3,328 ids.
+            "callback": [EXAMPLE, *CACHED, "--host-callback", "--callback-rows", "1024"],
             "full": [EXAMPLE, *QUICK, "--full-table"],
         }
     )
@@ -181,6 +182,8 @@ def example(monkeypatch):
         (["--data", "criteo"], "--data criteo needs --manual-dir DIR"),
         (["--data", "criteo", "--manual-dir", "no/such/dir"], "--manual-dir=no/such/dir is not"),
         (["--manual-dir", "."], "--manual-dir is only for Criteo files"),
+        (["--callback-rows", "64"], "--callback-rows sizes the host-callback form"),
+        (["--host-callback", "--callback-rows", "0"], "--callback-rows=0 must be at least 1"),
     ],
 )
 def test_bad_flags_are_refused(example, capsys, flags, message):
