@@ -561,8 +561,8 @@ class EmbeddingCache:
         the fixed ``size`` of the host-callback form: no overflow possible)."""
         n, cl = self.devices, self.local_capacity
         need = None
-        if size is not None:  # a device needs no more rows from one owner than its ids
-            k, v, o = min(size, plan.inverse.size // n), size, 0
+        if size is not None:
+            k, v, o = self.callback_per_destination(size, plan.inverse.size), size, 0
         else:
             if n == 1:  # one device needs every distinct row, from itself
                 k_need = v_need = plan.distinct
@@ -619,6 +619,12 @@ class EmbeddingCache:
         ids: ``CacheConfig.callback_rows``, or the number of ids."""
         rows = self.config.callback_rows
         return num_ids if rows is None else min(rows, num_ids)
+
+    def callback_per_destination(self, size: int, num_ids: int) -> int:
+        """``K`` of a route padded to ``size`` rows, for a batch of ``num_ids``
+        ids: a device needs no more rows from one owner than the batch's
+        distinct ids or its own ids, so nothing overflows."""
+        return min(size, num_ids // self.devices)
 
     def offer(self, staged: HostStaged) -> None:
         """Queues a batch staged ahead for the host-callback form (in plan order)."""

@@ -146,9 +146,8 @@ class CachedEmbed(nnx.Module):
         def int32(*shape):
             return jax.ShapeDtypeStruct(shape, np.int32)
 
-        # Fixed sizes: V = the list size, K = no more than a device's ids (so
-        # nothing overflows), R = n K rows received per device.
-        k = min(size, num_ids // devices)
+        # Fixed sizes: V = the list size, K (no overflow), R = n K rows received per device.
+        k = cache.callback_per_destination(size, num_ids)
         shapes = (
             int32(),
             int32(devices, devices, k),  # requests

@@ -423,12 +423,12 @@ class Planner:
         hit_unique, miss_at = hits[:h], miss_at[:m]
         miss_lookups = flat[miss_at]
         miss_ids = _sorted_unique(miss_lookups)
-        if max_distinct is not None and h + miss_ids.size > max_distinct:
+        distinct = h + miss_ids.size
+        if max_distinct is not None and distinct > max_distinct:
             raise ValueError(
-                f"the batch has {h + miss_ids.size} distinct ids, but the host-callback form "
-                f"pads its lists to callback_rows={max_distinct}; raise "
-                f"CacheConfig(callback_rows=...) to at least {h + miss_ids.size}, or leave it "
-                "None to pad to the batch's number of ids."
+                f"the batch has {distinct} distinct ids, but the host-callback form pads its "
+                f"lists to callback_rows={max_distinct}; raise CacheConfig(callback_rows=...) "
+                f"to at least {distinct}, or leave it None to pad to the batch's number of ids."
             )
         groups = self.groups
         misses = self._per_group(ids=miss_ids)
