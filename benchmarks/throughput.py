@@ -513,10 +513,13 @@ class Bench:
         self.frequencies = setup.data.count_frequencies(args.profile_batches)
         self.base = jaxcache.HostTable(setup.config(1, "lru"), seed=args.seed).rows
         self.common = {"warmup": args.warmup, "seed": args.seed}
-        # The host-callback form's list size: the most distinct ids of a
-        # batch (padding counted), rounded up to a power of two.
+
+    @functools.cached_property
+    def callback_rows(self) -> int:
+        """The host-callback form's list size: the most distinct ids of a
+        batch (padding counted), rounded up to a power of two."""
         most = max(np.unique(b["sparse"]).size for b in self.batches)
-        self.callback_rows = 1 << (most - 1).bit_length()
+        return 1 << (most - 1).bit_length()
 
     def cache(
         self, fraction: float | None, callback_rows: int | None = None
