@@ -6,6 +6,7 @@ import sys
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -158,7 +159,7 @@ def test_row_evicted_and_needed_again_carries_its_updates():
     # Capacity 3, look-ahead 2, a slow training loop: plan 3 evicts the
     # updated row 0 and plan 4 needs it while plan 3's swap is still queued.
     # The producer leaves that row to the transfer of batch 4, which reads
-    # it once plan 3's write-back landed.
+    # it from plan 3's read-out (or from the host table, if it landed).
     cfg = jaxcache.CacheConfig(10, 4, 3, policy="lru", optimizer=jaxcache.adam(0.1))
     rows0 = np.array(jaxcache.HostTable(cfg, seed=0).rows)
     ids = [[[0]], [[1]], [[2]], [[3]], [[0]], [[1]]]
@@ -176,6 +177,38 @@ def test_row_evicted_and_needed_again_carries_its_updates():
     assert state["count"][0] == 2
     assert np.abs(rows - np.asarray(reference.embed.table[...])).max() <= 1e-6
     assert cache.stats.deferred_fetches >= 1 and cache.stats.write_back_waits == 0
+
+
+@pytest.mark.parametrize("landed", [False, True])
+def test_deferred_rows_come_from_the_read_out_or_the_landed_table(landed):
+    # By hand, what the pipeline does: plan 1 evicts the updated rows 0 and 1,
+    # plan 2 (staged before plan 1's swap runs) fetches them again. Its
+    # transfer reads them from plan 1's read-out, or from the host table
+    # when that write-back has landed in between.
+    cfg = jaxcache.CacheConfig(100, 2, capacity=2, policy="lru", optimizer=jaxcache.sgd(0.1))
+    cache = jaxcache.EmbeddingCache(cfg)
+    first = np.array(cache.table.rows[:2])
+    state = cache.apply(cache.init_state(), cache.stage(np.array([0, 1])))
+    state = state._replace(rows=state.rows + 1.0)  # what a training step would do
+    cache.planner.release(0)
+    evicting = cache.stage_host(np.array([2, 3]), defer=True)
+    cache.planner.release(1)
+    refetching = cache.stage_host(np.array([0, 1]), defer=True)
+    assert refetching.deferred is not None and refetching.deferred.ids.tolist() == [0, 1]
+    with pytest.raises(RuntimeError, match=r"plans \[1\] evicted.*not applied yet"):
+        cache.to_device(refetching)  # plan 1's swap has not been applied
+    state = cache.apply(state, cache.to_device(evicting))
+    if landed:  # as the producer does when it stages the next batch: lands those ready
+        jax.block_until_ready(state)
+        cache._land(np.zeros(0, np.int64))
+        assert 1 not in cache._unlanded
+    staged = cache.to_device(refetching)
+    _, fetch_slots, fetch_rows, _ = staged.moves
+    fetched = np.asarray(fetch_rows)[np.asarray(fetch_slots) < cfg.capacity]
+    np.testing.assert_array_equal(fetched, first + 1.0)  # the updated rows, not the first ones
+    state = cache.apply(state, staged)
+    cache.flush(state)
+    np.testing.assert_array_equal(cache.table.rows[:2], first + 1.0)
 
 
 def test_no_recompilation_with_the_pipeline():

@@ -31,7 +31,25 @@ from jaxcache._src.placement import process_shard
 from jaxcache._src.planner import Plan, Planner
 from jaxcache._src.stats import CacheStats, StepStats
 
-__all__ = ["EmbeddingCache", "HostStaged", "Staged", "bucket_size"]
+__all__ = ["Deferred", "EmbeddingCache", "HostStaged", "Staged", "bucket_size"]
+
+
+class Deferred(NamedTuple):
+    """Rows a batch fetches whose latest values an earlier plan's write-back
+    holds, not landed in the host table when the batch was staged.
+
+    Attributes:
+      ids: the rows' ids (sorted).
+      at: each row's position in the batch's fetch rows.
+      plans: the plan whose eviction read each row out last.
+      read_out: each row's position in that plan's read-out (this process's
+        blocks of the swap's evicted rows).
+    """
+
+    ids: np.ndarray
+    at: np.ndarray
+    plans: np.ndarray
+    read_out: np.ndarray
 
 
 class HostStaged(NamedTuple):
@@ -44,19 +62,19 @@ class HostStaged(NamedTuple):
         ``None``: for each of this process's devices, ``P`` local slots
         (padding ``C_l``) and rows, blocks one after another (``[L P]``).
       route: which rows each device fetches from which owner.
-      deferred: ``(ids, at)`` of fetched rows whose write-back from an
+      deferred: the ``Deferred`` fetched rows whose write-back from an
         earlier plan had not landed when this one was staged: ``to_device``
-        lands it (that plan's swap has been applied by then) and copies them
-        into the fetch rows at ``at``; in the host-callback form the step's
-        stage callback copies them (the earlier steps' write-back callbacks
-        have run by then). ``None`` when there are none.
+        copies them from that plan's read-out (its swap has been applied by
+        then) into the fetch rows; in the host-callback form the step's
+        stage callback reads them from the host table (the earlier steps'
+        write-back callbacks have run by then). ``None`` when there are none.
     """
 
     plan: Plan
     ids: np.ndarray
     moves: tuple[Any, ...] | None
     route: routing.HostRoute
-    deferred: tuple[np.ndarray, np.ndarray] | None = None
+    deferred: Deferred | None = None
 
 
 class Staged(NamedTuple):
@@ -365,8 +383,9 @@ class EmbeddingCache:
         on a single CPU device the arrays are handed over as they are).
 
         Call it after every earlier plan was applied (``apply``): rows it
-        fetches that an earlier plan evicted are read once that plan's
-        write-back landed (``HostStaged.deferred``).
+        fetches that an earlier plan evicted are read from that plan's
+        read-out, or from the host table once it landed
+        (``HostStaged.deferred``).
         """
         if host.deferred is not None:
             self._fetch_deferred(host)
@@ -508,9 +527,12 @@ class EmbeddingCache:
         with timers.time("write_back"):
             if defer:
                 self._land(fetch_ids[:0])  # those ready
-                late = self._unlanded_among(fetch_ids)
+                plans, read_out = self._pending(fetch_ids)
+                late = plans >= 0
                 if late.any():
-                    deferred = (fetch_ids[late], fetch_at[late])
+                    deferred = Deferred(
+                        fetch_ids[late], fetch_at[late], plans[late], read_out[late]
+                    )
                     self.stats.deferred_fetches += int(late.sum())
                     fetch_ids, fetch_at = fetch_ids[~late], fetch_at[~late]
             else:
@@ -529,32 +551,60 @@ class EmbeddingCache:
             )
         return moves, deferred
 
-    def _unlanded_among(self, ids: np.ndarray, before: int | None = None) -> np.ndarray:
-        """Which of sorted ``ids`` a plan evicted, unlanded yet (only plans
-        with an index below ``before``, when given)."""
-        late = np.zeros(ids.shape, bool)
+    def _pending(self, ids: np.ndarray, before: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Which of sorted ``ids`` an unlanded write-back holds (only those of
+        plans with an index below ``before``, when given).
+
+        Returns:
+          ``(plans, read_out)``: for each id, the last plan that evicted it
+          (``-1``: none) and the row's position in that plan's read-out.
+        """
+        plans = np.full(ids.shape, -1, np.int64)
+        read_out = np.zeros(ids.shape, np.int64)
         with self._write_back_lock:
-            for index, (evicted, _) in self._unlanded.items():
-                if before is None or index < before:
-                    late[_found_in(evicted, ids)] = True
-        return late
+            for index in sorted(self._unlanded):  # later evictions overwrite
+                if before is not None and index >= before:
+                    break
+                evicted, at = self._unlanded[index]
+                which, where = _matches(evicted, ids)
+                plans[where], read_out[where] = index, at[which]
+        return plans, read_out
 
     def _fetch_deferred(self, host: HostStaged) -> None:
-        """Copies the deferred rows of ``host`` into its fetch rows, once the
-        write-backs they wait for landed."""
-        with self.stats.timers.time("write_back"):
-            self._land(host.deferred[0])
-        self._copy_deferred(host)
-
-    def _copy_deferred(self, host: HostStaged) -> None:
-        """Copies the deferred rows of ``host`` from the host table into its fetch rows."""
-        ids, at = host.deferred
+        """Copies the deferred rows of ``host`` into its fetch rows: from the
+        read-out of the plan that evicted each (dispatched, since every
+        earlier plan was applied), or from the host table if it landed."""
+        ids, at, plans, read_out = host.deferred
+        _, _, fetch_rows, fetch_opt = host.moves
         with self.stats.timers.time("gather"):
-            rows, opt = self.table.gather(ids)
-            _, _, fetch_rows, fetch_opt = host.moves
-            fetch_rows[at] = rows
-            for name, values in opt.items():
-                fetch_opt[name][at] = values
+            with self._write_back_lock:
+                sources = {int(p): self._dispatched.get(int(p)) for p in np.unique(plans)}
+                unapplied = [p for p, s in sources.items() if s is None and p in self._unlanded]
+            if unapplied:
+                raise RuntimeError(
+                    f"batch {host.plan.index} fetches rows that plans {unapplied} evicted, but "
+                    "those plans were not applied yet; apply staged batches in plan order."
+                )
+            landed = np.zeros(ids.shape, bool)
+            for plan, source in sources.items():
+                mine = plans == plan
+                if source is None:  # landed meanwhile: the host table has them
+                    landed |= mine
+                    continue
+                rows, opt = source
+                fetch_rows[at[mine]] = _local_data(rows)[read_out[mine]]
+                for name, values in opt.items():
+                    fetch_opt[name][at[mine]] = _local_data(values)[read_out[mine]]
+            if landed.any():
+                self._copy_rows(host, ids[landed], at[landed])
+
+    def _copy_rows(self, host: HostStaged, ids: np.ndarray, at: np.ndarray) -> None:
+        """Copies rows ``ids`` from the host table into ``host``'s fetch rows at ``at``."""
+        rows, opt = self.table.gather(ids)
+        _, _, fetch_rows, fetch_opt = host.moves
+        fetch_rows[at] = rows
+        for name, values in opt.items():
+            fetch_opt[name][at] = values
 
     def _route(self, plan: Plan, size: int | None) -> routing.HostRoute:
         """Routes ``plan`` over the devices, with padded sizes from buckets (or
@@ -666,12 +716,14 @@ class EmbeddingCache:
                 # (ordered callbacks), so the rows are home. Plans made after
                 # this batch was released may have evicted them again: their
                 # write-backs hold later values and land in later steps.
-                if self._unlanded_among(host.deferred[0], before=host.plan.index).any():
+                ids, at = host.deferred.ids, host.deferred.at
+                if (self._pending(ids, before=host.plan.index)[0] >= 0).any():
                     raise RuntimeError(
                         f"batch {host.plan.index} fetches rows an earlier step has not written "
                         "back; run a step for every batch the pipeline yields, in order."
                     )
-                self._copy_deferred(host)
+                with self.stats.timers.time("gather"):
+                    self._copy_rows(host, ids, at)
         else:
             self.planner.release(self.planner.next_index - 1)
             host = self.stage_host(ids, train=train, size=size)
@@ -956,17 +1008,20 @@ def _scatter_into(size: int, at: np.ndarray, values: np.ndarray) -> np.ndarray:
     return out
 
 
-def _found_in(values: np.ndarray, sorted_ids: np.ndarray) -> np.ndarray:
-    """Positions in ``sorted_ids`` of the ``values`` it holds (binary search, no sort)."""
+def _matches(values: np.ndarray, sorted_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(i, j)`` with ``values[i] == sorted_ids[j]``, for the ``values`` that
+    ``sorted_ids`` holds (binary search, no sort)."""
     if values.size == 0 or sorted_ids.size == 0:
-        return np.zeros(0, np.int64)
+        empty = np.zeros(0, np.int64)
+        return empty, empty
     at = np.minimum(np.searchsorted(sorted_ids, values), sorted_ids.size - 1)
-    return at[sorted_ids[at] == values]
+    which = np.flatnonzero(sorted_ids[at] == values)
+    return which, at[which]
 
 
 def _intersects(values: np.ndarray, sorted_ids: np.ndarray) -> bool:
     """Whether any of ``values`` is in ``sorted_ids``."""
-    return _found_in(values, sorted_ids).size > 0
+    return _matches(values, sorted_ids)[0].size > 0
 
 
 def _pad(values: np.ndarray, size: int, fill: int | float) -> np.ndarray:
