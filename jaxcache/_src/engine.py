@@ -26,7 +26,7 @@ from jaxcache._src import device_ops, kernels, routing
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.device_ops import CacheState, Lookup
 from jaxcache._src.frequency import hottest
-from jaxcache._src.host_table import HostTable
+from jaxcache._src.host_table import HostTable, take_rows
 from jaxcache._src.placement import process_shard
 from jaxcache._src.planner import Plan, Planner
 from jaxcache._src.stats import CacheStats, StepStats
@@ -328,7 +328,9 @@ class EmbeddingCache:
     def _write_back(self, ids: np.ndarray, at: np.ndarray, rows: jax.Array, opt: dict) -> None:
         """Writes the rows at ``at`` of this process's blocks of a read-out to ``ids``."""
         self.table.scatter(
-            ids, _local_data(rows)[at], {k: _local_data(v)[at] for k, v in opt.items()}
+            ids,
+            take_rows(_local_data(rows), at),
+            {k: take_rows(_local_data(v), at) for k, v in opt.items()},
         )
 
     def _per_device_size(self, *slot_lists: np.ndarray, previous: int = 0) -> int:
@@ -592,9 +594,9 @@ class EmbeddingCache:
                     landed |= mine
                     continue
                 rows, opt = source
-                fetch_rows[at[mine]] = _local_data(rows)[read_out[mine]]
+                fetch_rows[at[mine]] = take_rows(_local_data(rows), read_out[mine])
                 for name, values in opt.items():
-                    fetch_opt[name][at[mine]] = _local_data(values)[read_out[mine]]
+                    fetch_opt[name][at[mine]] = take_rows(_local_data(values), read_out[mine])
             if landed.any():
                 self._copy_rows(host, ids[landed], at[landed])
 
@@ -750,8 +752,8 @@ class EmbeddingCache:
         return (
             _pad(evict.astype(np.int32), size, cfg.capacity),
             _pad(fetch.astype(np.int32), size, cfg.capacity),
-            _pad(rows[at], size, 0),
-            {k: _pad(v[at], size, 0) for k, v in opt.items()},
+            _pad(take_rows(rows, at), size, 0),
+            {k: _pad(take_rows(v, at), size, 0) for k, v in opt.items()},
         )
 
     def callback_write_back(self, index: np.ndarray, rows: np.ndarray, opt: dict) -> None:
