@@ -490,19 +490,26 @@ def _pool_real(
         w = rest[deltas] if weights is not None else None
         at = positions[0]  # [P]; padding: the share's length
         real = inverse.reshape(-1).at[at].get(mode="fill", fill_value=received)
+        # The padding of ``at`` reads zeros and falls in the bag that
+        # ``segment_sum`` drops, so no mask multiplies the rows: with one, XLA
+        # fuses gather and product into a loop that redoes the index chain for
+        # every element of a row (the pooled lookup's forward and backward
+        # took 1.2-1.4x as long).
         embeddings = got.at[real].get(mode="fill", fill_value=0)
-        scale = (real < received).astype(embeddings.dtype)
+        scale = None
         if w is not None:
-            scale = scale * w.reshape(-1).at[at].get(mode="fill", fill_value=0).astype(scale.dtype)
+            scale = w.reshape(-1).at[at].get(mode="fill", fill_value=0).astype(embeddings.dtype)
+            embeddings = embeddings * scale[:, None]
         bags = inverse.size // bag
         segment = at // bag  # padding falls in bag ``bags``: dropped
 
         def per_bag(values):
             return jax.ops.segment_sum(values, segment, num_segments=bags, indices_are_sorted=True)
 
-        total = per_bag(embeddings * scale[:, None])
-        if combiner == "mean":
-            count = per_bag(scale)[:, None]
+        total = per_bag(embeddings)
+        if combiner == "mean":  # a bag's (weighted) number of real ids
+            count = per_bag(jnp.ones(at.shape, embeddings.dtype) if scale is None else scale)
+            count = count[:, None]
             total = total / jnp.where(count == 0, 1, count)
         return total.reshape(*inverse.shape[:-1], total.shape[-1])
 
