@@ -327,11 +327,7 @@ class EmbeddingCache:
 
     def _write_back(self, ids: np.ndarray, at: np.ndarray, rows: jax.Array, opt: dict) -> None:
         """Writes the rows at ``at`` of this process's blocks of a read-out to ``ids``."""
-        self.table.scatter(
-            ids,
-            take_rows(_local_data(rows), at),
-            {k: take_rows(_local_data(v), at) for k, v in opt.items()},
-        )
+        self.table.scatter(ids, *_read_out(rows, opt, at))
 
     def _per_device_size(self, *slot_lists: np.ndarray, previous: int = 0) -> int:
         """Padded rows per device for lists of global slots (the largest device's)."""
@@ -577,7 +573,6 @@ class EmbeddingCache:
         read-out of the plan that evicted each (dispatched, since every
         earlier plan was applied), or from the host table if it landed."""
         ids, at, plans, read_out = host.deferred
-        _, _, fetch_rows, fetch_opt = host.moves
         with self.stats.timers.time("gather"):
             with self._write_back_lock:
                 sources = {int(p): self._dispatched.get(int(p)) for p in np.unique(plans)}
@@ -587,26 +582,12 @@ class EmbeddingCache:
                     f"batch {host.plan.index} fetches rows that plans {unapplied} evicted, but "
                     "those plans were not applied yet; apply staged batches in plan order."
                 )
-            landed = np.zeros(ids.shape, bool)
             for plan, source in sources.items():
                 mine = plans == plan
                 if source is None:  # landed meanwhile: the host table has them
-                    landed |= mine
-                    continue
-                rows, opt = source
-                fetch_rows[at[mine]] = take_rows(_local_data(rows), read_out[mine])
-                for name, values in opt.items():
-                    fetch_opt[name][at[mine]] = take_rows(_local_data(values), read_out[mine])
-            if landed.any():
-                self._copy_rows(host, ids[landed], at[landed])
-
-    def _copy_rows(self, host: HostStaged, ids: np.ndarray, at: np.ndarray) -> None:
-        """Copies rows ``ids`` from the host table into ``host``'s fetch rows at ``at``."""
-        rows, opt = self.table.gather(ids)
-        _, _, fetch_rows, fetch_opt = host.moves
-        fetch_rows[at] = rows
-        for name, values in opt.items():
-            fetch_opt[name][at] = values
+                    _fill_fetch(host, at[mine], *self.table.gather(ids[mine]))
+                else:
+                    _fill_fetch(host, at[mine], *_read_out(*source, read_out[mine]))
 
     def _route(self, plan: Plan, size: int | None) -> routing.HostRoute:
         """Routes ``plan`` over the devices, with padded sizes from buckets (or
@@ -725,7 +706,7 @@ class EmbeddingCache:
                         "back; run a step for every batch the pipeline yields, in order."
                     )
                 with self.stats.timers.time("gather"):
-                    self._copy_rows(host, ids, at)
+                    _fill_fetch(host, at, *self.table.gather(ids))
         else:
             self.planner.release(self.planner.next_index - 1)
             host = self.stage_host(ids, train=train, size=size)
@@ -1002,6 +983,23 @@ def _local_data(array: jax.Array) -> np.ndarray:
     if len(shards) == 1:
         return np.asarray(next(iter(shards.values())))
     return np.concatenate([np.asarray(shards[start]) for start in sorted(shards)])
+
+
+def _read_out(
+    rows: jax.Array, opt: dict[str, jax.Array], at: np.ndarray
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The rows at ``at`` of this process's blocks of a swap's read-out, and their state."""
+    return take_rows(_local_data(rows), at), {
+        k: take_rows(_local_data(v), at) for k, v in opt.items()
+    }
+
+
+def _fill_fetch(host: HostStaged, at: np.ndarray, rows: np.ndarray, opt: dict) -> None:
+    """Writes ``rows`` and their state into ``host``'s fetch rows at ``at``."""
+    _, _, fetch_rows, fetch_opt = host.moves
+    fetch_rows[at] = rows
+    for name, values in opt.items():
+        fetch_opt[name][at] = values
 
 
 def _scatter_into(size: int, at: np.ndarray, values: np.ndarray) -> np.ndarray:
