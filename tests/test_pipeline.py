@@ -211,6 +211,31 @@ def test_deferred_rows_come_from_the_read_out_or_the_landed_table(landed):
     np.testing.assert_array_equal(cache.table.rows[:2], first + 1.0)
 
 
+def test_deferred_row_evicted_twice_comes_from_the_later_read_out():
+    # By hand, with a capacity of one row and every plan staged before any
+    # swap runs: row 0 is evicted by plan 1, fetched back by plan 2, trained,
+    # evicted again by plan 3 and fetched by plan 4. Both evictions are
+    # pending when plan 4 is staged; its row must be plan 3's read-out.
+    cfg = jaxcache.CacheConfig(100, 2, capacity=1, policy="lru", optimizer=jaxcache.sgd(0.1))
+    cache = jaxcache.EmbeddingCache(cfg)
+    first = np.array(cache.table.rows[0])
+    state = cache.apply(cache.init_state(), cache.stage(np.array([0])))
+    state = state._replace(rows=state.rows + 1.0)
+    staged = []
+    for index, ids in enumerate([[1], [0], [1], [0]]):
+        cache.planner.release(index)
+        staged.append(cache.stage_host(np.array(ids), defer=True))
+    assert staged[3].deferred.plans.tolist() == [3]  # not plan 1, which evicted it first
+    for host, trained in zip(staged, [1.0, 10.0, 0.0, 0.0], strict=True):
+        transferred = cache.to_device(host)
+        state = cache.apply(state, transferred)
+        state = state._replace(rows=state.rows + trained)  # what a step would do
+    _, _, fetch_rows, _ = transferred.moves
+    np.testing.assert_array_equal(np.asarray(fetch_rows)[0], first + 11.0)
+    cache.flush(state)
+    np.testing.assert_array_equal(cache.table.rows[0], first + 11.0)
+
+
 def test_no_recompilation_with_the_pipeline():
     cfg = jaxcache.CacheConfig(5000, 8, 600, policy="lfu", optimizer=jaxcache.adagrad(0.1))
     cache = jaxcache.EmbeddingCache(cfg)
