@@ -67,10 +67,15 @@ def bce(logits, labels):
     return optax.sigmoid_binary_cross_entropy(logits, labels).mean()
 
 
-def make_cached(cache: jaxcache.EmbeddingCache, num_features: int, *, seed=0, combiner=None):
+def _tower(cache: jaxcache.EmbeddingCache, num_features: int, seed: int, combiner=None):
+    """A ``Tower`` over a ``CachedEmbed`` of ``cache`` and its dense optimizer."""
     embed = jaxcache.nnx.CachedEmbed(cache, combiner=combiner)
     model = Tower(embed, num_features, cache.config.features, seed=seed)
-    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+def make_cached(cache: jaxcache.EmbeddingCache, num_features: int, *, seed=0, combiner=None):
+    model, optimizer = _tower(cache, num_features, seed, combiner)
 
     @nnx.jit
     def step(model, optimizer, lookup, labels, weights):
@@ -94,8 +99,7 @@ def make_cached(cache: jaxcache.EmbeddingCache, num_features: int, *, seed=0, co
 def make_callback(cache: jaxcache.EmbeddingCache, num_features: int, *, seed=0):
     """The model of ``make_cached`` with a step that takes raw ids and looks
     them up inside with ``CachedEmbed.lookup_ids`` (the host-callback form)."""
-    model = Tower(jaxcache.nnx.CachedEmbed(cache), num_features, cache.config.features, seed=seed)
-    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    model, optimizer = _tower(cache, num_features, seed)
 
     @nnx.jit
     def step(model, optimizer, ids, labels):
