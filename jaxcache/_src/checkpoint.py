@@ -198,7 +198,7 @@ class Checkpointer:
         """Writes checkpoint ``step`` and returns once it is committed.
 
         Args:
-          step: the step number (a new one).
+          step: the step number: new, and above every saved step.
           model: an NNX model; its ``CachedEmbed`` tables are saved with it.
           optimizer: the dense optimizer (``nnx.Optimizer``).
           caches: more tables: anything with ``cache``, ``get_state`` and
@@ -211,6 +211,9 @@ class Checkpointer:
           The ``CheckpointInfo`` of what was saved.
 
         Raises:
+          ValueError: ``step`` is saved already or older than the latest
+            saved step, or nothing to save.
+          TypeError: ``extra`` is not JSON-serialisable.
           RuntimeError: a table has batches in flight (nothing was written).
         """
         if self.read_only:
@@ -223,6 +226,13 @@ class Checkpointer:
             raise ValueError(
                 f"step {step} is already saved in {self.directory}; save a new step number "
                 "(or restore it and continue from there)."
+            )
+        latest = self.latest_step()
+        if latest is not None and step < latest:
+            raise ValueError(
+                f"step {step} is older than the latest saved step {latest} in "
+                f"{self.directory}; steps must increase: save a step above {latest}, or save "
+                "into a new directory."
             )
         holders = _find_tables(model, caches)
         if model is None and optimizer is None and not holders:
@@ -261,7 +271,11 @@ class Checkpointer:
             "tables": list(info.tables),
             "items": sorted(items),
         }
-        self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items))
+        args = ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items)
+        # Forced: the steps were checked above, and orbax's own save policy
+        # would otherwise skip a save silently (it returns False).
+        if not self._manager.save(step, args=args, force=True):
+            raise RuntimeError(f"orbax did not save step {step} in {self.directory}.")
         self._manager.wait_until_finished()
         return info
 
