@@ -118,6 +118,7 @@ def test_last_line_is_a_json_result(runs):
             "transfer",
             "swap",
             "wait",
+            "device_wait",
         }
     assert runs["cached"]["lookahead"] == 2 and not runs["cached"]["host_callback"]
     assert runs["unpipelined"]["lookahead"] == 0

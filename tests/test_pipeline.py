@@ -203,6 +203,8 @@ def test_deferred_rows_come_from_the_read_out_or_the_landed_table(landed):
         cache._land(np.zeros(0, np.int64))
         assert 1 not in cache._unlanded
     staged = cache.to_device(refetching)
+    # Waiting for plan 1's swap is timed apart from the copy; not once landed.
+    assert cache.stats.timers.counts["device_wait"] == (0 if landed else 1)
     _, fetch_slots, fetch_rows, _ = staged.moves
     fetched = np.asarray(fetch_rows)[np.asarray(fetch_slots) < cfg.capacity]
     np.testing.assert_array_equal(fetched, first + 1.0)  # the updated rows, not the first ones

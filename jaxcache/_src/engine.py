@@ -573,15 +573,20 @@ class EmbeddingCache:
         read-out of the plan that evicted each (dispatched, since every
         earlier plan was applied), or from the host table if it landed."""
         ids, at, plans, read_out = host.deferred
-        with self.stats.timers.time("gather"):
-            with self._write_back_lock:
-                sources = {int(p): self._dispatched.get(int(p)) for p in np.unique(plans)}
-                unapplied = [p for p, s in sources.items() if s is None and p in self._unlanded]
-            if unapplied:
-                raise RuntimeError(
-                    f"batch {host.plan.index} fetches rows that plans {unapplied} evicted, but "
-                    "those plans were not applied yet; apply staged batches in plan order."
-                )
+        timers = self.stats.timers
+        with self._write_back_lock:
+            sources = {int(p): self._dispatched.get(int(p)) for p in np.unique(plans)}
+            unapplied = [p for p, s in sources.items() if s is None and p in self._unlanded]
+        if unapplied:
+            raise RuntimeError(
+                f"batch {host.plan.index} fetches rows that plans {unapplied} evicted, but "
+                "those plans were not applied yet; apply staged batches in plan order."
+            )
+        read_outs = [s for s in sources.values() if s is not None]
+        if read_outs:
+            with timers.time("device_wait"):  # the evicting swaps may still be queued
+                jax.block_until_ready(read_outs)
+        with timers.time("gather"):
             for plan, source in sources.items():
                 mine = plans == plan
                 if source is None:  # landed meanwhile: the host table has them

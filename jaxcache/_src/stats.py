@@ -98,10 +98,12 @@ class PhaseTimers:
     """Seconds and counts spent in each phase of the cache's work.
 
     Phases: ``plan``, ``write_back`` and ``gather``, ``transfer`` (host side),
-    ``swap`` (dispatching the device swap) and ``wait`` (the training loop
-    waiting for a prefetched batch). With a pipeline the host phases run on a
-    background thread, so their time is hidden behind the device step unless
-    ``wait`` grows.
+    ``swap`` (dispatching the device swap), ``wait`` (the training loop
+    waiting for a prefetched batch) and ``device_wait`` (the training loop
+    waiting for a swap still queued on the device, whose read-out holds rows
+    the batch it transfers fetches: time the device is busy, not the host).
+    With a pipeline the host phases run on a background thread, so their
+    time is hidden behind the device step unless ``wait`` grows.
 
     Examples:
       >>> import jaxcache
@@ -112,7 +114,7 @@ class PhaseTimers:
       (1, True)
     """
 
-    PHASES = ("plan", "write_back", "gather", "transfer", "swap", "wait")
+    PHASES = ("plan", "write_back", "gather", "transfer", "swap", "wait", "device_wait")
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
