@@ -704,14 +704,14 @@ class EmbeddingCache:
                 # (ordered callbacks), so the rows are home. Plans made after
                 # this batch was released may have evicted them again: their
                 # write-backs hold later values and land in later steps.
-                ids, at = host.deferred.ids, host.deferred.at
-                if (self._pending(ids, before=host.plan.index)[0] >= 0).any():
+                late = host.deferred
+                if (self._pending(late.ids, before=host.plan.index)[0] >= 0).any():
                     raise RuntimeError(
                         f"batch {host.plan.index} fetches rows an earlier step has not written "
                         "back; run a step for every batch the pipeline yields, in order."
                     )
                 with self.stats.timers.time("gather"):
-                    _fill_fetch(host, at, *self.table.gather(ids))
+                    _fill_fetch(host, late.at, *self.table.gather(late.ids))
         else:
             self.planner.release(self.planner.next_index - 1)
             host = self.stage_host(ids, train=train, size=size)
