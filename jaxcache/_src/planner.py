@@ -178,12 +178,14 @@ class Planner:
         # Scratch for each distinct slot's rank in a plan; only entries written
         # in the same plan are read, so it is never cleared.
         self._rank = np.empty(capacity, np.int32)
-        # Slots protected from eviction while planning: those of the plans in
-        # flight, the batch's hits and the next batch's kept rows carry the
-        # current stamp, so a plan never scans all C slots to find them.
+        # Slots protected from eviction while planning: the batch's hits carry
+        # the current stamp (and, when room is tight, the in-flight plans'
+        # slots, to count them); the other in-flight ones are known by
+        # last_use. A plan never scans all C slots to find them.
         self._mark = np.zeros(capacity, np.int64)
         self._stamp = 0
         self._in_flight: dict[int, np.ndarray] = {}  # plan index -> its slots
+        self._finished = -1  # the plan being made protects what plans after it use
         # Victim candidates (see _snapshot) and the (key, slot) bound they cover.
         self.reserve = int(reserve)
         if capacity % devices:
@@ -307,6 +309,7 @@ class Planner:
         self.next_index = next_index
         self.released = next_index - 1
         self._in_flight = {}
+        self._finished = self.released
         self._candidates = [None] * self.groups
         self._threshold = [None] * self.groups
         same_homes = self.groups == 1 or bool(
@@ -433,9 +436,10 @@ class Planner:
         groups = self.groups
         misses = self._per_group(ids=miss_ids)
         hits_per_group = self._per_group(slots=hit_unique)
-        self._check_fits(hits_per_group + misses)
+        distinct_per_group = hits_per_group + misses
+        self._check_fits(distinct_per_group)
         finished = self.released if released is None else min(int(released), self.released)
-        available = self.group_capacity - hits_per_group - self._guard(finished)
+        available = self.group_capacity - hits_per_group - self._guard(finished, distinct_per_group)
         if (misses > available).any():
             raise self._no_room(hit_unique, misses, available)
 
@@ -539,20 +543,35 @@ class Planner:
         error.fits_after = max(fits_after)
         return error
 
-    def _guard(self, finished: int) -> np.ndarray:
-        """Stamps the slots of the plans after ``finished`` protected (the
-        hits already are); returns how many it newly protected per group.
-        ``O(slots of the plans in flight)``, not ``O(C)``."""
-        for index in [i for i in self._in_flight if i <= finished]:
+    def _guard(self, finished: int, distinct: np.ndarray) -> np.ndarray:
+        """How many slots per group the plans after ``finished`` protect,
+        besides the batch's hits; ``self._finished`` rises to ``finished``.
+
+        A slot is protected while a plan after ``_finished`` uses it, that is
+        while ``last_use > _finished``. When the in-flight plans hold too few
+        slots to crowd out the batch's ``distinct`` ids per group (the usual
+        case), their total bounds the count well enough and nothing is
+        counted (zeros); otherwise their slots are stamped and counted
+        exactly. ``O(slots of the plans in flight)`` at most, never
+        ``O(C)``.
+        """
+        # Never lowered: a plan made after a wait for room (a later bound)
+        # leaves the plans it waited for unprotected for good.
+        self._finished = max(self._finished, finished)
+        for index in [i for i in self._in_flight if i <= self._finished]:
             del self._in_flight[index]
+        bound = sum(slots.size for slots in self._in_flight.values())
+        if (distinct + bound <= self.group_capacity).all():
+            return np.zeros(self.groups, np.int64)  # room, however they overlap
         counts = np.zeros(self.groups, np.int64)
         for slots in self._in_flight.values():
             kernels.mark_new(slots, self._mark, self._stamp, self.group_capacity, counts)
         return counts
 
     def _protected(self, slots: np.ndarray) -> np.ndarray:
-        """Whether each of ``slots`` is protected in the plan being made."""
-        return self._mark[slots] == self._stamp
+        """Whether each of ``slots`` is protected in the plan being made: a
+        hit of the batch (stamped) or used by a plan after ``_finished``."""
+        return (self._mark[slots] == self._stamp) | (self.last_use[slots] > self._finished)
 
     def _keys(self, slots: np.ndarray) -> np.ndarray:
         """Eviction keys of ``slots``: -1 for a free slot, else the policy's priority."""
@@ -613,5 +632,10 @@ class Planner:
                 last = (int(kth), int(self._tie[ties[-1]]))
                 if threshold is None or last <= threshold:
                     return np.sort(np.concatenate([below, ties]))
+            if threshold is None:  # every slot was a candidate: _guard let too much in
+                raise RuntimeError(
+                    f"{count} victims needed in group {group} but only {candidates.size} "
+                    "slots are unprotected; the planner's room check is wrong."
+                )
             size = max(size, 2 * reserve.size)
             self._snapshot(size, group)
