@@ -18,7 +18,14 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["as_index_array", "fill_negative", "lookup", "mark_new", "real_positions"]
+__all__ = [
+    "as_index_array",
+    "fill_negative",
+    "lookup",
+    "mark_new",
+    "real_positions",
+    "victim_candidates",
+]
 
 _JIT = {"nogil": True, "cache": True, "boundscheck": False}
 
@@ -77,6 +84,29 @@ def mark_new(slots, mark, stamp, group_capacity, counts):
         if mark[s] != stamp:
             mark[s] = stamp
             counts[s // group_capacity] += 1
+
+
+@numba.njit(**_JIT)
+def victim_candidates(reserve, mark, stamp, last_use, finished, id_of_slot, priority):
+    """The slots of ``reserve`` a plan may evict, with their eviction keys.
+
+    A slot is protected when stamped (a hit of the batch, or counted in
+    flight) or used by a plan after ``finished``. A key is ``-1`` for a free
+    slot, else ``priority[slot]``.
+
+    Returns:
+      ``(slots, keys)``, in the order of ``reserve``.
+    """
+    slots = np.empty(reserve.size, np.int64)
+    keys = np.empty(reserve.size, np.int64)
+    k = 0
+    for s in reserve:
+        if mark[s] == stamp or last_use[s] > finished:
+            continue
+        slots[k] = s
+        keys[k] = -1 if id_of_slot[s] < 0 else priority[s]
+        k += 1
+    return slots[:k], keys[:k]
 
 
 @numba.njit(**_JIT)

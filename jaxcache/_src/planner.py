@@ -201,6 +201,7 @@ class Planner:
         local = capacity // devices
         slots = np.arange(capacity)
         self._tie = (slots % local) * devices + slots // local
+        self._tie_is_slot = devices == 1
         self.groups = int(groups)
         self.group_capacity = capacity // self.groups
         # Victim candidates and the (key, slot) bound they cover, per group.
@@ -568,14 +569,9 @@ class Planner:
             kernels.mark_new(slots, self._mark, self._stamp, self.group_capacity, counts)
         return counts
 
-    def _protected(self, slots: np.ndarray) -> np.ndarray:
-        """Whether each of ``slots`` is protected in the plan being made: a
-        hit of the batch (stamped) or used by a plan after ``_finished``."""
-        return (self._mark[slots] == self._stamp) | (self.last_use[slots] > self._finished)
-
     def _keys(self, slots: np.ndarray) -> np.ndarray:
         """Eviction keys of ``slots``: -1 for a free slot, else the policy's priority."""
-        return np.where(self.id_of_slot[slots] < 0, -1, self.policy.priority(self, slots))
+        return np.where(self.id_of_slot[slots] < 0, -1, self.policy.priorities(self)[slots])
 
     def _snapshot(self, size: int, group: int) -> None:
         """Keeps the ``size`` slots of ``group`` of lowest ``(key, slot)`` as
@@ -602,6 +598,8 @@ class Planner:
     def _by_tie(self, slots: np.ndarray) -> np.ndarray:
         """``slots`` in tie-break order: local slot first, then device, so that
         equal keys (free slots above all) spread new rows over the devices."""
+        if self._tie_is_slot:  # one device: the slots' own order
+            return np.sort(slots)
         return slots[np.argsort(self._tie[slots], kind="stable")]
 
     def _choose_victims(self, count: int, group: int) -> np.ndarray:
@@ -623,9 +621,16 @@ class Planner:
             self._snapshot(size, group)
         while True:
             reserve, threshold = self._candidates[group], self._threshold[group]
-            candidates = reserve[~self._protected(reserve)]
+            candidates, keys = kernels.victim_candidates(
+                reserve,
+                self._mark,
+                self._stamp,
+                self.last_use,
+                self._finished,
+                self.id_of_slot,
+                self.policy.priorities(self),
+            )
             if candidates.size >= count:
-                keys = self._keys(candidates)
                 kth = np.partition(keys, count - 1)[count - 1]
                 below = candidates[keys < kth]
                 ties = self._by_tie(candidates[keys == kth])[: count - below.size]

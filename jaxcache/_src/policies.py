@@ -26,8 +26,9 @@ class Policy:
 
     name = ""
 
-    def priority(self, planner: Planner, slots: np.ndarray) -> np.ndarray:
-        """``int64`` priority of the rows held in ``slots``."""
+    def priorities(self, planner: Planner) -> np.ndarray:
+        """``int64 [C]``: the priority of the row each slot holds (the
+        policy's own array, read by the planner, not a copy)."""
         raise NotImplementedError
 
     def on_insert(self, planner: Planner, slots: np.ndarray, ids: np.ndarray) -> None:
@@ -57,8 +58,8 @@ class LRUPolicy(Policy):
 
     name = "lru"
 
-    def priority(self, planner, slots):
-        return planner.last_use[slots]
+    def priorities(self, planner):
+        return planner.last_use
 
 
 class _CountPolicy(Policy):
@@ -68,8 +69,8 @@ class _CountPolicy(Policy):
         self.counts = counts
         self.slot_counts = np.zeros(capacity, np.int64)
 
-    def priority(self, planner, slots):
-        return self.slot_counts[slots]
+    def priorities(self, planner):
+        return self.slot_counts
 
     def on_insert(self, planner, slots, ids):
         self.slot_counts[slots] = self.counts[ids]
