@@ -550,7 +550,7 @@ class EmbeddingCache:
         return moves, deferred
 
     def _pending(self, ids: np.ndarray, before: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Which of sorted ``ids`` an unlanded write-back holds (only those of
+        """Which of distinct ``ids`` an unlanded write-back holds (only those of
         plans with an index below ``before``, when given).
 
         Returns:
@@ -559,12 +559,13 @@ class EmbeddingCache:
         """
         plans = np.full(ids.shape, -1, np.int64)
         read_out = np.zeros(ids.shape, np.int64)
+        wanted = kernels.IdIndex(ids)
         with self._write_back_lock:
             for index in sorted(self._unlanded):  # later evictions overwrite
                 if before is not None and index >= before:
                     break
                 evicted, at = self._unlanded[index]
-                which, where = _matches(evicted, ids)
+                which, where = wanted.find(evicted)
                 plans[where], read_out[where] = index, at[which]
         return plans, read_out
 
@@ -790,7 +791,7 @@ class EmbeddingCache:
 
     def _land(self, needed: np.ndarray | None) -> None:
         """Lands write-backs: all dispatched ones when ``needed`` is ``None``;
-        else those ready now plus those evicting an id in sorted ``needed``.
+        else those ready now plus those evicting an id in distinct ``needed``.
 
         A row is read only after its write-back landed: when an earlier plan
         evicted a row this one fetches, this waits until that plan's swap is
@@ -802,8 +803,11 @@ class EmbeddingCache:
         with self._write_back_lock:
             if needed is None:  # all: wait for those another thread is writing
                 must = set(self._landing)
+            elif needed.size == 0:  # only those ready
+                must = set()
             else:
-                must = {i for i, (ids, _) in self._unlanded.items() if _intersects(ids, needed)}
+                wanted = kernels.IdIndex(needed)
+                must = {i for i, (ids, _) in self._unlanded.items() if wanted.find(ids)[0].size}
 
             def unread() -> bool:  # evicted, not read out by a swap yet
                 return any(i in self._unlanded and i not in self._dispatched for i in must)
@@ -1011,22 +1015,6 @@ def _scatter_into(size: int, at: np.ndarray, values: np.ndarray) -> np.ndarray:
     out = np.zeros((size, *values.shape[1:]), values.dtype)
     out[at] = values
     return out
-
-
-def _matches(values: np.ndarray, sorted_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(i, j)`` with ``values[i] == sorted_ids[j]``, for the ``values`` that
-    ``sorted_ids`` holds (binary search, no sort)."""
-    if values.size == 0 or sorted_ids.size == 0:
-        empty = np.zeros(0, np.int64)
-        return empty, empty
-    at = np.minimum(np.searchsorted(sorted_ids, values), sorted_ids.size - 1)
-    which = np.flatnonzero(sorted_ids[at] == values)
-    return which, at[which]
-
-
-def _intersects(values: np.ndarray, sorted_ids: np.ndarray) -> bool:
-    """Whether any of ``values`` is in ``sorted_ids``."""
-    return _matches(values, sorted_ids)[0].size > 0
 
 
 def _pad(values: np.ndarray, size: int, fill: int | float) -> np.ndarray:
