@@ -559,14 +559,16 @@ class EmbeddingCache:
         """
         plans = np.full(ids.shape, -1, np.int64)
         read_out = np.zeros(ids.shape, np.int64)
+        with self._write_back_lock:  # a snapshot: the entries never change
+            unlanded = sorted(self._unlanded.items())
+        if before is not None:
+            unlanded = [(index, entry) for index, entry in unlanded if index < before]
+        if not unlanded or ids.size == 0:
+            return plans, read_out
         wanted = kernels.IdIndex(ids)
-        with self._write_back_lock:
-            for index in sorted(self._unlanded):  # later evictions overwrite
-                if before is not None and index >= before:
-                    break
-                evicted, at = self._unlanded[index]
-                which, where = wanted.find(evicted)
-                plans[where], read_out[where] = index, at[which]
+        for index, (evicted, at) in unlanded:  # later evictions overwrite
+            which, where = wanted.find(evicted)
+            plans[where], read_out[where] = index, at[which]
         return plans, read_out
 
     def _fetch_deferred(self, host: HostStaged) -> None:
