@@ -118,3 +118,27 @@ def test_shards_hold_the_whole_tables_rows(tmp_path):
     assert (odd.gather(ids[:1])[0] == 1).all() and (odd.rows[34999] == 1).all()
     with pytest.raises(ValueError, match=r"ids \[4\] are not in this table's shard"):
         odd.gather(np.array([3, 4]))
+
+
+def test_gather_into_and_scatter_from_positions():
+    cfg = jaxcache.CacheConfig(100, 3, 10, optimizer=jaxcache.adam(0.1))
+    table = jaxcache.HostTable(cfg, seed=1)
+    before = {"rows": table.rows.copy(), **{k: v.copy() for k, v in table.state.items()}}
+    ids, at = np.array([7, 93, 7, 0]), np.array([5, 0, 2, 3])
+    rows = np.full((6, 3), -1.0, np.float32)
+    state = {k: np.full((6, *v.shape[1:]), -1, v.dtype) for k, v in table.state.items()}
+    table.gather_into(ids, rows, state, at)
+    np.testing.assert_array_equal(rows[at], table.rows[ids])
+    assert (rows[[1, 4]] == -1).all()  # positions not named stay as they were
+    for name, values in state.items():
+        np.testing.assert_array_equal(values[at], table.state[name][ids])
+    # Back from positions of a larger buffer (a swap's read-out); rows cast to the table's dtype.
+    table.scatter(np.array([4, 50]), rows.astype(np.float64), state, at=np.array([0, 3]))
+    np.testing.assert_array_equal(table.rows[[4, 50]], before["rows"][[93, 0]])
+    for name, values in table.state.items():
+        np.testing.assert_array_equal(values[[4, 50]], before[name][[93, 0]])
+    untouched = np.setdiff1d(np.arange(100), [4, 50])
+    np.testing.assert_array_equal(table.rows[untouched], before["rows"][untouched])
+    with pytest.raises(IndexError, match="nothing was copied"):
+        table.scatter(np.array([4, 100]), rows, state, at=np.array([0, 1]))
+    np.testing.assert_array_equal(table.rows[4], before["rows"][93])

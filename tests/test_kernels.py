@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxcache._src.kernels import IdIndex
+from jaxcache._src.kernels import IdIndex, copy_rows
 
 # Ids as they come: anywhere in int64, in runs, or on a stride of a power of
 # two (which a hash of the low bits alone would pile into one bucket).
@@ -31,3 +33,42 @@ def test_id_index_finds_exactly_the_values_among_the_keys(keys, values, sample):
     position = {k: j for j, k in enumerate(keys.tolist())}
     expected = [(i, position[v]) for i, v in enumerate(values.tolist()) if v in position]
     assert list(zip(which.tolist(), where.tolist(), strict=True)) == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    data=st.data(),
+    dtype=st.sampled_from([np.float32, np.float64, np.int8, ml_dtypes.bfloat16]),
+    row_shape=st.sampled_from([(), (1,), (3,), (16,), (2, 5)]),
+    sizes=st.tuples(st.integers(1, 40), st.integers(1, 40)),
+)
+def test_copy_rows_matches_assignment(data, dtype, row_shape, sizes):
+    # Any dtype and row width (odd byte counts too); repeated destinations: the last wins.
+    n_dst, n_src = sizes
+    count = data.draw(st.integers(0, 60))
+    dst_at = np.array(
+        data.draw(st.lists(st.integers(0, n_dst - 1), min_size=count, max_size=count))
+    )
+    src_at = np.array(
+        data.draw(st.lists(st.integers(0, n_src - 1), min_size=count, max_size=count))
+    )
+    rng = np.random.default_rng(count)
+    dst = rng.normal(size=(n_dst, *row_shape)).astype(dtype)
+    src = rng.normal(size=(n_src, *row_shape)).astype(dtype)
+    expected = dst.copy()
+    for a, b in zip(dst_at.tolist(), src_at.tolist(), strict=True):
+        expected[a] = src[b]
+    copy_rows(dst, dst_at.astype(np.int64), src, src_at.astype(np.int64))
+    assert dst.tobytes() == expected.tobytes()
+
+
+def test_copy_rows_refuses_before_writing():
+    dst, src = np.zeros((4, 2), np.float32), np.ones((3, 2), np.float32)
+    for dst_at, src_at in (([0, 4], [0, 1]), ([0, -1], [0, 1]), ([0, 1], [0, 3])):
+        with pytest.raises(IndexError, match="out of range; nothing was copied"):
+            copy_rows(dst, np.array(dst_at), src, np.array(src_at))
+        assert not dst.any()
+    with pytest.raises(TypeError, match="cannot copy rows of float64"):
+        copy_rows(dst, np.array([0]), src.astype(np.float64), np.array([0]))
+    with pytest.raises(ValueError, match="must be C-contiguous"):
+        copy_rows(np.zeros((4, 4), np.float32)[:, :2], np.array([0]), src, np.array([0]))

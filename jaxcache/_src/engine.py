@@ -306,16 +306,20 @@ class EmbeddingCache:
 
     def _local_blocks(
         self, slots: np.ndarray, size: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | slice]:
         """This process's ``[L size]`` blocks of sorted global ``slots``.
 
         Returns:
           ``(blocks, at, mine)``: the blocks, as local slots padded with
-          ``C_l``; ``mine`` marks the slots of this process's devices and
-          ``at`` is each one's position in the blocks (block, then rank
-          within its device).
+          ``C_l``; ``mine`` selects the slots of this process's devices (a
+          mask, or all of them on one device) and ``at`` is each one's
+          position in the blocks (block, then rank within its device).
         """
         cl, first = self.local_capacity, self._first
+        if self.devices == 1:  # the slots are the block, in order
+            blocks = np.full(size, cl, np.int32)
+            blocks[: slots.size] = slots
+            return blocks, np.arange(slots.size), slice(None)
         device = slots // cl
         start = np.searchsorted(device, np.arange(self.devices))
         rank = np.arange(slots.size) - start[device]
@@ -327,14 +331,17 @@ class EmbeddingCache:
 
     def _write_back(self, ids: np.ndarray, at: np.ndarray, rows: jax.Array, opt: dict) -> None:
         """Writes the rows at ``at`` of this process's blocks of a read-out to ``ids``."""
-        self.table.scatter(ids, *_read_out(rows, opt, at))
+        self.table.scatter(ids, _local_data(rows), {k: _local_data(v) for k, v in opt.items()}, at)
 
     def _per_device_size(self, *slot_lists: np.ndarray, previous: int = 0) -> int:
         """Padded rows per device for lists of global slots (the largest device's)."""
         n = self.devices
-        most = max(
-            int(np.bincount(s // self.local_capacity, minlength=n).max()) for s in slot_lists
-        )
+        if n == 1:
+            most = max(s.size for s in slot_lists)
+        else:
+            most = max(
+                int(np.bincount(s // self.local_capacity, minlength=n).max()) for s in slot_lists
+            )
         return bucket_size(most, max(1, self.config.min_bucket // n), previous)
 
     # ------------------------------------------------------------------ step
@@ -538,16 +545,12 @@ class EmbeddingCache:
         if evict_at.size:  # after landing: a plan never fetches what it evicts
             with self._write_back_lock:
                 self._unlanded[plan.index] = (plan.evict_ids[evict_mine], evict_at)
-        with timers.time("gather"):
-            rows, opt = self.table.gather(fetch_ids)
-            total = self._blocks * size
-            moves = (
-                evict_slots,
-                fetch_slots,
-                _scatter_into(total, fetch_at, rows),
-                {k: _scatter_into(total, fetch_at, v) for k, v in opt.items()},
-            )
-        return moves, deferred
+        with timers.time("gather"):  # into fresh buffers: the device may alias them
+            table, total = self.table, self._blocks * size
+            rows = np.zeros((total, *table.rows.shape[1:]), table.rows.dtype)
+            opt = {k: np.zeros((total, *v.shape[1:]), v.dtype) for k, v in table.state.items()}
+            table.gather_into(fetch_ids, rows, opt, fetch_at)
+        return (evict_slots, fetch_slots, rows, opt), deferred
 
     def _pending(self, ids: np.ndarray, before: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Which of distinct ``ids`` an unlanded write-back holds (only those of
@@ -578,24 +581,25 @@ class EmbeddingCache:
         ids, at, plans, read_out = host.deferred
         timers = self.stats.timers
         with self._write_back_lock:
-            sources = {int(p): self._dispatched.get(int(p)) for p in np.unique(plans)}
+            sources = {p: self._dispatched.get(p) for p in sorted(set(plans.tolist()))}
             unapplied = [p for p, s in sources.items() if s is None and p in self._unlanded]
         if unapplied:
             raise RuntimeError(
                 f"batch {host.plan.index} fetches rows that plans {unapplied} evicted, but "
                 "those plans were not applied yet; apply staged batches in plan order."
             )
-        read_outs = [s for s in sources.values() if s is not None]
+        read_outs = [rows for rows, _ in filter(None, sources.values())]
         if read_outs:
             with timers.time("device_wait"):  # the evicting swaps may still be queued
-                jax.block_until_ready(read_outs)
+                for rows in read_outs:  # their state comes out of the same program
+                    rows.block_until_ready()
         with timers.time("gather"):
             for plan, source in sources.items():
                 mine = plans == plan
                 if source is None:  # landed meanwhile: the host table has them
-                    _fill_fetch(host, at[mine], *self.table.gather(ids[mine]))
+                    self.table.gather_into(ids[mine], *host.moves[2:], at[mine])
                 else:
-                    _fill_fetch(host, at[mine], *_read_out(*source, read_out[mine]))
+                    _copy_read_out(host, at[mine], *source, read_out[mine])
 
     def _route(self, plan: Plan, size: int | None) -> routing.HostRoute:
         """Routes ``plan`` over the devices, with padded sizes from buckets (or
@@ -714,7 +718,7 @@ class EmbeddingCache:
                         "back; run a step for every batch the pipeline yields, in order."
                     )
                 with self.stats.timers.time("gather"):
-                    _fill_fetch(host, late.at, *self.table.gather(late.ids))
+                    self.table.gather_into(late.ids, *host.moves[2:], late.at)
         else:
             self.planner.release(self.planner.next_index - 1)
             host = self.stage_host(ids, train=train, size=size)
@@ -996,27 +1000,15 @@ def _local_data(array: jax.Array) -> np.ndarray:
     return np.concatenate([np.asarray(shards[start]) for start in sorted(shards)])
 
 
-def _read_out(
-    rows: jax.Array, opt: dict[str, jax.Array], at: np.ndarray
-) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """The rows at ``at`` of this process's blocks of a swap's read-out, and their state."""
-    return take_rows(_local_data(rows), at), {
-        k: take_rows(_local_data(v), at) for k, v in opt.items()
-    }
-
-
-def _fill_fetch(host: HostStaged, at: np.ndarray, rows: np.ndarray, opt: dict) -> None:
-    """Writes ``rows`` and their state into ``host``'s fetch rows at ``at``."""
+def _copy_read_out(
+    host: HostStaged, at: np.ndarray, rows: jax.Array, opt: dict[str, jax.Array], read: np.ndarray
+) -> None:
+    """Copies rows ``read`` of this process's blocks of a swap's read-out (and
+    their state) into ``host``'s fetch rows at ``at``."""
     _, _, fetch_rows, fetch_opt = host.moves
-    fetch_rows[at] = rows
+    kernels.copy_rows(fetch_rows, at, _local_data(rows), read)
     for name, values in opt.items():
-        fetch_opt[name][at] = values
-
-
-def _scatter_into(size: int, at: np.ndarray, values: np.ndarray) -> np.ndarray:
-    out = np.zeros((size, *values.shape[1:]), values.dtype)
-    out[at] = values
-    return out
+        kernels.copy_rows(fetch_opt[name], at, _local_data(values), read)
 
 
 def _pad(values: np.ndarray, size: int, fill: int | float) -> np.ndarray:

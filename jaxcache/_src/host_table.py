@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from jaxcache._src import kernels
 from jaxcache._src.config import CacheConfig
 
 __all__ = ["HostTable", "embed_init", "normal_init", "uniform_init"]
@@ -225,15 +226,39 @@ class HostTable:
 
     def gather(self, ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Fresh copies of rows ``ids`` and their state (safe to hand to a device)."""
-        at = self._local(ids)
-        return take_rows(self.rows, at), {k: take_rows(v, at) for k, v in self.state.items()}
+        count = np.size(ids)
+        rows = np.empty((count, *self.rows.shape[1:]), self.rows.dtype)
+        state = {k: np.empty((count, *v.shape[1:]), v.dtype) for k, v in self.state.items()}
+        self.gather_into(ids, rows, state, np.arange(count))
+        return rows, state
 
-    def scatter(self, ids: np.ndarray, rows: np.ndarray, state: dict[str, np.ndarray]) -> None:
-        """Writes rows ``ids`` and their state back."""
-        at = self._local(ids)
-        self.rows[at] = rows
+    def gather_into(
+        self, ids: np.ndarray, rows: np.ndarray, state: dict[str, np.ndarray], at: np.ndarray
+    ) -> None:
+        """Copies rows ``ids`` and their state into ``rows[at]`` and
+        ``state[name][at]`` (C-contiguous arrays of the table's dtypes)."""
+        local = self._local(np.asarray(ids))
+        # Random rows read fastest through np.take (a memcpy per row), and
+        # written to ``at`` fastest by the compiled copy.
+        order = np.arange(local.size)
+        kernels.copy_rows(rows, at, take_rows(self.rows, local), order)
         for name, array in self.state.items():
-            array[at] = state[name]
+            kernels.copy_rows(state[name], at, take_rows(array, local), order)
+
+    def scatter(
+        self,
+        ids: np.ndarray,
+        rows: np.ndarray,
+        state: dict[str, np.ndarray],
+        at: np.ndarray | None = None,
+    ) -> None:
+        """Writes rows ``ids`` and their state back: ``rows`` and ``state``
+        in the order of ``ids``, or their entries ``at`` when given."""
+        local = self._local(np.asarray(ids))
+        at = np.arange(local.size) if at is None else at
+        for array, values in ((self.rows, rows), *((v, state[k]) for k, v in self.state.items())):
+            values = np.ascontiguousarray(values, dtype=array.dtype)  # as assignment would cast
+            kernels.copy_rows(array, local, values, at)
 
 
 def take_rows(array: np.ndarray, at: np.ndarray) -> np.ndarray:

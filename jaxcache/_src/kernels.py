@@ -15,9 +15,15 @@ match).
 ``IdIndex`` finds a few thousand ids among a few thousand others (the rows a
 batch fetches among those a pending write-back holds) by hashing, where a
 binary search per id cost several times as much.
+
+``copy_rows`` moves a step's rows between the host table and the staging
+buffers or read-outs: NumPy's fancy indexing of 2-D arrays goes element by
+element.
 """
 
 from __future__ import annotations
+
+import math
 
 import numba
 import numpy as np
@@ -25,6 +31,7 @@ import numpy as np
 __all__ = [
     "IdIndex",
     "as_index_array",
+    "copy_rows",
     "fill_negative",
     "lookup",
     "mark_new",
@@ -206,3 +213,62 @@ class IdIndex:
         """``(i, j)`` with ``values[i] == keys[j]``, for the ``values`` among
         the keys, in the order of ``values``."""
         return _hash_find(as_index_array(np.asarray(values)), self.keys, self.table, self.bits)
+
+
+@numba.njit(**_JIT)
+def _copy_words(dst, dst_at, src, src_at):
+    n, m = dst.shape[0], src.shape[0]
+    for j in range(dst_at.size):  # every index first: nothing written on a bad one
+        if not (0 <= dst_at[j] < n and 0 <= src_at[j] < m):
+            return j
+    width = dst.shape[1]
+    for j in range(dst_at.size):
+        a, b = dst_at[j], src_at[j]
+        for w in range(width):
+            dst[a, w] = src[b, w]
+    return -1
+
+
+def _words(array: np.ndarray, name: str) -> np.ndarray:
+    """``array`` as ``[rows, words]`` unsigned words: the same memory, no copy."""
+    array = np.asarray(array)
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (got strides {array.strides}).")
+    per_row = math.prod(array.shape[1:])
+    size = next(b for b in (8, 4, 2, 1) if per_row * array.itemsize % b == 0)
+    return array.reshape(len(array), per_row).view(np.uint8).view(f"u{size}")
+
+
+def copy_rows(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np.ndarray) -> None:
+    """``dst[dst_at[j]] = src[src_at[j]]`` for every ``j``, rows whole.
+
+    The rows are copied bit for bit, so ``dst`` and ``src`` must have the
+    same dtype and row shape; ``dst`` (and ``src``) must be C-contiguous.
+    Indices are checked before anything is written.
+
+    Raises:
+      TypeError: different dtypes or row shapes.
+      IndexError: an index outside ``dst`` or ``src`` (nothing written).
+
+    Examples:
+      >>> import numpy as np
+      >>> dst = np.zeros((4, 2), np.float32)
+      >>> copy_rows(dst, np.array([3, 0]), np.arange(6.0, dtype=np.float32).reshape(3, 2),
+      ...           np.array([1, 2]))
+      >>> dst.tolist()
+      [[4.0, 5.0], [0.0, 0.0], [0.0, 0.0], [2.0, 3.0]]
+    """
+    if dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:]:
+        raise TypeError(
+            f"cannot copy rows of {src.dtype} {src.shape[1:]} into rows of {dst.dtype} "
+            f"{dst.shape[1:]}; convert them first."
+        )
+    if np.shape(dst_at) != np.shape(src_at):
+        raise ValueError(f"{np.size(dst_at)} destinations for {np.size(src_at)} sources.")
+    dst_at, src_at = as_index_array(np.asarray(dst_at)), as_index_array(np.asarray(src_at))
+    bad = _copy_words(_words(dst, "dst"), dst_at, _words(src, "src"), src_at)
+    if bad >= 0:
+        raise IndexError(
+            f"row {dst_at[bad]} of {len(dst)} (from row {src_at[bad]} of {len(src)}) is out "
+            "of range; nothing was copied."
+        )
