@@ -21,11 +21,11 @@ def _max_diff(a, b):
     return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
 
 
-def run_both(opt, policy, capacity, steps=12, seed=0):
+def run_both(opt, policy, capacity, steps=12, seed=0, directory=None):
     batches = list(zipf_batches(N, B, F, steps, seed=seed))
     cfg = jaxcache.CacheConfig(N, D, capacity=capacity, policy=policy, optimizer=opt)
     freq = jaxcache.FrequencyCounter(N).update_all(ids for ids, _ in batches).counts
-    table = jaxcache.HostTable(cfg, seed=seed + 1)
+    table = jaxcache.HostTable(cfg, seed=seed + 1, directory=directory)
     reference, ref_train = make_reference(np.array(table.rows), opt, F)
     cache = jaxcache.EmbeddingCache(cfg, table=table, frequencies=freq)
     cached, cached_train = make_cached(cache, F)
@@ -55,6 +55,19 @@ def test_heavy_churn_matches_full_table(opt_name, policy):
     assert cache.stats.total.evictions > 3 * cache.config.capacity
     assert cache.stats.total.rows_to_host > 0
     assert_same_training(cached, reference, losses)
+
+
+def test_memory_mapped_table_under_churn_matches_full_table(tmp_path):
+    # Rows and state live in files; every write-back lands in their pages.
+    cache, cached, reference, losses = run_both(
+        OPTIMIZERS["adam"], "lru", capacity=130, directory=tmp_path
+    )
+    assert isinstance(cache.table.rows, np.memmap)
+    assert cache.stats.total.rows_to_host > 3 * cache.config.capacity
+    assert_same_training(cached, reference, losses)
+    cache.flush(cached.embed.get_state())
+    on_disk = np.load(tmp_path / "rows.npy")
+    np.testing.assert_array_equal(on_disk, cached.embed.export()[0])
 
 
 @pytest.mark.parametrize("opt_name", ["adam", "rowwise_adagrad"])
