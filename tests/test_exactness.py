@@ -70,6 +70,37 @@ def test_memory_mapped_table_under_churn_matches_full_table(tmp_path):
     np.testing.assert_array_equal(on_disk, cached.embed.export()[0])
 
 
+def test_bfloat16_rows_under_churn_equal_the_full_table():
+    # bfloat16 rows (2-byte words through every host copy): the cache under
+    # heavy churn and the whole table on device end bit for bit the same.
+    def train(capacity):
+        cfg = jaxcache.CacheConfig(
+            N,
+            D,
+            capacity=capacity,
+            policy="lru",
+            optimizer=OPTIMIZERS["adagrad"],
+            dtype="bfloat16",
+        )
+        table = jaxcache.HostTable(cfg, seed=1)
+        cache = (
+            jaxcache.EmbeddingCache(cfg, table=table)
+            if capacity < N
+            else jaxcache.EmbeddingCache.full_table(cfg, table=table)
+        )
+        cached, step = make_cached(cache, F)
+        losses = [float(step(ids, y)) for ids, y in zipf_batches(N, B, F, 12, seed=0)]
+        return cache, cached.embed.export(), losses
+
+    cache, (rows, state), losses = train(130)
+    _, (full_rows, full_state), full_losses = train(N)
+    assert cache.stats.total.rows_to_host > 3 * cache.config.capacity
+    assert rows.dtype == cache.config.row_dtype
+    assert rows.tobytes() == full_rows.tobytes()
+    assert state["accumulator"].tobytes() == full_state["accumulator"].tobytes()
+    assert losses == full_losses
+
+
 @pytest.mark.parametrize("opt_name", ["adam", "rowwise_adagrad"])
 def test_five_percent_cache_matches_full_table(opt_name):
     _, cached, reference, losses = run_both(OPTIMIZERS[opt_name], "lfu", capacity=0.05, steps=20)
