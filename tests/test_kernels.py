@@ -70,5 +70,5 @@ def test_copy_rows_refuses_before_writing():
         assert not dst.any()
     with pytest.raises(TypeError, match="cannot copy rows of float64"):
         copy_rows(dst, np.array([0]), src.astype(np.float64), np.array([0]))
-    with pytest.raises(ValueError, match="must be C-contiguous"):
+    with pytest.raises(ValueError, match="destination rows must be C-contiguous"):
         copy_rows(np.zeros((4, 4), np.float32)[:, :2], np.array([0]), src, np.array([0]))

@@ -331,7 +331,8 @@ class EmbeddingCache:
 
     def _write_back(self, ids: np.ndarray, at: np.ndarray, rows: jax.Array, opt: dict) -> None:
         """Writes the rows at ``at`` of this process's blocks of a read-out to ``ids``."""
-        self.table.scatter(ids, _local_data(rows), {k: _local_data(v) for k, v in opt.items()}, at)
+        opt = {k: _local_data(v) for k, v in opt.items()}
+        self.table.scatter(ids, _local_data(rows), opt, at=at)
 
     def _per_device_size(self, *slot_lists: np.ndarray, previous: int = 0) -> int:
         """Padded rows per device for lists of global slots (the largest device's)."""

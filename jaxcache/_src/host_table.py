@@ -226,11 +226,8 @@ class HostTable:
 
     def gather(self, ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Fresh copies of rows ``ids`` and their state (safe to hand to a device)."""
-        count = np.size(ids)
-        rows = np.empty((count, *self.rows.shape[1:]), self.rows.dtype)
-        state = {k: np.empty((count, *v.shape[1:]), v.dtype) for k, v in self.state.items()}
-        self.gather_into(ids, rows, state, np.arange(count))
-        return rows, state
+        local = self._local(np.asarray(ids))
+        return take_rows(self.rows, local), {k: take_rows(v, local) for k, v in self.state.items()}
 
     def gather_into(
         self, ids: np.ndarray, rows: np.ndarray, state: dict[str, np.ndarray], at: np.ndarray

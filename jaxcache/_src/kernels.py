@@ -233,7 +233,10 @@ def _words(array: np.ndarray, name: str) -> np.ndarray:
     """``array`` as ``[rows, words]`` unsigned words: the same memory, no copy."""
     array = np.asarray(array)
     if not array.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous (got strides {array.strides}).")
+        raise ValueError(
+            f"the {name} rows must be C-contiguous (got strides {array.strides}); copy them "
+            "with np.ascontiguousarray first."
+        )
     per_row = math.prod(array.shape[1:])
     size = next(b for b in (8, 4, 2, 1) if per_row * array.itemsize % b == 0)
     return array.reshape(len(array), per_row).view(np.uint8).view(f"u{size}")
@@ -266,7 +269,7 @@ def copy_rows(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np.n
     if np.shape(dst_at) != np.shape(src_at):
         raise ValueError(f"{np.size(dst_at)} destinations for {np.size(src_at)} sources.")
     dst_at, src_at = as_index_array(np.asarray(dst_at)), as_index_array(np.asarray(src_at))
-    bad = _copy_words(_words(dst, "dst"), dst_at, _words(src, "src"), src_at)
+    bad = _copy_words(_words(dst, "destination"), dst_at, _words(src, "source"), src_at)
     if bad >= 0:
         raise IndexError(
             f"row {dst_at[bad]} of {len(dst)} (from row {src_at[bad]} of {len(src)}) is out "
