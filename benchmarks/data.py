@@ -1,7 +1,8 @@
 """Data throughput: building Criteo-format files into TFDS, and the batch loader.
 
 Writes a Criteo-format file of ``--rows`` random lines (``write_fake_criteo``:
-skewed ids, 10% missing fields) in a temporary directory, then measures:
+skewed ids, 10% missing fields) in a temporary directory (removed at the
+end), then measures:
 
 - **build**: ``CriteoBuilder`` from the text file (parse, reduce the ids,
   write ArrayRecord chunks of 4096 rows), plain and gzipped; and the
@@ -63,7 +64,12 @@ def main() -> None:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cores])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="jaxcache-data-"))
+    with tempfile.TemporaryDirectory(prefix="jaxcache-data-") as scratch:
+        measure(args, pathlib.Path(scratch), cores)
+
+
+def measure(args: argparse.Namespace, tmp: pathlib.Path, cores: int) -> None:
+    """Writes the files under ``tmp`` (removed afterwards) and prints the table."""
     manual, manual_gz = tmp / "manual", tmp / "manual_gz"
     text = jd.write_fake_criteo(manual / "train.txt", args.rows, seed=0)
     jd.write_fake_criteo(manual_gz / "train.txt.gz", args.rows, seed=0)
