@@ -42,7 +42,11 @@ pipelined step time over that. On a CPU the "device" is the same cores as the
 host thread, so the two compete: the loops' CPU time per step, by thread
 (training thread, the pipeline's producer, JAX's runtime threads), shows the
 floor that puts under a step (all of it over the cores), and how far above
-that floor each loop ran.
+that floor each loop ran. So (a), (b), (c) and (d) run once more with
+host and device on cores of their own, as with an accelerator: JAX's runtime
+threads on the first half of the cores, the training thread and the
+pipeline's producer on the rest (Linux); ``pipelined_over_ideal_split_cores=R``
+is (d) over ``max(a, b)`` there.
 
 Then: planner throughput on batches of 100k+ ids, and the blocking parts at
 capacities x1 and x8 of 2% (the training step must not grow with the
@@ -64,12 +68,13 @@ the side-by-side runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -189,14 +194,18 @@ class ThreadCPU:
         }
 
 
+def _threads() -> list[int]:
+    """Native ids of the live threads of this process (Linux; else empty)."""
+    try:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return []
+
+
 def _thread_seconds() -> dict[int, float]:
     """CPU seconds of each live thread of this process, by native id."""
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return {}
     seconds = {}
-    for tid in tids:
+    for tid in _threads():
         try:  # a thread's CPU clock id (Linux: MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED))
             seconds[tid] = time.clock_gettime((~tid << 3) | 6)
         except OSError:  # it ended meanwhile
@@ -765,6 +774,91 @@ def _print_cpu(
         )
 
 
+@contextlib.contextmanager
+def _split_cores(device: set[int], host: set[int]) -> Iterator[None]:
+    """This (the training) thread, and so the producer threads it starts, on
+    the ``host`` cores; every other thread of the process (JAX's runtime:
+    XLA's compute pool, and the threads that run its programs) on the
+    ``device`` cores; all back afterwards."""
+    everything = os.sched_getaffinity(0)
+    me = threading.get_native_id()
+    try:
+        for tid in _threads():
+            with contextlib.suppress(OSError):  # it ended meanwhile
+                os.sched_setaffinity(tid, host if tid == me else device)
+        yield
+    finally:
+        for tid in _threads():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, everything)
+
+
+def split_cores(bench: Bench) -> float | None:
+    """The side-by-side runs with host and device on cores of their own.
+
+    On a CPU the "device" is the host's own cores. Here JAX's runtime threads
+    (XLA's among them) get half of the cores (the first) and the training
+    thread, with the pipeline's producer, the rest, as an accelerator and its
+    host would: then the pipeline can only hide the host work behind the
+    device step, never take cores from it. (a) and (b) are measured under the
+    same split, so the ideal is ``max(a, b)`` again.
+
+    Returns ``pipelined over ideal`` under the split, or ``None`` where it
+    cannot be made (one core, or not Linux).
+    """
+    args = bench.args
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2 or not _threads():
+        print(f"\nsplit cores: skipped ({len(cores)} core(s); threads listed: {bool(_threads())})")
+        return None
+    device, host = set(cores[: len(cores) // 2]), set(cores[len(cores) // 2 :])
+    k = args.lookahead
+    lookaheads = sorted({0, k})
+    runs: dict[Any, Callable[[], Timing]] = {
+        "blocking": functools.partial(bench.blocking, 0.02, "cache 2%, blocking")
+    }
+    for n in lookaheads:
+        runs[n] = functools.partial(bench.loop, 0.02, f"cache 2%, lookahead {n}", n)
+    results: dict[Any, list[Timing]] = {key: [] for key in runs}
+    with _split_cores(device, host):
+        for _ in range(args.rounds):
+            for key, run in runs.items():
+                results[key].append(run())
+
+    def per_round(key: Any, part: str) -> list[float]:
+        return [t.median(part) for t in results[key]]
+
+    rows = [  # label, run, part
+        ("(a) device step alone", "blocking", "device"),
+        ("(b) host staging alone", "blocking", "staging"),
+        ("    swap alone (device)", "blocking", "swap"),
+        *((f"({'d' if n else 'c'}) cached, lookahead {n}", n, "step") for n in lookaheads),
+    ]
+    ideal = max(float(np.median(per_round("blocking", part))) for part in ("device", "staging"))
+    print(
+        f"\nsplit cores: JAX's runtime threads on core(s) {sorted(device)}, the training thread "
+        f"and the producer on {sorted(host)}; {args.rounds} round(s), median over the rounds of "
+        "each run's median, ms per step"
+    )
+    header = f"{'':<36}{'ms/step':>8}{'range':>14}{'/ ideal':>8}{'|dloss|':>9}"
+    print(header)
+    print("-" * len(header))
+    reference = results[0][0].loss
+    for label, key, part in rows:
+        values = per_round(key, part)
+        seconds = float(np.median(values))
+        spread = f"{1e3 * min(values):.2f}-{1e3 * max(values):.2f}"
+        line = f"{label:<36}{1e3 * seconds:>8.2f}{spread:>14}{seconds / ideal:>8.2f}"
+        if part == "step":
+            line += f"{abs(results[key][0].loss - reference):>9.1e}"
+        print(line)
+    print(
+        "  ideal: max(a, b) under the split. The swap is device work too, run between the "
+        "steps: a loop at the device's pace takes a + swap per step. |dloss|: vs lookahead 0."
+    )
+    return float(np.median(per_round(k, "step"))) / ideal
+
+
 def planner_throughput(setup: Setup, args: argparse.Namespace) -> None:
     """Ids/s of ``Planner.plan`` on large batches, after the cache has warmed up."""
     data = dataclasses.replace(setup.data, batch_size=args.planner_batch)
@@ -928,7 +1022,10 @@ def main() -> None:
     if not args.side_by_side_only:
         bench.compare()
     over_ideal, cached_over_full = side_by_side(bench)
+    over_ideal_split = split_cores(bench)
     print(f"pipelined_over_ideal={over_ideal:.3f}")
+    if over_ideal_split is not None:
+        print(f"pipelined_over_ideal_split_cores={over_ideal_split:.3f}")
     if not args.side_by_side_only:
         planner_throughput(heavy, args)
         capacity_scaling(bench)
