@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -333,6 +334,31 @@ def test_host_callback_refuses_a_batch_over_callback_rows():
     np.testing.assert_array_equal(  # and a batch that fits trains
         cache.callback_stage(ids[:, :2])[0], 0
     )
+
+
+def test_host_callback_form_is_refused_on_one_cpu_core(monkeypatch):
+    # On one core the step can hang in its callbacks (the engine's docstring
+    # says why), so both entries into the host-callback form refuse before
+    # anything is planned or started.
+    cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(N, D, 300, optimizer=jaxcache.sgd(0.1)))
+    model, optimizer, step = make_callback(cache, F)
+    batches = _batches(4, seed=3)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    threads = set(threading.enumerate())
+    message = r"needs at least 2 CPU cores .* may run on 1: .*without callback=True"
+    with pytest.raises(RuntimeError, match=message):
+        jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=2, callback=True)
+    with pytest.raises(RuntimeError, match=message):
+        step(model, optimizer, batches[0]["ids"], batches[0]["y"])
+    assert set(threading.enumerate()) == threads
+    assert cache.planner.next_index == 0 and cache.stats.steps == 0
+    with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=2) as pipeline:
+        assert len(list(pipeline)) == 4  # the prefetched-slots path still runs
+    monkeypatch.undo()  # two cores again: the callback form trains
+    cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(N, D, 300, optimizer=jaxcache.sgd(0.1)))
+    model, optimizer, step = make_callback(cache, F)
+    assert np.isfinite(step(model, optimizer, batches[0]["ids"], batches[0]["y"]))
 
 
 def test_host_callback_reads_a_deferred_row_that_a_later_plan_evicts_again():

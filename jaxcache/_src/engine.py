@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import threading
 from typing import Any, NamedTuple
 
@@ -660,6 +661,35 @@ class EmbeddingCache:
         return positions
 
     # ------------------------------------------------------- host callbacks
+    def check_host_callback(self) -> None:
+        """Refuses the host-callback form where the step can hang in it.
+
+        On JAX's CPU backend with one core, XLA runs the step's callbacks on
+        its only compute thread, and a callback reading a large argument that
+        is not 64-byte aligned waits there for JAX's copy of it, which can
+        then never complete: the step waits for the callback, the callback for
+        the copy (runs at one core hung; none at two).
+
+        Raises:
+          RuntimeError: a CPU backend and fewer than two cores for this
+            process.
+        """
+        if self.mesh.devices.flat[0].platform != "cpu":
+            return
+        if hasattr(os, "sched_getaffinity"):
+            cores = len(os.sched_getaffinity(0))
+        else:
+            cores = os.cpu_count() or 1
+        if cores < 2:
+            raise RuntimeError(
+                f"the host-callback form (CachedEmbed.lookup_ids) needs at least 2 CPU cores "
+                f"on JAX's CPU backend, and this process may run on {cores}: with one core "
+                "XLA runs the step's callbacks on its only compute thread, and a callback can "
+                "wait there forever for JAX's copy of its arguments. "
+                "Pass the step the Lookup that jaxcache.prefetch (without callback=True) or "
+                "CachedEmbed.prepare makes, or let the process use two cores or more."
+            )
+
     def callback_size(self, num_ids: int) -> int:
         """Rows per list of the host-callback form for a batch of ``num_ids``
         ids: ``CacheConfig.callback_rows``, or the number of ids."""

@@ -128,6 +128,7 @@ class CachedEmbed(nnx.Module):
           The ``Lookup`` to pass to the module in the same step.
         """
         cache = self.cache
+        cache.check_host_callback()
         if cache.shard[1] > 1:
             raise ValueError(
                 f"lookup_ids (the host-callback form) runs in one process, but this cache's "

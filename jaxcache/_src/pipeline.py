@@ -206,6 +206,9 @@ class Prefetcher(Iterator[dict[str, Any]]):
                     "jaxcache.linen.Holder of the model's variables)."
                 )
         caches = [holder.cache for holder in tables.values()]
+        if callback:
+            for cache in caches:
+                cache.check_host_callback()
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError(
                 "two batch keys map to the same cache; concatenate their ids into one array "
