@@ -42,7 +42,7 @@ pipelined step time over that. On a CPU the "device" is the same cores as the
 host thread, so the two compete: the loops' CPU time per step, by thread
 (training thread, the pipeline's producer, JAX's runtime threads), shows the
 floor that puts under a step (all of it over the cores), and how far above
-that floor each loop ran. So (a), (b), (c) and (d) run once more with
+that floor each loop ran. So (a)-(d) and (g) run once more with
 host and device on cores of their own, as with an accelerator: JAX's runtime
 threads on the first half of the cores, the training thread and the
 pipeline's producer on the rest (Linux); ``pipelined_over_ideal_split_cores=R``

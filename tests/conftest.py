@@ -19,7 +19,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # Doctests, examples and the libraries below them (TFDS, orbax) make
     # directories with `tempfile` and leave them; so do the programs the
     # tests start. Put them all in one directory, removed when the run ends
-    # (with xdist, each worker's inside the controller's).
+    # (with xdist, each worker's inside the controller's). pytest's own
+    # tmp_path directories stay where they were, kept for the last runs.
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
     scratch = tempfile.mkdtemp(prefix="jaxcache-tests-")
     os.environ["TMPDIR"] = tempfile.tempdir = scratch
     config.add_cleanup(lambda: shutil.rmtree(scratch, ignore_errors=True))
