@@ -1,0 +1,525 @@
+"""The DRAM tier of a ``TieredTable``: a fixed number of row records in memory.
+
+The tier holds ``slots`` records (a row with its optimizer state, packed into
+words) and an index ``slot_of [N]`` from row to slot. Rows are split into
+``shards`` by ``row % shards``; each shard owns a contiguous range of slots,
+its own lock, free list and clock hand, so threads working on different rows
+copy in parallel and only meet on a shard's lock for the rows they share a
+shard with. Records are copied under the shard's lock; disk reads and
+writes happen outside every shard lock.
+
+Replacement is CLOCK (second chance), per shard: a row read or written gets
+its reference bit; the hand clears set bits and evicts the first row found
+with none. A clean row is dropped (its record on disk is current); a dirty
+one (written since it came from the disk) is copied out and, with the other
+dirty victims of the sweep, appended to the disk log in one write.
+Evictions run in batches of ``reclaim_batch`` slots (a few MiB of records),
+so that rows leave for the disk in large writes, not one at a time.
+
+A row that becomes dirty in the tier has its disk record marked garbage
+(``RowLog.forget``): garbage collection never moves a stale copy, and the
+row's next write is its only copy on disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Protocol
+
+import numba
+import numpy as np
+
+__all__ = ["DramTier", "TierStats", "field_words", "pack"]
+
+_JIT = {"nogil": True, "cache": True, "boundscheck": False}
+_REFERENCED, _DIRTY = 1, 2
+# Slots a shard frees per eviction sweep: about this many bytes of records,
+# at most a thirty-second of the shard (then it keeps few slots idle).
+_RECLAIM_BYTES = 4 << 20
+# Per-shard counters (rows of TierStats).
+_LOOKUPS, _HITS, _FILLED, _UPDATED, _INSERTED, _EVICTED, _EVICTED_DIRTY = range(7)
+
+
+class Store(Protocol):
+    """What the tier needs from the disk below it (``RowLog``)."""
+
+    def reserve(self, owners: np.ndarray, records: np.ndarray) -> object: ...
+
+    def write(self, ticket: object) -> None: ...
+
+    def forget(self, owners: np.ndarray) -> None: ...
+
+    def read(self, owners: np.ndarray, out: np.ndarray) -> None: ...
+
+    def collect(self) -> None: ...
+
+
+@dataclasses.dataclass
+class TierStats:
+    """What the DRAM tier served and moved.
+
+    Attributes:
+      slots: rows the tier holds.
+      lookups: rows asked for (reads of the table).
+      hits: of those, rows found in the tier.
+      updated: rows written while in the tier.
+      inserted: rows written that were not in the tier (a slot taken).
+      filled: rows read from the disk and kept in the tier.
+      evicted: rows that left the tier.
+      evicted_dirty: of those, rows written to the disk (changed since read).
+
+    Examples:
+      >>> from jaxcache._src.dram_tier import TierStats
+      >>> TierStats(lookups=10, hits=7).hit_rate
+      0.7
+    """
+
+    slots: int = 0
+    lookups: int = 0
+    hits: int = 0
+    updated: int = 0
+    inserted: int = 0
+    filled: int = 0
+    evicted: int = 0
+    evicted_dirty: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over lookups (``0`` before any lookup)."""
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+class DramTier:
+    """``slots`` records of ``num_rows`` rows in memory, over a ``Store``.
+
+    Records are ``[slots, record_words]`` words; callers pass rows as a tuple
+    of ``fields``, each a C-contiguous ``[n, width]`` array of the same word
+    dtype, placed at ``offsets`` words of the record.
+
+    Args:
+      num_rows: rows of the table.
+      slots: records the tier holds (rounded down to a multiple of the shards).
+      record_words: words per record.
+      word: the word dtype.
+      store: the disk below.
+      shards: independent parts (locks, clock hands); at most ``slots``.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jaxcache._src.dram_tier import DramTier
+      >>> class Nowhere:  # a store that is never needed: every row fits
+      ...     pass
+      >>> tier = DramTier(4, 4, 1, np.uint32, Nowhere(), shards=2)
+      >>> tier.fill(np.arange(4), np.arange(10, 14, dtype=np.uint32)[:, None]).size
+      0
+      >>> out = np.zeros((2, 1), np.uint32)
+      >>> tier.read(np.array([3, 1]), np.arange(2), (out,), np.array([0]), keep=True)
+      >>> out.ravel().tolist(), tier.stats().hit_rate
+      ([13, 11], 1.0)
+    """
+
+    def __init__(
+        self,
+        num_rows: int,
+        slots: int,
+        record_words: int,
+        word: np.dtype,
+        store: Store,
+        *,
+        shards: int = 16,
+    ) -> None:
+        shards = max(1, min(int(shards), int(slots)))
+        per = int(slots) // shards
+        self.shards = shards
+        self.per_shard = per
+        self.slots = per * shards
+        self.store = store
+        self.records = np.zeros((self.slots, record_words), word)
+        index = np.int32 if self.slots < 2**31 - 1 else np.int64
+        self.slot_of = np.full(num_rows, -1, index)
+        self.slot_id = np.full(self.slots, -1, np.int64)
+        self.flags = np.zeros(self.slots, np.uint8)
+        # Shard k's free slots are free[k * per : k * per + free_count[k]].
+        self.free = np.arange(self.slots, dtype=np.int64)
+        self.free_count = np.full(shards, per, np.int64)
+        self.hands = np.arange(shards, dtype=np.int64) * per
+        self.counters = np.zeros((shards, 7), np.int64)
+        self.locks = [threading.Lock() for _ in range(shards)]
+        record_bytes = max(1, record_words * np.dtype(word).itemsize)
+        self.reclaim_batch = max(1, min(per // 32, _RECLAIM_BYTES // record_bytes))
+
+    # ----------------------------------------------------------------- reads
+    def read(
+        self,
+        rows: np.ndarray,
+        at: np.ndarray,
+        fields: tuple[np.ndarray, ...],
+        offsets: np.ndarray,
+        *,
+        keep: bool,
+    ) -> None:
+        """Copies rows ``rows[j]`` into ``fields[f][at[j]]``: from the tier,
+        or from the store for the rows it does not hold (kept in the tier
+        afterwards, clean, when ``keep``)."""
+        missing = []
+        for shard, chosen in self._by_shard(rows):
+            misses = np.empty(chosen.size, np.int64)
+            with self.locks[shard]:
+                m = _read_hits(
+                    chosen,
+                    rows,
+                    at,
+                    self.slot_of,
+                    self.records,
+                    self.flags,
+                    fields,
+                    offsets,
+                    misses,
+                )
+                counters = self.counters[shard]
+                counters[_LOOKUPS] += chosen.size
+                counters[_HITS] += chosen.size - m
+            if m:
+                missing.append(misses[:m])
+        if not missing:
+            return
+        misses = np.concatenate(missing)
+        records = np.empty((misses.size, self.records.shape[1]), self.records.dtype)
+        self.store.read(rows[misses], records)
+        _unpack(records, at[misses], fields, offsets)
+        if keep:
+            tickets = []
+            positions = np.arange(misses.size)
+            for shard, chosen in self._by_shard(rows[misses]):
+                with self.locks[shard]:
+                    self._take(shard, chosen, rows[misses], positions, records, None, tickets)
+            self._write_out(tickets)
+
+    # ---------------------------------------------------------------- writes
+    def write(
+        self,
+        rows: np.ndarray,
+        at: np.ndarray,
+        fields: tuple[np.ndarray, ...],
+        offsets: np.ndarray,
+    ) -> None:
+        """Writes ``fields[f][at[j]]`` as row ``rows[j]``, dirty, taking slots
+        (and evicting) for rows the tier does not hold."""
+        tickets: list[object] = []
+        for shard, chosen in self._by_shard(rows):
+            with self.locks[shard]:
+                self._take(shard, chosen, rows, at, fields, offsets, tickets)
+        self._write_out(tickets)
+
+    def fill(self, rows: np.ndarray, records: np.ndarray) -> np.ndarray:
+        """Puts ``records`` of rows not yet anywhere into free slots, dirty,
+        without evicting; returns the positions of those that did not fit."""
+        left = []
+        for shard, chosen in self._by_shard(rows):
+            with self.locks[shard]:
+                lo = shard * self.per_shard
+                done = _insert(
+                    chosen,
+                    rows,
+                    np.arange(rows.size),
+                    records,
+                    _DIRTY,
+                    self.slot_of,
+                    self.slot_id,
+                    self.records,
+                    self.flags,
+                    self.free[lo : lo + self.per_shard],
+                    self.free_count[shard : shard + 1],
+                )
+                self.counters[shard, _INSERTED] += done
+            left.append(chosen[done:])
+        return np.sort(np.concatenate(left)) if left else np.zeros(0, np.int64)
+
+    def _take(self, shard, chosen, rows, at, source, offsets, tickets) -> None:
+        """Writes the ``chosen`` rows into shard ``shard`` (with its lock held):
+        from ``source`` fields at ``at`` (dirty) when ``offsets`` is given,
+        else from ``source`` records at ``at`` (clean, read from the store)."""
+        lo = shard * self.per_shard
+        free = self.free[lo : lo + self.per_shard]
+        free_count = self.free_count[shard : shard + 1]
+        counters = self.counters[shard]
+        done = 0
+        while True:
+            rest = chosen[done:]
+            if offsets is None:
+                written = _insert(
+                    rest,
+                    rows,
+                    at,
+                    source,
+                    0,
+                    self.slot_of,
+                    self.slot_id,
+                    self.records,
+                    self.flags,
+                    free,
+                    free_count,
+                )
+                counters[_FILLED] += written
+            else:
+                dirtied = np.empty(rest.size, np.int64)
+                written, inserted, d = _write_rows(
+                    rest,
+                    rows,
+                    at,
+                    source,
+                    offsets,
+                    self.slot_of,
+                    self.slot_id,
+                    self.records,
+                    self.flags,
+                    free,
+                    free_count,
+                    dirtied,
+                )
+                counters[_INSERTED] += inserted
+                counters[_UPDATED] += written - inserted
+                if d:  # their disk records are stale from now on
+                    self.store.forget(dirtied[:d])
+            done += written
+            if done == chosen.size:
+                return
+            target = max(chosen.size - done, self.reclaim_batch)
+            out = np.empty((target, self.records.shape[1]), self.records.dtype)
+            owners = np.empty(target, np.int64)
+            freed, dirty, self.hands[shard] = _reclaim(
+                lo,
+                lo + self.per_shard,
+                self.hands[shard],
+                target,
+                self.flags,
+                self.slot_id,
+                self.slot_of,
+                self.records,
+                free,
+                free_count,
+                out,
+                owners,
+            )
+            if freed == 0:
+                raise RuntimeError("the DRAM tier found no slot to free; it is corrupt.")
+            counters[_EVICTED] += freed
+            counters[_EVICTED_DIRTY] += dirty
+            if dirty:  # published before the lock is released: readers find them
+                tickets.append(self.store.reserve(owners[:dirty], out[:dirty]))
+
+    def _write_out(self, tickets: list[object]) -> None:
+        for ticket in tickets:
+            self.store.write(ticket)
+        if tickets:
+            self.store.collect()
+
+    # ----------------------------------------------------------------- other
+    def _by_shard(self, rows: np.ndarray):
+        """``(shard, positions of rows in it)`` for each shard with rows."""
+        if self.shards == 1:
+            yield 0, np.arange(rows.size)
+            return
+        order, starts = _group(rows, self.shards)
+        for shard in range(self.shards):
+            if starts[shard + 1] > starts[shard]:
+                yield shard, order[starts[shard] : starts[shard + 1]]
+
+    def stats(self) -> TierStats:
+        """The counters, summed over the shards."""
+        total = self.counters.sum(axis=0)
+        return TierStats(
+            slots=self.slots,
+            lookups=int(total[_LOOKUPS]),
+            hits=int(total[_HITS]),
+            updated=int(total[_UPDATED]),
+            inserted=int(total[_INSERTED]),
+            filled=int(total[_FILLED]),
+            evicted=int(total[_EVICTED]),
+            evicted_dirty=int(total[_EVICTED_DIRTY]),
+        )
+
+
+def field_words(arrays: list[np.ndarray], word: np.dtype) -> tuple[np.ndarray, ...]:
+    """Each C-contiguous array as ``[rows, words]`` of ``word``: the same memory."""
+    out = []
+    for array in arrays:
+        if not array.flags.c_contiguous:
+            raise ValueError(
+                f"rows must be C-contiguous (got strides {array.strides}); copy them with "
+                "np.ascontiguousarray first."
+            )
+        out.append(array.reshape(len(array), -1).view(np.uint8).view(word))
+    return tuple(out)
+
+
+@numba.njit(**_JIT)
+def _group(rows, shards):
+    """Positions of ``rows`` grouped by ``row % shards`` (counting sort)."""
+    starts = np.zeros(shards + 1, np.int64)
+    for r in rows:
+        starts[r % shards + 1] += 1
+    for k in range(shards):
+        starts[k + 1] += starts[k]
+    fill = starts[:-1].copy()
+    order = np.empty(rows.size, np.int64)
+    for j in range(rows.size):
+        k = rows[j] % shards
+        order[fill[k]] = j
+        fill[k] += 1
+    return order, starts
+
+
+@numba.njit(**_JIT)
+def _read_hits(chosen, rows, at, slot_of, records, flags, fields, offsets, misses):
+    """Copies the rows of ``chosen`` the tier holds; lists the others in ``misses``."""
+    m = 0
+    for j in chosen:
+        s = slot_of[rows[j]]
+        if s < 0:
+            misses[m] = j
+            m += 1
+            continue
+        flags[s] |= _REFERENCED
+        a = at[j]
+        for f in range(len(fields)):
+            field = fields[f]
+            off = offsets[f]
+            for w in range(field.shape[1]):
+                field[a, w] = records[s, off + w]
+    return m
+
+
+@numba.njit(**_JIT)
+def _unpack(records, at, fields, offsets):
+    for j in range(at.size):
+        a = at[j]
+        for f in range(len(fields)):
+            field = fields[f]
+            off = offsets[f]
+            for w in range(field.shape[1]):
+                field[a, w] = records[j, off + w]
+
+
+def pack(fields: tuple[np.ndarray, ...], offsets: np.ndarray, record_words: int) -> np.ndarray:
+    """Records ``[n, record_words]`` of the rows in ``fields``."""
+    n = len(fields[0]) if fields else 0
+    out = np.empty((n, record_words), fields[0].dtype if fields else np.uint8)
+    _pack(fields, offsets, out)
+    return out
+
+
+@numba.njit(**_JIT)
+def _pack(fields, offsets, out):
+    for j in range(out.shape[0]):
+        for f in range(len(fields)):
+            field = fields[f]
+            off = offsets[f]
+            for w in range(field.shape[1]):
+                out[j, off + w] = field[j, w]
+
+
+@numba.njit(**_JIT)
+def _write_rows(
+    chosen,
+    rows,
+    at,
+    fields,
+    offsets,
+    slot_of,
+    slot_id,
+    records,
+    flags,
+    free,
+    free_count,
+    dirtied,
+):
+    """Writes rows of ``chosen`` (dirty, referenced) until no slot is free.
+
+    Returns ``(written, inserted, d)``: rows written, of which ``inserted``
+    took a slot; ``dirtied[:d]`` the rows that were clean or new.
+    """
+    inserted = 0
+    d = 0
+    for i in range(chosen.size):
+        j = chosen[i]
+        x = rows[j]
+        s = slot_of[x]
+        if s < 0:
+            if free_count[0] == 0:
+                return i, inserted, d
+            free_count[0] -= 1
+            s = free[free_count[0]]
+            slot_of[x] = s
+            slot_id[s] = x
+            flags[s] = 0
+            inserted += 1
+        if flags[s] & _DIRTY == 0:
+            dirtied[d] = x
+            d += 1
+        flags[s] = _REFERENCED | _DIRTY
+        a = at[j]
+        for f in range(len(fields)):
+            field = fields[f]
+            off = offsets[f]
+            for w in range(field.shape[1]):
+                records[s, off + w] = field[a, w]
+    return chosen.size, inserted, d
+
+
+@numba.njit(**_JIT)
+def _insert(chosen, rows, at, source, flag, slot_of, slot_id, records, flags, free, free_count):
+    """Puts records ``source[at[j]]`` of rows not in the tier into free slots
+    with ``flag``; returns how many of ``chosen`` fit."""
+    for i in range(chosen.size):
+        j = chosen[i]
+        x = rows[j]
+        if slot_of[x] >= 0:  # a repeated row, put in by its first occurrence
+            continue
+        if free_count[0] == 0:
+            return i
+        free_count[0] -= 1
+        s = free[free_count[0]]
+        slot_of[x] = s
+        slot_id[s] = x
+        flags[s] = flag
+        records[s, :] = source[at[j], :]
+    return chosen.size
+
+
+@numba.njit(**_JIT)
+def _reclaim(lo, hi, hand, target, flags, slot_id, slot_of, records, free, free_count, out, owners):
+    """Frees up to ``target`` slots of ``[lo, hi)`` by CLOCK; dirty victims'
+    records go to ``out`` with their rows in ``owners``.
+
+    Returns ``(freed, dirty, hand)``.
+    """
+    freed = 0
+    dirty = 0
+    steps = 0
+    limit = 3 * (hi - lo)
+    while freed < target and steps < limit:
+        s = hand
+        hand += 1
+        if hand == hi:
+            hand = lo
+        steps += 1
+        x = slot_id[s]
+        if x < 0:
+            continue
+        fl = flags[s]
+        if fl & _REFERENCED:
+            flags[s] = fl & ~_REFERENCED
+            continue
+        if fl & _DIRTY:
+            out[dirty, :] = records[s, :]
+            owners[dirty] = x
+            dirty += 1
+        slot_of[x] = -1
+        slot_id[s] = -1
+        flags[s] = 0
+        free[free_count[0]] = s
+        free_count[0] += 1
+        freed += 1
+    return freed, dirty, hand
