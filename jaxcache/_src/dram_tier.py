@@ -24,6 +24,7 @@ row's next write is its only copy on disk.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from typing import Protocol
 
@@ -350,6 +351,10 @@ def field_words(arrays: list[np.ndarray], word: np.dtype) -> tuple[np.ndarray, .
                 f"rows must be C-contiguous (got strides {array.strides}); copy them with "
                 "np.ascontiguousarray first."
             )
+        if not len(array):
+            width = math.prod(array.shape[1:]) * array.itemsize // np.dtype(word).itemsize
+            out.append(np.zeros((0, width), word))
+            continue
         out.append(array.reshape(len(array), -1).view(np.uint8).view(word))
     return tuple(out)
 

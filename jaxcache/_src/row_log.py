@@ -118,7 +118,7 @@ class DiskStats:
         return self.bytes_written / self.row_bytes_written if self.row_bytes_written else 0.0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # tickets are told apart by identity
 class _Ticket:
     """A reserved write: ``pieces`` of ``(first location, first row, rows)``."""
 

@@ -378,44 +378,52 @@ class TableColumn:
     def __repr__(self) -> str:
         return f"TableColumn({self.name!r}, shape={self.shape}, dtype={self.dtype})"
 
-    def _rows(self, key: Any) -> tuple[np.ndarray, bool]:
-        """Local rows selected by ``key`` along the first axis, and whether it is one."""
+    def _rows(self, key: Any) -> tuple[np.ndarray, tuple[int, ...]]:
+        """Local rows selected by ``key`` along the first axis, and the shape
+        the selection takes (``()`` for one row)."""
         n = self.shape[0]
         if key is Ellipsis:
             key = slice(None)
         if isinstance(key, slice):
-            return np.arange(*key.indices(n), dtype=np.int64), False
+            rows = np.arange(*key.indices(n), dtype=np.int64)
+            return rows, rows.shape
         index = np.asarray(key)
         if index.dtype == bool:
             if index.shape != (n,):
                 raise IndexError(f"a boolean mask of {self.name} needs shape ({n},).")
-            return np.flatnonzero(index), False
+            rows = np.flatnonzero(index)
+            return rows, rows.shape
         if not np.issubdtype(index.dtype, np.integer):
             raise IndexError(f"{self.name} is indexed by integers, slices or masks, not {key!r}.")
         flat = index.reshape(-1).astype(np.int64)
         flat = np.where(flat < 0, flat + n, flat)
         if flat.size and (flat.min() < 0 or flat.max() >= n):
             raise IndexError(f"index out of range for {self.name} of {n} rows.")
-        return flat, index.ndim == 0
+        return flat, index.shape
 
-    def _split(self, key: Any) -> tuple[Any, tuple]:
-        if isinstance(key, tuple):
-            return (key[0] if key else slice(None)), key[1:]
-        return key, ()
+    def _select(self, key: Any) -> tuple[np.ndarray, tuple[int, ...], tuple]:
+        """``(local rows, their shape, the index of the remaining axes)``."""
+        first, rest = (
+            (key[0] if key else slice(None), key[1:])
+            if isinstance(key, tuple)
+            else (
+                key,
+                (),
+            )
+        )
+        local, shape = self._rows(first)
+        return local, shape, (*(slice(None),) * len(shape), *rest)
 
     def __getitem__(self, key: Any) -> Any:
-        first, rest = self._split(key)
-        local, one = self._rows(first)
-        values = self._column(local)
-        return values[(0, *rest)] if one else values[(slice(None), *rest)]
+        local, shape, rest = self._select(key)
+        return self._column(local).reshape(*shape, *self.shape[1:])[rest]
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        first, rest = self._split(key)
-        local, one = self._rows(first)
+        local, shape, rest = self._select(key)
         table = self._table
         rows, state = table._read(local, keep=False)
         target = rows if self.name == "rows" else state[self.name]
-        target[(0 if one else slice(None), *rest)] = value
+        target.reshape(*shape, *self.shape[1:])[rest] = value
         fields = table._fields(rows, state)
         table._tier.write(local, np.arange(local.size), fields, table._offsets)
 
