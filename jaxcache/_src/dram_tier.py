@@ -26,12 +26,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numba
 import numpy as np
+from numba import types
 
-__all__ = ["DramTier", "TierStats", "field_words", "pack"]
+__all__ = ["DramTier", "Fields", "TierStats", "fields", "pack"]
 
 _JIT = {"nogil": True, "cache": True, "boundscheck": False}
 _REFERENCED, _DIRTY = 1, 2
@@ -94,15 +95,14 @@ class TierStats:
 class DramTier:
     """``slots`` records of ``num_rows`` rows in memory, over a ``Store``.
 
-    Records are ``[slots, record_words]`` words; callers pass rows as a tuple
-    of ``fields``, each a C-contiguous ``[n, width]`` array of the same word
-    dtype, placed at ``offsets`` words of the record.
+    Records are ``[slots, record_bytes]`` bytes; callers pass their rows as
+    ``Fields`` (``fields(arrays, offsets)``): C-contiguous arrays, each placed
+    at a byte offset of the record.
 
     Args:
       num_rows: rows of the table.
       slots: records the tier holds (rounded down to a multiple of the shards).
-      record_words: words per record.
-      word: the word dtype.
+      record_bytes: bytes per record.
       store: the disk below.
       shards: independent parts (locks, clock hands); at most ``slots``.
 
@@ -111,11 +111,11 @@ class DramTier:
       >>> from jaxcache._src.dram_tier import DramTier
       >>> class Nowhere:  # a store that is never needed: every row fits
       ...     pass
-      >>> tier = DramTier(4, 4, 1, np.uint32, Nowhere(), shards=2)
-      >>> tier.fill(np.arange(4), np.arange(10, 14, dtype=np.uint32)[:, None]).size
+      >>> tier = DramTier(4, 4, 4, Nowhere(), shards=2)
+      >>> tier.fill(np.arange(4), np.arange(10, 14, dtype=np.uint32)[:, None].view(np.uint8)).size
       0
       >>> out = np.zeros((2, 1), np.uint32)
-      >>> tier.read(np.array([3, 1]), np.arange(2), (out,), np.array([0]), keep=True)
+      >>> tier.read(np.array([3, 1]), np.arange(2), fields([out], [0]), keep=True)
       >>> out.ravel().tolist(), tier.stats().hit_rate
       ([13, 11], 1.0)
     """
@@ -124,8 +124,7 @@ class DramTier:
         self,
         num_rows: int,
         slots: int,
-        record_words: int,
-        word: np.dtype,
+        record_bytes: int,
         store: Store,
         *,
         shards: int = 16,
@@ -136,7 +135,8 @@ class DramTier:
         self.per_shard = per
         self.slots = per * shards
         self.store = store
-        self.records = np.zeros((self.slots, record_words), word)
+        self.record_bytes = int(record_bytes)
+        self.records = np.zeros((self.slots, self.record_bytes), np.uint8)
         index = np.int32 if self.slots < 2**31 - 1 else np.int64
         self.slot_of = np.full(num_rows, -1, index)
         self.slot_id = np.full(self.slots, -1, np.int64)
@@ -147,20 +147,18 @@ class DramTier:
         self.hands = np.arange(shards, dtype=np.int64) * per
         self.counters = np.zeros((shards, 7), np.int64)
         self.locks = [threading.Lock() for _ in range(shards)]
-        record_bytes = max(1, record_words * np.dtype(word).itemsize)
-        self.reclaim_batch = max(1, min(per // 32, _RECLAIM_BYTES // record_bytes))
+        self.reclaim_batch = max(1, min(per // 32, _RECLAIM_BYTES // max(1, self.record_bytes)))
 
     # ----------------------------------------------------------------- reads
     def read(
         self,
         rows: np.ndarray,
         at: np.ndarray,
-        fields: tuple[np.ndarray, ...],
-        offsets: np.ndarray,
+        into: Fields,
         *,
         keep: bool,
     ) -> None:
-        """Copies rows ``rows[j]`` into ``fields[f][at[j]]``: from the tier,
+        """Copies rows ``rows[j]`` into row ``at[j]`` of the fields: from the tier,
         or from the store for the rows it does not hold (kept in the tier
         afterwards, clean, when ``keep``)."""
         missing = []
@@ -168,16 +166,9 @@ class DramTier:
             misses = np.empty(chosen.size, np.int64)
             with self.locks[shard]:
                 m = _read_hits(
-                    chosen,
-                    rows,
-                    at,
-                    self.slot_of,
-                    self.records,
-                    self.flags,
-                    fields,
-                    offsets,
-                    misses,
-                )
+                    chosen, rows, at, self.slot_of, self.records.ctypes.data, self.record_bytes,
+                    self.flags, *into, misses,
+                )  # fmt: skip
                 counters = self.counters[shard]
                 counters[_LOOKUPS] += chosen.size
                 counters[_HITS] += chosen.size - m
@@ -186,15 +177,15 @@ class DramTier:
         if not missing:
             return
         misses = np.concatenate(missing)
-        records = np.empty((misses.size, self.records.shape[1]), self.records.dtype)
+        records = np.empty((misses.size, self.record_bytes), np.uint8)
         self.store.read(rows[misses], records)
-        _unpack(records, at[misses], fields, offsets)
+        _unpack(records.ctypes.data, self.record_bytes, at[misses], *into)
         if keep:
             tickets = []
             positions = np.arange(misses.size)
             for shard, chosen in self._by_shard(rows[misses]):
                 with self.locks[shard]:
-                    self._take(shard, chosen, rows[misses], positions, records, None, tickets)
+                    self._take(shard, chosen, rows[misses], positions, records, tickets)
             self._write_out(tickets)
 
     # ---------------------------------------------------------------- writes
@@ -202,15 +193,14 @@ class DramTier:
         self,
         rows: np.ndarray,
         at: np.ndarray,
-        fields: tuple[np.ndarray, ...],
-        offsets: np.ndarray,
+        source: Fields,
     ) -> None:
-        """Writes ``fields[f][at[j]]`` as row ``rows[j]``, dirty, taking slots
+        """Writes row ``at[j]`` of the fields as row ``rows[j]``, dirty, taking slots
         (and evicting) for rows the tier does not hold."""
         tickets: list[object] = []
         for shard, chosen in self._by_shard(rows):
             with self.locks[shard]:
-                self._take(shard, chosen, rows, at, fields, offsets, tickets)
+                self._take(shard, chosen, rows, at, source, tickets)
         self._write_out(tickets)
 
     def fill(self, rows: np.ndarray, records: np.ndarray) -> np.ndarray:
@@ -221,26 +211,19 @@ class DramTier:
             with self.locks[shard]:
                 lo = shard * self.per_shard
                 done = _insert(
-                    chosen,
-                    rows,
-                    np.arange(rows.size),
-                    records,
-                    _DIRTY,
-                    self.slot_of,
-                    self.slot_id,
-                    self.records,
-                    self.flags,
-                    self.free[lo : lo + self.per_shard],
+                    chosen, rows, np.arange(rows.size), records.ctypes.data, _DIRTY,
+                    self.slot_of, self.slot_id, self.records.ctypes.data, self.record_bytes,
+                    self.flags, self.free[lo : lo + self.per_shard],
                     self.free_count[shard : shard + 1],
-                )
+                )  # fmt: skip
                 self.counters[shard, _INSERTED] += done
             left.append(chosen[done:])
         return np.sort(np.concatenate(left)) if left else np.zeros(0, np.int64)
 
-    def _take(self, shard, chosen, rows, at, source, offsets, tickets) -> None:
+    def _take(self, shard, chosen, rows, at, source, tickets) -> None:
         """Writes the ``chosen`` rows into shard ``shard`` (with its lock held):
-        from ``source`` fields at ``at`` (dirty) when ``offsets`` is given,
-        else from ``source`` records at ``at`` (clean, read from the store)."""
+        from ``Fields`` at ``at`` (dirty), or from records at ``at`` (clean,
+        read from the store)."""
         lo = shard * self.per_shard
         free = self.free[lo : lo + self.per_shard]
         free_count = self.free_count[shard : shard + 1]
@@ -248,37 +231,18 @@ class DramTier:
         done = 0
         while True:
             rest = chosen[done:]
-            if offsets is None:
+            if isinstance(source, np.ndarray):
                 written = _insert(
-                    rest,
-                    rows,
-                    at,
-                    source,
-                    0,
-                    self.slot_of,
-                    self.slot_id,
-                    self.records,
-                    self.flags,
-                    free,
-                    free_count,
-                )
+                    rest, rows, at, source.ctypes.data, 0, self.slot_of, self.slot_id,
+                    self.records.ctypes.data, self.record_bytes, self.flags, free, free_count,
+                )  # fmt: skip
                 counters[_FILLED] += written
             else:
                 dirtied = np.empty(rest.size, np.int64)
                 written, inserted, d = _write_rows(
-                    rest,
-                    rows,
-                    at,
-                    source,
-                    offsets,
-                    self.slot_of,
-                    self.slot_id,
-                    self.records,
-                    self.flags,
-                    free,
-                    free_count,
-                    dirtied,
-                )
+                    rest, rows, at, *source, self.slot_of, self.slot_id, self.records.ctypes.data,
+                    self.record_bytes, self.flags, free, free_count, dirtied,
+                )  # fmt: skip
                 counters[_INSERTED] += inserted
                 counters[_UPDATED] += written - inserted
                 if d:  # their disk records are stale from now on
@@ -287,22 +251,13 @@ class DramTier:
             if done == chosen.size:
                 return
             target = max(chosen.size - done, self.reclaim_batch)
-            out = np.empty((target, self.records.shape[1]), self.records.dtype)
+            out = np.empty((target, self.record_bytes), np.uint8)
             owners = np.empty(target, np.int64)
             freed, dirty, self.hands[shard] = _reclaim(
-                lo,
-                lo + self.per_shard,
-                self.hands[shard],
-                target,
-                self.flags,
-                self.slot_id,
-                self.slot_of,
-                self.records,
-                free,
-                free_count,
-                out,
-                owners,
-            )
+                lo, lo + self.per_shard, self.hands[shard], target, self.flags, self.slot_id,
+                self.slot_of, self.records.ctypes.data, self.record_bytes, free, free_count,
+                out.ctypes.data, owners,
+            )  # fmt: skip
             if freed == 0:
                 raise RuntimeError("the DRAM tier found no slot to free; it is corrupt.")
             counters[_EVICTED] += freed
@@ -342,21 +297,45 @@ class DramTier:
         )
 
 
-def field_words(arrays: list[np.ndarray], word: np.dtype) -> tuple[np.ndarray, ...]:
-    """Each C-contiguous array as ``[rows, words]`` of ``word``: the same memory."""
-    out = []
+class Fields(NamedTuple):
+    """Where the rows of a call live: per array, its buffer's address, the
+    bytes from one row to the next, and the bytes of the record it fills
+    (``offset``, ``width``). Built by ``fields``; the arrays must outlive it."""
+
+    address: np.ndarray
+    stride: np.ndarray
+    offset: np.ndarray
+    width: np.ndarray
+
+
+def fields(arrays: list[np.ndarray], offsets: np.ndarray) -> Fields:
+    """``Fields`` of C-contiguous ``arrays`` placed at byte ``offsets`` of a record."""
     for array in arrays:
         if not array.flags.c_contiguous:
             raise ValueError(
                 f"rows must be C-contiguous (got strides {array.strides}); copy them with "
                 "np.ascontiguousarray first."
             )
-        if not len(array):
-            width = math.prod(array.shape[1:]) * array.itemsize // np.dtype(word).itemsize
-            out.append(np.zeros((0, width), word))
-            continue
-        out.append(array.reshape(len(array), -1).view(np.uint8).view(word))
-    return tuple(out)
+    widths = [math.prod(a.shape[1:]) * a.itemsize for a in arrays]
+    return Fields(
+        np.array([a.ctypes.data for a in arrays], np.int64),
+        np.array(widths, np.int64),
+        np.asarray(offsets, np.int64),
+        np.array(widths, np.int64),
+    )
+
+
+def pack(arrays: list[np.ndarray], offsets: np.ndarray, record_bytes: int) -> np.ndarray:
+    """Records ``[n, record_bytes]`` of the rows of ``arrays``."""
+    out = np.empty((len(arrays[0]), record_bytes), np.uint8)
+    _pack(out.shape[0], *fields(arrays, offsets), out.ctypes.data, record_bytes)
+    return out
+
+
+# libc's memcpy, called from compiled loops with addresses as 64-bit integers
+# (passed as pointers are on x86-64 and AArch64): a row is copied whole, where
+# a loop over its words was several times slower.
+_memcpy = types.ExternalFunction("memcpy", types.int64(types.int64, types.int64, types.uint64))
 
 
 @numba.njit(**_JIT)
@@ -377,7 +356,34 @@ def _group(rows, shards):
 
 
 @numba.njit(**_JIT)
-def _read_hits(chosen, rows, at, slot_of, records, flags, fields, offsets, misses):
+def _copy_out(record, x, address, stride, offset, width):
+    """Record at ``record`` into row ``x`` of each field."""
+    for f in range(address.size):
+        _memcpy(address[f] + x * stride[f], record + offset[f], width[f])
+
+
+@numba.njit(**_JIT)
+def _copy_in(record, x, address, stride, offset, width):
+    """Row ``x`` of each field into the record at ``record``."""
+    for f in range(address.size):
+        _memcpy(record + offset[f], address[f] + x * stride[f], width[f])
+
+
+@numba.njit(**_JIT)
+def _read_hits(
+    chosen,
+    rows,
+    at,
+    slot_of,
+    records,
+    record_bytes,
+    flags,
+    address,
+    stride,
+    offset,
+    width,
+    misses,
+):
     """Copies the rows of ``chosen`` the tier holds; lists the others in ``misses``."""
     m = 0
     for j in chosen:
@@ -387,42 +393,20 @@ def _read_hits(chosen, rows, at, slot_of, records, flags, fields, offsets, misse
             m += 1
             continue
         flags[s] |= _REFERENCED
-        a = at[j]
-        for f in range(len(fields)):
-            field = fields[f]
-            off = offsets[f]
-            for w in range(field.shape[1]):
-                field[a, w] = records[s, off + w]
+        _copy_out(records + s * record_bytes, at[j], address, stride, offset, width)
     return m
 
 
 @numba.njit(**_JIT)
-def _unpack(records, at, fields, offsets):
+def _unpack(records, record_bytes, at, address, stride, offset, width):
     for j in range(at.size):
-        a = at[j]
-        for f in range(len(fields)):
-            field = fields[f]
-            off = offsets[f]
-            for w in range(field.shape[1]):
-                field[a, w] = records[j, off + w]
-
-
-def pack(fields: tuple[np.ndarray, ...], offsets: np.ndarray, record_words: int) -> np.ndarray:
-    """Records ``[n, record_words]`` of the rows in ``fields``."""
-    n = len(fields[0]) if fields else 0
-    out = np.empty((n, record_words), fields[0].dtype if fields else np.uint8)
-    _pack(fields, offsets, out)
-    return out
+        _copy_out(records + j * record_bytes, at[j], address, stride, offset, width)
 
 
 @numba.njit(**_JIT)
-def _pack(fields, offsets, out):
-    for j in range(out.shape[0]):
-        for f in range(len(fields)):
-            field = fields[f]
-            off = offsets[f]
-            for w in range(field.shape[1]):
-                out[j, off + w] = field[j, w]
+def _pack(n, address, stride, offset, width, out, record_bytes):
+    for j in range(n):
+        _copy_in(out + j * record_bytes, j, address, stride, offset, width)
 
 
 @numba.njit(**_JIT)
@@ -430,11 +414,14 @@ def _write_rows(
     chosen,
     rows,
     at,
-    fields,
-    offsets,
+    address,
+    stride,
+    offset,
+    width,
     slot_of,
     slot_id,
     records,
+    record_bytes,
     flags,
     free,
     free_count,
@@ -464,19 +451,27 @@ def _write_rows(
             dirtied[d] = x
             d += 1
         flags[s] = _REFERENCED | _DIRTY
-        a = at[j]
-        for f in range(len(fields)):
-            field = fields[f]
-            off = offsets[f]
-            for w in range(field.shape[1]):
-                records[s, off + w] = field[a, w]
+        _copy_in(records + s * record_bytes, at[j], address, stride, offset, width)
     return chosen.size, inserted, d
 
 
 @numba.njit(**_JIT)
-def _insert(chosen, rows, at, source, flag, slot_of, slot_id, records, flags, free, free_count):
-    """Puts records ``source[at[j]]`` of rows not in the tier into free slots
-    with ``flag``; returns how many of ``chosen`` fit."""
+def _insert(
+    chosen,
+    rows,
+    at,
+    source,
+    flag,
+    slot_of,
+    slot_id,
+    records,
+    record_bytes,
+    flags,
+    free,
+    free_count,
+):
+    """Puts records ``at`` of the buffer at ``source`` (rows not in the tier)
+    into free slots with ``flag``; returns how many of ``chosen`` fit."""
     for i in range(chosen.size):
         j = chosen[i]
         x = rows[j]
@@ -489,14 +484,28 @@ def _insert(chosen, rows, at, source, flag, slot_of, slot_id, records, flags, fr
         slot_of[x] = s
         slot_id[s] = x
         flags[s] = flag
-        records[s, :] = source[at[j], :]
+        _memcpy(records + s * record_bytes, source + at[j] * record_bytes, record_bytes)
     return chosen.size
 
 
 @numba.njit(**_JIT)
-def _reclaim(lo, hi, hand, target, flags, slot_id, slot_of, records, free, free_count, out, owners):
+def _reclaim(
+    lo,
+    hi,
+    hand,
+    target,
+    flags,
+    slot_id,
+    slot_of,
+    records,
+    record_bytes,
+    free,
+    free_count,
+    out,
+    owners,
+):
     """Frees up to ``target`` slots of ``[lo, hi)`` by CLOCK; dirty victims'
-    records go to ``out`` with their rows in ``owners``.
+    records go to the buffer at ``out`` with their rows in ``owners``.
 
     Returns ``(freed, dirty, hand)``.
     """
@@ -518,7 +527,7 @@ def _reclaim(lo, hi, hand, target, flags, slot_id, slot_of, records, free, free_
             flags[s] = fl & ~_REFERENCED
             continue
         if fl & _DIRTY:
-            out[dirty, :] = records[s, :]
+            _memcpy(out + dirty * record_bytes, records + s * record_bytes, record_bytes)
             owners[dirty] = x
             dirty += 1
         slot_of[x] = -1

@@ -137,8 +137,7 @@ class RowLog:
         the owner of each record, for garbage collection); both are created
         anew and removed by ``close``.
       num_rows: rows of the table (ids ``0 .. num_rows - 1``).
-      record_words: words per record.
-      word: the word dtype (``uint8`` .. ``uint64``).
+      record_bytes: bytes per record.
       segment_bytes: bytes per segment (rounded down to whole records).
       spare: segments beyond what the rows fill, as a fraction of them,
         before garbage collection starts.
@@ -147,10 +146,9 @@ class RowLog:
     Examples:
       >>> import os, tempfile, numpy as np
       >>> from jaxcache._src.row_log import RowLog
-      >>> log = RowLog(os.path.join(tempfile.mkdtemp(), "rows"), 10, 2, np.uint32,
-      ...              segment_bytes=32)
-      >>> log.write(log.reserve(np.array([3, 7]), np.array([[1, 2], [3, 4]], np.uint32)))
-      >>> out = np.zeros((1, 2), np.uint32)
+      >>> log = RowLog(os.path.join(tempfile.mkdtemp(), "rows"), 10, 2, segment_bytes=8)
+      >>> log.write(log.reserve(np.array([3, 7]), np.array([[1, 2], [3, 4]], np.uint8)))
+      >>> out = np.zeros((1, 2), np.uint8)
       >>> log.read(np.array([7]), out)
       >>> out.tolist()
       [[3, 4]]
@@ -161,17 +159,14 @@ class RowLog:
         self,
         path: str,
         num_rows: int,
-        record_words: int,
-        word: np.dtype,
+        record_bytes: int,
         *,
         segment_bytes: int = 64 << 20,
         spare: float = 0.5,
         max_live: float = 0.5,
     ) -> None:
         self.path = path
-        self.word = np.dtype(word)
-        self.record_words = int(record_words)
-        self.record_bytes = self.record_words * self.word.itemsize
+        self.record_bytes = int(record_bytes)
         self.records_per_segment = max(1, int(segment_bytes) // max(1, self.record_bytes))
         self.max_live = float(max_live)
         per = self.records_per_segment
@@ -372,7 +367,7 @@ class RowLog:
         first = segment * per
         ticket = None
         if self._live[segment]:
-            records = np.empty((count, self.record_words), self.word)
+            records = np.empty((count, self.record_bytes), np.uint8)
             owners = np.empty(count, np.int64)
             _pread_all(self._fd, records, first * self.record_bytes)
             _pread_all(self._owners_fd, owners, first * 8)

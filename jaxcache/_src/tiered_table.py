@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from jaxcache._src.config import CacheConfig
-from jaxcache._src.dram_tier import DramTier, TierStats, field_words, pack
+from jaxcache._src.dram_tier import DramTier, Fields, TierStats, fields, pack
 from jaxcache._src.host_table import HostTable, Initializer, _check_rows, _check_shard
 from jaxcache._src.kernels import as_index_array
 from jaxcache._src.row_log import DiskStats, RowLog
@@ -184,9 +184,7 @@ class TieredTable(HostTable):
         for name, spec in config.optimizer.state_spec(config.features).items():
             specs[name] = (np.dtype(spec.dtype), tuple(spec.shape))
         sizes = [dtype.itemsize * math.prod(shape) for dtype, shape in specs.values()]
-        self._word = np.dtype(f"u{math.gcd(8, *sizes)}")
-        widths = [size // self._word.itemsize for size in sizes]
-        self._offsets = np.cumsum([0, *widths[:-1]]).astype(np.int64)
+        self._offsets = np.cumsum([0, *sizes[:-1]]).astype(np.int64)
         self._specs = specs
         self.record_bytes = sum(sizes)
         n = len(range(index, config.num_embeddings, count))
@@ -206,12 +204,11 @@ class TieredTable(HostTable):
         self._log = RowLog(
             os.path.join(self.directory, f"{name}.log"),
             n,
-            sum(widths),
-            self._word,
+            self.record_bytes,
             segment_bytes=segment_bytes,
             spare=disk_spare,
         )
-        self._tier = DramTier(n, slots, sum(widths), self._word, self._log, shards=shards)
+        self._tier = DramTier(n, slots, self.record_bytes, self._log, shards=shards)
         self.dram_budget = index_bytes + self._tier.slots * self.record_bytes
         self.rows = TableColumn(self, "rows")
         self.state = {name: TableColumn(self, name) for name in list(specs)[1:]}
@@ -231,7 +228,7 @@ class TieredTable(HostTable):
             local = np.arange(keep.start, keep.stop, dtype=np.int64)
             arrays = [np.ascontiguousarray(values, self._specs["rows"][0])]
             arrays += [np.repeat(v, local.size, axis=0) for v in state.values()]
-            records = pack(field_words(arrays, self._word), self._offsets, self._log.record_words)
+            records = pack(arrays, self._offsets, self.record_bytes)
             left = self._tier.fill(local, records)
             if left.size:
                 self._log.write(self._log.reserve(local[left], records[left], initial=True))
@@ -249,10 +246,8 @@ class TieredTable(HostTable):
         ``state[name][at]`` (C-contiguous arrays of the table's dtypes). Rows
         read from disk are kept in DRAM (clean)."""
         local = self._checked(ids)
-        fields = self._fields(rows, state)
-        self._tier.read(
-            local, self._positions_in(at, local, len(rows)), fields, self._offsets, keep=True
-        )
+        into = self._fields(rows, state)
+        self._tier.read(local, self._positions_in(at, local, len(rows)), into, keep=True)
 
     def scatter(
         self,
@@ -272,8 +267,8 @@ class TieredTable(HostTable):
         }
         size = len(values["rows"])
         at = np.arange(local.size) if at is None else at
-        fields = self._fields(values["rows"], {k: v for k, v in values.items() if k != "rows"})
-        self._tier.write(local, self._positions_in(at, local, size), fields, self._offsets)
+        source = self._fields(values["rows"], {k: v for k, v in values.items() if k != "rows"})
+        self._tier.write(local, self._positions_in(at, local, size), source)
 
     def stats(self) -> TieredStats:
         """Hit rate, rows and bytes read and written, per tier (since built)."""
@@ -303,8 +298,8 @@ class TieredTable(HostTable):
             raise IndexError(f"a position in at is outside the {size} rows; nothing was copied.")
         return at
 
-    def _fields(self, rows: np.ndarray, state: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:
-        """``rows`` and ``state``, checked, as words (the tier's fields)."""
+    def _fields(self, rows: np.ndarray, state: dict[str, np.ndarray]) -> Fields:
+        """``rows`` and ``state``, checked, as the tier's ``Fields``."""
         arrays = [rows, *(state[name] for name in self.state)]
         for (name, (dtype, shape)), array in zip(self._specs.items(), arrays, strict=True):
             if array.dtype != dtype or array.shape[1:] != shape or len(array) != len(rows):
@@ -312,7 +307,7 @@ class TieredTable(HostTable):
                     f"{name} must be [{len(rows)}, {', '.join(map(str, shape))}] {dtype}, the "
                     f"table's; got {array.dtype} {array.shape}."
                 )
-        return field_words(arrays, self._word)
+        return fields(arrays, self._offsets)
 
     def _read(
         self, local: np.ndarray, *, keep: bool, names: list[str] | None = None
@@ -325,8 +320,8 @@ class TieredTable(HostTable):
             for name in names
         }
         where = [list(self._specs).index(name) for name in names]
-        fields = field_words(list(arrays.values()), self._word)
-        self._tier.read(local, np.arange(local.size), fields, self._offsets[where], keep=keep)
+        into = fields(list(arrays.values()), self._offsets[where])
+        self._tier.read(local, np.arange(local.size), into, keep=keep)
         rows = arrays.pop("rows", None)
         return rows, arrays
 
@@ -424,8 +419,7 @@ class TableColumn:
         rows, state = table._read(local, keep=False)
         target = rows if self.name == "rows" else state[self.name]
         target.reshape(*shape, *self.shape[1:])[rest] = value
-        fields = table._fields(rows, state)
-        table._tier.write(local, np.arange(local.size), fields, table._offsets)
+        table._tier.write(local, np.arange(local.size), table._fields(rows, state))
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = np.empty(self.shape, self.dtype)
