@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 import jaxcache
+from jaxcache._src import cli
+from jaxcache._src.tier_replay import replay_dram_tier
 from tests.models import dense_params, make_cached, make_reference, zipf_batches
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -329,3 +331,33 @@ def test_checkpoints_move_rows_between_tiered_and_plain_tables(tmp_path, into_ti
     np.testing.assert_array_equal(restored_rows, rows)
     for name in state:
         np.testing.assert_array_equal(restored_state[name], state[name])
+
+
+# -------------------------------------------------------------------- sizing
+def test_replay_gives_the_dram_tiers_figures(tmp_path, capsys):
+    batches = list(zipf_batches(N, B, F, 12, seed=0))
+    cfg = jaxcache.CacheConfig(N, D, capacity=130, policy="lru", optimizer=OPTIMIZERS["adagrad"])
+    table = tiered(cfg, tmp_path, 200, seed=1)
+    cache = jaxcache.EmbeddingCache(cfg, table=table)
+    _, train = make_cached(cache, F)
+    for ids, y in batches:
+        train(ids, y)
+        cache.land_write_backs()  # each step's write-backs land before the next plan
+    stats = table.stats()
+    trace = np.stack([ids.reshape(-1) for ids, _ in batches])
+    np.save(tmp_path / "trace.npy", trace)
+    options = {"dram_budget": table.dram_budget, "row_bytes": table.record_bytes}
+    out = replay_dram_tier(trace, capacity=130, policy="lru", num_embeddings=N, shards=4, **options)
+    assert out["dram_rows"] == stats.dram.slots
+    assert (out["dram_lookups"], out["dram_hits"]) == (stats.dram.lookups, stats.dram.hits)
+    assert out["disk_rows_written"] == stats.dram.evicted_dirty > 0
+    assert out["disk_rows_read"] == stats.disk.rows_read > 0
+    # The command line adds the same figures to each result (16 shards by default).
+    argv = ["replay", str(tmp_path / "trace.npy"), "--capacity", "130", "--policy", "lru"]
+    argv += ["--num-embeddings", str(N), "--dram-budget", str(table.dram_budget)]
+    assert cli.main([*argv, "--row-bytes", str(table.record_bytes)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["capacity"] == 130 and 0 < printed["dram_hit_rate"] < 1
+    with pytest.raises(SystemExit):
+        cli.main(argv)  # --dram-budget without --row-bytes
+    assert "needs --row-bytes" in capsys.readouterr().err

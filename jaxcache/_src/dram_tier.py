@@ -105,6 +105,8 @@ class DramTier:
       record_bytes: bytes per record.
       store: the disk below.
       shards: independent parts (locks, clock hands); at most ``slots``.
+      batch_for: the record size eviction batches are sized for (default:
+        ``record_bytes``; a replay with empty records passes the real one).
 
     Examples:
       >>> import numpy as np
@@ -128,6 +130,7 @@ class DramTier:
         store: Store,
         *,
         shards: int = 16,
+        batch_for: int | None = None,
     ) -> None:
         shards = max(1, min(int(shards), int(slots)))
         per = int(slots) // shards
@@ -147,7 +150,8 @@ class DramTier:
         self.hands = np.arange(shards, dtype=np.int64) * per
         self.counters = np.zeros((shards, 7), np.int64)
         self.locks = [threading.Lock() for _ in range(shards)]
-        self.reclaim_batch = max(1, min(per // 32, _RECLAIM_BYTES // max(1, self.record_bytes)))
+        sized = self.record_bytes if batch_for is None else batch_for
+        self.reclaim_batch = max(1, min(per // 32, _RECLAIM_BYTES // max(1, sized)))
 
     # ----------------------------------------------------------------- reads
     def read(
