@@ -2,7 +2,8 @@
 
 The model of the sizing question: a lookup of ``--features`` hashed-Zipf ids
 per sample (``D = 64`` float32, row-wise Adagrad) feeding a linear model,
-``--batch`` samples a step, a device cache of ``--capacity`` rows (LRU), fed by ``jaxcache.prefetch(lookahead=2)``. The same batches and the
+``--batch`` samples a step, a device cache of ``--capacity`` rows (LRU),
+fed by ``jaxcache.prefetch(lookahead=2)``. The same batches and the
 same initial model go through every host table:
 
 - ``numpy``: ``HostTable``, NumPy arrays in memory (the reference);
@@ -49,6 +50,7 @@ import optax
 from flax import nnx
 
 import jaxcache
+from jaxcache._src.tiered_table import INDEX_BYTES_PER_ROW
 
 
 class Linear(nnx.Module):
@@ -179,7 +181,7 @@ def main() -> None:
         tables = {"numpy": jaxcache.HostTable(config)}
         if not args.no_memmap:
             tables["memmap"] = jaxcache.HostTable(config, directory=os.path.join(scratch, "mm"))
-        index = jaxcache._src.tiered_table.INDEX_BYTES_PER_ROW * args.rows
+        index = INDEX_BYTES_PER_ROW * args.rows
         tables["tiered fits"] = jaxcache.TieredTable(
             config, os.path.join(scratch, "fits"), dram_budget=index + table_bytes + (1 << 20)
         )

@@ -15,6 +15,7 @@ import pytest
 import jaxcache
 from jaxcache._src import cli
 from jaxcache._src.tier_replay import replay_dram_tier
+from jaxcache._src.tiered_table import INDEX_BYTES_PER_ROW
 from tests.models import dense_params, make_cached, make_reference, zipf_batches
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -31,7 +32,7 @@ def tiered(config, directory, rows_in_dram, **kwargs):
     """A tiered table whose DRAM tier holds about ``rows_in_dram`` rows, with
     small log segments so that garbage collection runs in a short test."""
     probe = jaxcache.TieredTable(config, directory, dram_budget=1 << 30, **kwargs)
-    record, index = probe.record_bytes, jaxcache._src.tiered_table.INDEX_BYTES_PER_ROW
+    record, index = probe.record_bytes, INDEX_BYTES_PER_ROW
     local = len(probe.rows)
     probe.close()
     kwargs.setdefault("shards", 4)

@@ -97,11 +97,11 @@ def _memory() -> dict[str, int]:
 
 
 def memory(args: argparse.Namespace) -> None:
-    rows, features, batch = args.rows, 64, 256
+    rows, features, batch = args.rows, 64, 2048
     config = jaxcache.CacheConfig(
-        rows, features, capacity=4096, policy="lru", optimizer=jaxcache.rowwise_adagrad(0.1)
+        rows, features, capacity=24576, policy="lru", optimizer=jaxcache.rowwise_adagrad(0.1)
     )
-    batches = [{"ids": i, "y": y} for i, y in zipf_batches(rows, batch, F, 30, seed=0)]
+    batches = [{"ids": i, "y": y} for i, y in zipf_batches(rows, batch, F, 100, seed=0)]
 
     def run(table, cfg):
         model, optimizer = _model(table, cfg, F)
@@ -113,7 +113,7 @@ def memory(args: argparse.Namespace) -> None:
 
     # Compile every program first, with a small table of the same widths.
     small = jaxcache.CacheConfig(
-        20_000, features, capacity=4096, policy="lru", optimizer=config.optimizer
+        100_000, features, capacity=24576, policy="lru", optimizer=config.optimizer
     )
     run(jaxcache.HostTable(small), small)
     baseline = _memory()["VmRSS"]

@@ -109,7 +109,7 @@ def replay_dram_tier(
         )
     disk = _CountingDisk()
     tier = DramTier(n, slots, 0, disk, shards=shards, batch_for=int(row_bytes))
-    for lo in range(0, n, _INIT_CHUNK_ROWS):  # as TieredTable fills it: rows in id order
+    for lo in range(0, n if tier.slots >= n else 0, _INIT_CHUNK_ROWS):  # as TieredTable
         rows = np.arange(lo, min(lo + _INIT_CHUNK_ROWS, n), dtype=np.int64)
         tier.fill(rows, np.empty((rows.size, 0), np.uint8))
     counts = frequencies

@@ -92,7 +92,7 @@ class TieredStats:
       >>> _ = table.gather(range(1000))
       >>> stats = table.stats()
       >>> stats.dram.slots, stats.dram.lookups, stats.disk.rows_read
-      (496, 1000, 504)
+      (496, 1000, 1000)
     """
 
     dram: TierStats
@@ -150,7 +150,7 @@ class TieredTable(HostTable):
       >>> import tempfile, numpy as np, jaxcache
       >>> cfg = jaxcache.CacheConfig(10_000, 8, capacity=100, optimizer=jaxcache.adagrad(0.1))
       >>> table = jaxcache.TieredTable(cfg, tempfile.mkdtemp(), dram_budget=200_000)
-      >>> table.stats().dram.slots  # rows in DRAM; the other 8,752 are on disk
+      >>> table.stats().dram.slots  # rows DRAM holds; all 10,000 are on disk
       1248
       >>> plain = jaxcache.HostTable(cfg)
       >>> bool((table.gather([3, 9999])[0] == plain.gather([3, 9999])[0]).all())
@@ -215,7 +215,10 @@ class TieredTable(HostTable):
         self._fill(rows, init, seed)
 
     def _fill(self, rows: np.ndarray | None, init: Initializer | None, seed: int) -> None:
-        """Writes the initial rows: into DRAM while it has room, then to disk."""
+        """Writes the initial rows: all into DRAM when they fit (nothing goes to
+        disk until evicted), else all to disk, in id order (DRAM starts empty:
+        rows put there now would be written out again, unchanged, when evicted)."""
+        fits = self._tier.slots >= self._n
         state = {
             name: np.full((1, *shape), spec.init, dtype)
             for (name, (dtype, shape)), spec in zip(
@@ -229,9 +232,10 @@ class TieredTable(HostTable):
             arrays = [np.ascontiguousarray(values, self._specs["rows"][0])]
             arrays += [np.repeat(v, local.size, axis=0) for v in state.values()]
             records = pack(arrays, self._offsets, self.record_bytes)
-            left = self._tier.fill(local, records)
-            if left.size:
-                self._log.write(self._log.reserve(local[left], records[left], initial=True))
+            if fits:
+                self._tier.fill(local, records)
+            else:
+                self._log.write(self._log.reserve(local, records, initial=True))
 
     # ------------------------------------------------------------ table API
     def gather(self, ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
