@@ -17,15 +17,10 @@ from jaxcache._src import cli
 from jaxcache._src.tier_replay import replay_dram_tier
 from jaxcache._src.tiered_table import INDEX_BYTES_PER_ROW
 from tests.models import dense_params, make_cached, make_reference, zipf_batches
+from tests.test_exactness import OPTIMIZERS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N, D, B, F = 4000, 8, 32, 4
-OPTIMIZERS = {
-    "sgd": jaxcache.sgd(0.2),
-    "adagrad": jaxcache.adagrad(0.2),
-    "rowwise_adagrad": jaxcache.rowwise_adagrad(0.2),
-    "adam": jaxcache.adam(0.02),
-}
 
 
 def tiered(config, directory, rows_in_dram, **kwargs):

@@ -16,7 +16,9 @@ Items of a step directory:
   each process writes its own (``rows.shard-<i>-of-<p>.npy``, ...) and the
   first the rest. Large arrays are streamed to disk without a copy
   in memory: a memory-mapped table is copied file to file by the kernel
-  (``os.copy_file_range``), an in-memory one is written from its own buffer.
+  (``os.copy_file_range``), an in-memory one is written from its own buffer,
+  and a ``TieredTable`` is read through its tiers in one pass (restored by
+  scattering the saved rows back through them).
 * ``model/`` and ``optimizer/``: orbax PyTrees of the NNX state of the model
   (every variable except the cache rows, which the tables hold) and of the
   optimizer.

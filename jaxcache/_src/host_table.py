@@ -2,7 +2,8 @@
 
 Rows are always stored in the caller's id order (row ``i`` is id ``i``), so
 exporting or checkpointing never scrambles them. Arrays are plain NumPy, or
-``np.memmap`` files when a directory is given, for tables larger than RAM.
+``np.memmap`` files when a directory is given. For tables larger than memory,
+``TieredTable`` (``tiered_table.py``) keeps the rows on disk behind a DRAM tier.
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ class HostTable:
       seed: seed of the initializer.
       directory: when given, rows and state live in ``np.memmap`` files there
         (``rows.npy`` and ``<state>.npy``; ``rows.shard-<i>-of-<p>.npy`` and
-        so on for a shard), for tables larger than RAM.
+        so on for a shard), for tables that fit in the page cache or files
+        shared with other processes. Every evicted row dirties a page of the
+        file; for tables larger than memory use ``jaxcache.TieredTable``.
       copy: copy ``rows`` (default) or adopt the array as the table.
       shard: ``(index, count)``: keep only this process's ids; ``rows``, when
         given, is still the whole ``[N, D]`` table (or a memory map of it).
