@@ -94,6 +94,24 @@ def test_initial_rows_are_the_host_tables(tmp_path):
     assert not (tmp_path / "drawn2" / name).exists()
 
 
+def test_bfloat16_rows_pack_with_float32_state(tmp_path):
+    # Records of 2-byte rows (6 of them, 12 bytes) and a 4-byte-wide state.
+    cfg = jaxcache.CacheConfig(2000, 6, 10, dtype="bfloat16", optimizer=OPTIMIZERS["adagrad"])
+    reference = jaxcache.HostTable(cfg, seed=3)
+    table = tiered(cfg, tmp_path, 30, seed=3)
+    assert table.record_bytes == 6 * 2 + 6 * 4
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        ids = rng.choice(2000, 50, replace=False)
+        rows, state = _random_rows(rng, reference, 50)
+        reference.scatter(ids, rows, state)
+        table.scatter(ids, rows, state)
+    rows, state = table.gather(np.arange(2000))
+    assert rows.dtype == cfg.row_dtype
+    assert rows.tobytes() == reference.rows.tobytes()
+    assert state["accumulator"].tobytes() == reference.state["accumulator"].tobytes()
+
+
 def test_columns_index_and_assign_like_arrays(tmp_path):
     cfg = jaxcache.CacheConfig(500, 4, 10, optimizer=jaxcache.adam(0.1))
     reference = jaxcache.HostTable(cfg, seed=1)
