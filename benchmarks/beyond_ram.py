@@ -18,10 +18,12 @@ same initial model go through every host table:
 
 Every variant runs ``--warmup`` steps, then ``--rounds`` rounds of
 ``--steps`` timed steps, interleaved (round 1 of every variant, then round 2,
-...), so that a change of load falls on all of them. A step's time is the
-interval between two steps of the loop; figures are the median over the
-rounds of each round's median. The losses of all variants agree bit for bit
-(the cache is exact whatever the host table).
+...), so that a change of load falls on all of them, with an ``os.sync()``
+after each (untimed), so that the disk writes one variant left in the page
+cache do not slow the next. A step's time is the interval between two steps
+of the loop; figures are the median over the rounds of each round's median.
+The losses of all variants agree bit for bit (the cache is exact whatever
+the host table).
 
 The last lines are ``name=value`` ratios: ``tiered_fits_over_ram`` and
 ``tiered_8x_over_ram`` (steps/s over the NumPy table's), ``memmap_over_ram``,
@@ -120,6 +122,9 @@ class Variant:
                 times.append(now - last)
                 last = now
         self.loss = float(pending)
+        # The disk writes this variant left in the page cache go to the disk
+        # now, not while the next variant runs (a memory map leaves most).
+        os.sync()
         if timed:
             self.medians.append(float(np.median(times[1:])))
 
