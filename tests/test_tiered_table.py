@@ -88,7 +88,7 @@ def test_initial_rows_are_the_host_tables(tmp_path):
         for table in (drawn, given):
             np.testing.assert_array_equal(np.asarray(table.rows), whole.rows[index::count])
             assert (np.asarray(table.state["accumulator"]) == 0.1).all()
-    name = "tier.shard-2-of-3.log"
+    name = "embedding.shard-2-of-3.log"
     assert (tmp_path / "drawn2" / name).exists()
     drawn.close()
     assert not (tmp_path / "drawn2" / name).exists()

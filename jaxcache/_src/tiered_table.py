@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -122,8 +123,10 @@ class TieredTable(HostTable):
     Args:
       config: the table's configuration.
       directory: where the disk tier's files go (created if missing):
-        ``tier.log`` and ``tier.log.owners``, or
-        ``tier.shard-<i>-of-<p>.log`` (and so on) for a shard.
+        ``<name>.log`` and ``<name>.log.owners`` after ``config.name``
+        (``embedding.log`` by default), or ``<name>.shard-<i>-of-<p>.log``
+        and so on for a shard, so that tables of other names (and other
+        shards) can share the directory.
       dram_budget: bytes of memory for the index and the DRAM tier (default:
         ``default_dram_budget()``, a fraction of the memory available now).
         More than the table needs is not allocated.
@@ -200,7 +203,8 @@ class TieredTable(HostTable):
                 f"({index_bytes:,} bytes, {INDEX_BYTES_PER_ROW} a row) and one row of "
                 f"{self.record_bytes} bytes; give at least {index_bytes + self.record_bytes:,}."
             )
-        name = "tier" if count == 1 else f"tier.shard-{index}-of-{count}"
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", config.name)
+        name = name if count == 1 else f"{name}.shard-{index}-of-{count}"
         self._log = RowLog(
             os.path.join(self.directory, f"{name}.log"),
             n,
