@@ -100,7 +100,9 @@ class Runner:
 
 def weak_scaling(args: argparse.Namespace) -> float:
     print(f"1. weak scaling: {PER_DEVICE} samples x 26 ids per device, 1 host thread")
-    print(f"   {'devices':>7} {'ids/step':>9} {'CPU ms/step':>12} {'ms/partition':>13} {'M ids/s':>8}")
+    print(
+        f"   {'devices':>7} {'ids/step':>9} {'CPU ms/step':>12} {'ms/partition':>13} {'M ids/s':>8}"
+    )
     per_partition = {}
     for devices in (1, 2, 4, 8):
         data = jaxcache.SyntheticCriteo(scale=SCALE, batch_size=PER_DEVICE * devices, seed=0)
@@ -153,9 +155,7 @@ def process_scaling(args: argparse.Namespace) -> float:
     print(f"3. processes: {devices} devices, staging CPU of one process, no device")
     data = jaxcache.SyntheticCriteo(scale=SCALE, batch_size=PER_DEVICE * devices, seed=0)
     cfg = _config(data, CAPACITY * devices)
-    stagers = {
-        processes: _host_stager(cfg, Layout(devices, processes, 0)) for processes in (1, 2)
-    }
+    stagers = {processes: _host_stager(cfg, Layout(devices, processes, 0)) for processes in (1, 2)}
     cpu: dict[int, list[float]] = {p: [] for p in stagers}
     for index in range(args.warmup + args.steps):
         ids = data.batch(index)["sparse"]
@@ -171,8 +171,7 @@ def process_scaling(args: argparse.Namespace) -> float:
         planned = stager.stats.last.lookups
         mib = stager.partitions.nbytes / 2**20
         print(
-            f"   {layout:>14} {1e3 * np.median(cpu[processes]):>12.2f} {planned:>12,} "
-            f"{mib:>12.1f}"
+            f"   {layout:>14} {1e3 * np.median(cpu[processes]):>12.2f} {planned:>12,} {mib:>12.1f}"
         )
     return float(np.median(cpu[2]) / np.median(cpu[1]))
 
