@@ -22,7 +22,9 @@ def _mesh(devices):
     return Mesh(np.array(jax.devices()[:devices]), ("rows",))
 
 
-def _train(devices, policy, capacity, lookahead, steps=12, route_capacity=None, opt=None):
+def _train(
+    devices, policy, capacity, lookahead, steps=12, route_capacity=None, opt=None, threads=1
+):
     opt = opt or jaxcache.adam(0.02)
     batches = [{"ids": i, "y": y} for i, y in zipf_batches(N, B, F, steps, seed=11)]
     cfg = jaxcache.CacheConfig(
@@ -30,7 +32,11 @@ def _train(devices, policy, capacity, lookahead, steps=12, route_capacity=None, 
     )
     freq = jaxcache.FrequencyCounter(N).update_all(b["ids"] for b in batches[:3]).counts
     cache = jaxcache.EmbeddingCache(
-        cfg, table=jaxcache.HostTable(cfg, seed=1), frequencies=freq, mesh=_mesh(devices)
+        cfg,
+        table=jaxcache.HostTable(cfg, seed=1),
+        frequencies=freq,
+        mesh=_mesh(devices),
+        threads=threads,
     )
     model, train = make_cached(cache, F)
     with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=lookahead) as pipeline:
@@ -71,6 +77,26 @@ def test_sharded_training_matches_full_table(devices):
         rows = model.embed.rows[...]
         assert rows.sharding.shard_shape(rows.shape)[0] == 400 // devices
         _assert_matches(model, losses, reference, ref_losses)
+
+
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_training_is_bit_identical_for_any_number_of_host_threads(lookahead):
+    # Heavy churn on 4 devices: each device's share planned, routed, gathered
+    # and written back on 1, 2 or 4 host threads.
+    for policy in jaxcache.POLICIES:
+        runs = []
+        for threads in (1, 2, 4):
+            cache, model, losses, _ = _train(4, policy, 400, lookahead, threads=threads)
+            assert cache.threads.count == threads and cache.stats.total.evictions > 60
+            rows, state = model.embed.export()
+            runs.append((losses, rows, state, cache.stats.total, cache.planner.id_of_slot))
+        for losses, rows, state, stats, slots in runs[1:]:
+            assert losses == runs[0][0], policy
+            np.testing.assert_array_equal(rows, runs[0][1])
+            for name in state:
+                np.testing.assert_array_equal(state[name], runs[0][2][name])
+            assert stats == runs[0][3]
+            np.testing.assert_array_equal(slots, runs[0][4])
 
 
 @pytest.mark.parametrize("devices", [2, 8])
