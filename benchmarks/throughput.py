@@ -653,7 +653,7 @@ def side_by_side(bench: Bench) -> tuple[float, float]:
         "staged": bench.staged,
     }
     try:
-        bench.cache(0.02).check_host_callback()
+        bench.cache(0.02).callbacks.check()
         callbacks = True
     except RuntimeError as refused:  # one CPU core
         print(f"\nhost-callback form skipped: {refused}")

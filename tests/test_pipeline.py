@@ -325,14 +325,14 @@ def test_host_callback_refuses_a_batch_over_callback_rows():
     model, optimizer, step = make_callback(cache, F)
     ids = np.array([[1, 2, 3, 1], [4, 5, 6, 2]])  # 6 distinct ids
     with pytest.raises(ValueError, match=r"6 distinct ids.*callback_rows=5.*at least 6"):
-        cache.callback_stage(ids)
+        cache.callbacks.stage(ids)
     with pytest.raises(Exception, match=r"callback_rows=5.*at least 6"):
         step(model, optimizer, ids, np.zeros(2, np.float32)).block_until_ready()
     # Refused before anything changed: no plan, no resident row, no statistics.
     assert cache.planner.next_index == 0 and cache.stats.steps == 0
     assert (cache.planner.id_of_slot == -1).all()
     np.testing.assert_array_equal(  # and a batch that fits trains
-        cache.callback_stage(ids[:, :2])[0], 0
+        cache.callbacks.stage(ids[:, :2])[0], 0
     )
 
 
@@ -373,16 +373,16 @@ def test_host_callback_reads_a_deferred_row_that_a_later_plan_evicts_again():
 
     def stage(ids):  # what the producer does, then the loop's release
         host = cache.stage_host(ids, size=ids.size, defer=True)
-        cache.offer(host)
+        cache.callbacks.offer(host)
         cache.planner.release(host.plan.index)
         return host
 
     def run_step(ids, written_back):  # the step's two callbacks, in order
-        index, *_, fetch, rows, _ = cache.callback_stage(ids)
+        index, *_, fetch, rows, _ = cache.callbacks.stage(ids)
         evicted = cache.write_backs.ids_of(int(index))
         evicted = np.zeros(0, np.int64) if evicted is None else evicted
         marks = np.stack([written_back.get(int(i), np.zeros(2)) for i in evicted] or [[0, 0]])
-        cache.callback_write_back(index, marks.astype(np.float32), {})
+        cache.callbacks.write_back(index, marks.astype(np.float32), {})
         return fetch, rows
 
     stage(a_b)
@@ -410,7 +410,7 @@ def test_host_callback_pipeline_closed_early_applies_staged_batches():
             if i == 4:
                 break  # handed out, never stepped
             step(model, optimizer, b["ids"], b["y"])
-    assert cache.take_offers() == []
+    assert cache.callbacks.take() == []
     rows, _ = model.embed.export()
     slots = np.flatnonzero(cache.planner.id_of_slot >= 0)
     np.testing.assert_array_equal(

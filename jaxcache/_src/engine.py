@@ -19,23 +19,24 @@ until they land; ``Layout`` (``placement.py``) where ids live.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import itertools
-import os
 import threading
+import weakref
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from jaxcache._src import device_ops, kernels, routing
 from jaxcache._src.agreement import agreement
+from jaxcache._src.blocks import Blocks, gather_shards, local_data
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.device_ops import CacheState, Lookup
-from jaxcache._src.host_table import HostTable, take_rows
+from jaxcache._src.host_callback import HostCallbacks
+from jaxcache._src.host_table import HostTable
 from jaxcache._src.partitions import Partitions
 from jaxcache._src.placement import Layout, process_shard
 from jaxcache._src.stager import Deferred, HostStaged, Stager, bucket_size
@@ -188,13 +189,8 @@ class EmbeddingCache:
         # The device blocks whose rows this process stores and moves.
         self._blocks = self.layout.per_process
         self._first = self.layout.own[0]
-        self.row_sharding = NamedSharding(mesh, PartitionSpec(axis))
-        self.replicated = NamedSharding(mesh, PartitionSpec())
-        # On one CPU device a batch's host arrays are already where the device
-        # reads them: the jitted programs take them as they are (JAX's C++
-        # dispatch), where jax.device_put would spend Python time on each
-        # array, on the thread the training loop needs.
-        self._host_is_device = mesh.size == 1 and platform == "cpu"
+        self.blocks = Blocks(mesh, axis, processes)
+        self.row_sharding = self.blocks.row_sharding
         self._write_back = functools.partial(_write_back, self.table, self.threads, self._blocks)
         self.write_backs = WriteBacks(self._write_back, functools.partial(_count_wait, self.stats))
         self.stager = Stager(
@@ -208,10 +204,9 @@ class EmbeddingCache:
             if processes > 1
             else None,
         )
-        # The host-callback form: batches staged ahead, and one planner user at a time.
-        self._offers: collections.deque[HostStaged] = collections.deque()
-        self._offer_lock = threading.Lock()
-        self._plan_lock = threading.Lock()
+        # The host-callback form (a weak proxy: no cycle keeps the cache alive).
+        self.callbacks = HostCallbacks(weakref.proxy(self))
+        self._plan_lock = threading.Lock()  # one planner user at a time
         self._applied = -1  # index of the last plan whose rows reached the device
         if warm is None:
             warm = config.policy == "frequency"
@@ -274,15 +269,7 @@ class EmbeddingCache:
             array = np.full((ids.size, *spec.shape), spec.init, spec.dtype)
             array[slots] = opt[name]
             host_opt[name] = array
-        return self._put(CacheState(host_rows, host_opt), self.row_sharding)
-
-    def _put(self, tree: Any, sharding: NamedSharding) -> Any:
-        """Device arrays of ``sharding`` from this process's part of each
-        (its blocks ``[L X, ...]`` of a row-split ``[n X, ...]``; all of a
-        replicated array)."""
-        if self.shard[1] == 1:  # every block is here: one batched transfer
-            return jax.device_put(tree, sharding)
-        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
+        return self.blocks.put(CacheState(host_rows, host_opt), self.row_sharding)
 
     # ------------------------------------------------------------------ step
     def prepare(self, state: CacheState, ids: np.ndarray, *, train: bool = True):
@@ -338,7 +325,7 @@ class EmbeddingCache:
           ids: integer ids ``[B, ...]``.
           train: the step will update these rows.
           size: pad the route to exactly this many rows (the host-callback
-            form needs one fixed shape, ``callback_size``); a batch with more
+            form needs one fixed shape, ``HostCallbacks.size``); a batch with more
             distinct ids is refused. Default: buckets.
           released: plan as if only plans up to this index were finished
             (see ``Planner.plan``).
@@ -366,25 +353,22 @@ class EmbeddingCache:
         if host.deferred is not None:
             self._fetch_deferred(host)
         with self.stats.timers.time("transfer"):
-            moves = None if host.moves is None else self._transfer(host.moves, self.row_sharding)
+            moves = (
+                None if host.moves is None else self.blocks.transfer(host.moves, self.row_sharding)
+            )
             lookup = self._device_lookup(host.route)
         return Staged(host.plan, moves, lookup)
 
-    def _transfer(self, tree: Any, sharding: NamedSharding) -> Any:
-        """A staged batch's arrays for the device: ``_put``, or on one CPU
-        device the fresh NumPy arrays themselves."""
-        return tree if self._host_is_device else self._put(tree, sharding)
-
     def _device_lookup(self, route: routing.HostRoute) -> Lookup:
         """The device ``Lookup`` of this process's blocks of a route."""
-        requests, inverse, owner_slots, owner_inverse = self._transfer(
+        requests, inverse, owner_slots, owner_inverse = self.blocks.transfer(
             (route.requests, route.inverse, route.owner_slots, route.owner_inverse),
             self.row_sharding,
         )
-        overflow = self._transfer(route.overflow, self.replicated)
+        overflow = self.blocks.transfer(route.overflow, self.blocks.replicated)
         positions = None
         if route.positions is not None:
-            positions = self._transfer(route.positions, self.row_sharding)
+            positions = self.blocks.transfer(route.positions, self.row_sharding)
         return Lookup(
             requests,
             overflow,
@@ -451,6 +435,11 @@ class EmbeddingCache:
                 else:
                     _copy_read_out(host, at[mine], *source, read_out[mine])
 
+    def applied(self, index: int) -> None:
+        """Plan ``index``'s rows reached the device (the host-callback form
+        swaps them in inside its step)."""
+        self._applied = max(self._applied, index)
+
     def apply(self, state: CacheState, staged: Staged) -> CacheState:
         """Device half of a step: the donated swap that brings ``staged`` rows in.
 
@@ -481,133 +470,6 @@ class EmbeddingCache:
                 f"plans {unapplied} evicted rows but were never applied to the device state; "
                 "apply every staged batch, in order, before flushing."
             )
-
-    # ------------------------------------------------------- host callbacks
-    def check_host_callback(self) -> None:
-        """Refuses the host-callback form where the step can hang in it.
-
-        On JAX's CPU backend with one core, XLA runs the step's callbacks on
-        its only compute thread, and a callback reading a large argument that
-        is not 64-byte aligned waits there for JAX's copy of it, which can
-        then never complete: the step waits for the callback, the callback for
-        the copy (runs at one core hung; none at two).
-
-        Raises:
-          RuntimeError: a CPU backend and fewer than two cores for this
-            process.
-        """
-        if self.mesh.devices.flat[0].platform != "cpu":
-            return
-        if hasattr(os, "sched_getaffinity"):
-            cores = len(os.sched_getaffinity(0))
-        else:
-            cores = os.cpu_count() or 1
-        if cores < 2:
-            raise RuntimeError(
-                f"the host-callback form (CachedEmbed.lookup_ids) needs at least 2 CPU cores "
-                f"on JAX's CPU backend, and this process may run on {cores}: with one core "
-                "XLA runs the step's callbacks on its only compute thread, and a callback can "
-                "wait there forever for JAX's copy of its arguments. "
-                "Pass the step the Lookup that jaxcache.prefetch (without callback=True) or "
-                "CachedEmbed.prepare makes, or let the process use two cores or more."
-            )
-
-    def callback_size(self, num_ids: int) -> int:
-        """Rows per list of the host-callback form for a batch of ``num_ids``
-        ids: ``CacheConfig.callback_rows``, or the number of ids."""
-        rows = self.config.callback_rows
-        return num_ids if rows is None else min(rows, num_ids)
-
-    def callback_per_destination(self, size: int, num_ids: int) -> int:
-        """``K`` of a route padded to ``size`` rows, for a batch of ``num_ids``
-        ids: a device needs no more rows from one owner than the batch's
-        distinct ids or its own ids, so nothing overflows."""
-        return self.stager.callback_per_destination(size, num_ids)
-
-    def offer(self, staged: HostStaged) -> None:
-        """Queues a batch staged ahead for the host-callback form (in plan order)."""
-        with self._offer_lock:
-            self._offers.append(staged)
-
-    def take_offers(self) -> list[HostStaged]:
-        """Removes and returns the offered batches no step has consumed."""
-        with self._offer_lock:
-            offers = list(self._offers)
-            self._offers.clear()
-        return offers
-
-    def callback_stage(self, ids: np.ndarray, *, train: bool = True):
-        """Host side of ``CachedEmbed.lookup_ids``, run by ``io_callback`` in the step.
-
-        Serves the batch a pipeline offered (it must be these ids), or stages
-        it on the spot, through the same ``stage_host`` as every other form.
-        Every list is padded to ``callback_size(ids.size)`` rows so the
-        callback has one fixed output shape.
-
-        Returns:
-          ``(plan index, requests, overflow, inverse, owner_slots,
-          owner_inverse, evict_slots, fetch_slots, fetch_rows, fetch_opt)``
-          as NumPy arrays.
-        """
-        ids = np.asarray(ids)
-        size = self.callback_size(ids.size)
-        with self._offer_lock:
-            host = self._offers.popleft() if self._offers else None
-        if host is not None:
-            self._applied = max(self._applied, host.plan.index)
-            if host.ids.shape != ids.shape or not np.array_equal(host.ids, ids):
-                raise RuntimeError(
-                    "the step looked up ids that differ from the batch the pipeline prepared; "
-                    "pass each step the batch the pipeline yields, in order."
-                )
-            if host.deferred is not None:
-                # Every earlier step's write-back callback ran before this one
-                # (ordered callbacks), so the rows are home. Plans made after
-                # this batch was released may have evicted them again: their
-                # write-backs hold later values and land in later steps.
-                late = host.deferred
-                if (self.write_backs.pending(late.ids, before=host.plan.index)[0] >= 0).any():
-                    raise RuntimeError(
-                        f"batch {host.plan.index} fetches rows an earlier step has not written "
-                        "back; run a step for every batch the pipeline yields, in order."
-                    )
-                with self.stats.timers.time("gather"):
-                    self.table.gather_into(late.ids, *host.moves[2:], late.at)
-        else:
-            self.planner.release_all()
-            host = self.stage_host(ids, train=train, size=size)
-            self._applied = max(self._applied, host.plan.index)
-        return (np.int32(host.plan.index), *host.route[:5], *self._global_moves(host, size))
-
-    def _global_moves(self, host: HostStaged, size: int) -> tuple[Any, ...]:
-        """``host.moves`` as global slot lists padded to ``size``, for ``swap``
-        (the host-callback form: one process, one fixed shape)."""
-        cfg, cl = self.config, self.local_capacity
-        shapes = cfg.optimizer.state_spec(cfg.features)
-        if host.moves is None:
-            empty = np.zeros(0, np.int64)
-            evict, fetch, at = empty, empty, empty
-            rows = np.zeros((0, cfg.features), cfg.row_dtype)
-            opt = {k: np.zeros((0, *spec.shape), spec.dtype) for k, spec in shapes.items()}
-        else:
-            evict_blocks, fetch_blocks, rows, opt = host.moves
-            per = evict_blocks.size // self._blocks
-            offset = (self._first + np.arange(evict_blocks.size) // per) * cl
-            evict = (evict_blocks + offset)[evict_blocks < cl]
-            at = np.flatnonzero(fetch_blocks < cl)
-            fetch = (fetch_blocks + offset)[at]
-        return (
-            _pad(evict.astype(np.int32), size, cfg.capacity),
-            _pad(fetch.astype(np.int32), size, cfg.capacity),
-            _pad(take_rows(rows, at), size, 0),
-            {k: _pad(take_rows(v, at), size, 0) for k, v in opt.items()},
-        )
-
-    def callback_write_back(self, index: np.ndarray, rows: np.ndarray, opt: dict) -> None:
-        """Lands the rows evicted by plan ``index`` (run by ``io_callback`` in the step)."""
-        self.write_backs.land_one(
-            int(index), np.asarray(rows), {k: np.asarray(v) for k, v in opt.items()}
-        )
 
     # ---------------------------------------------------------------- export
     def flush(self, state: CacheState) -> None:
@@ -648,7 +510,7 @@ class EmbeddingCache:
             ids.append(self.layout.global_ids(device, p.id_of_slot[slots]))
             at.append(block * size + np.arange(slots.size))
         rows, opt = device_ops.read_blocks(
-            state, self._put(blocks, self.row_sharding), mesh=self.mesh, axis=self.axis
+            state, self.blocks.put(blocks, self.row_sharding), mesh=self.mesh, axis=self.axis
         )
         self._write_back(np.concatenate(ids), np.concatenate(at), rows, opt)
         for slots, p in zip(dirty, planner.planners, strict=True):
@@ -667,7 +529,7 @@ class EmbeddingCache:
         table = self.table
         if self.shard[1] == 1:
             return np.array(table.rows), {k: np.array(v) for k, v in table.state.items()}
-        return _gather_shards(table, self.shard)
+        return gather_shards(table, self.shard)
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -751,9 +613,10 @@ class EmbeddingCache:
 
     def _check_idle(self) -> None:
         busy = self.write_backs.busy()
-        if busy or self._offers:
+        offered = self.callbacks.pending()
+        if busy or offered:
             raise RuntimeError(
-                f"batches are in flight (plans {busy}, {len(self._offers)} offered); close the "
+                f"batches are in flight (plans {busy}, {offered} offered); close the "
                 "pipeline and call flush(state) before saving or restoring the cache."
             )
 
@@ -769,8 +632,8 @@ def _write_back(
 ) -> None:
     """Writes the rows at ``at`` of this process's ``blocks`` blocks of a
     read-out to ``ids``, one piece per device block on the host threads."""
-    rows = _local_data(rows)
-    opt = {k: _local_data(v) for k, v in opt.items()}
+    rows = local_data(rows)
+    opt = {k: local_data(v) for k, v in opt.items()}
     # Blocks of the read-out (the host-callback form's compact rows split alike).
     block = np.minimum(at // max(1, rows.shape[0] // blocks), blocks - 1)
     pieces = [np.flatnonzero(block == b) for b in range(blocks)]
@@ -784,49 +647,12 @@ def _count_wait(stats: CacheStats) -> None:
     stats.write_back_waits += 1
 
 
-def _gather_shards(
-    table: HostTable, shard: tuple[int, int]
-) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Every process's rows of a split host table, in id order (a collective)."""
-    from jax.experimental import multihost_utils
-
-    index, count = shard
-    arrays = {"rows": table.rows, **{f"state.{k}": v for k, v in table.state.items()}}
-    longest = len(range(0, table.num_embeddings, count))
-    padded = {k: _pad(np.asarray(v), longest, 0) for k, v in arrays.items()}
-    gathered = multihost_utils.process_allgather({"index": np.int32(index), **padded})
-    out = {}
-    for key, array in arrays.items():
-        whole = np.empty((table.num_embeddings, *array.shape[1:]), array.dtype)
-        for process, part in zip(gathered["index"], gathered[key], strict=True):
-            whole[int(process) :: count] = part[: len(range(int(process), len(whole), count))]
-        out[key] = whole
-    rows = out.pop("rows")
-    return rows, {k.removeprefix("state."): v for k, v in out.items()}
-
-
-def _local_data(array: Any) -> np.ndarray:
-    """This process's blocks of a row-split array, in block order, as NumPy."""
-    if isinstance(array, np.ndarray):
-        return array
-    shards = {s.index[0].start or 0: s.data for s in array.addressable_shards}
-    if len(shards) == 1:
-        return np.asarray(next(iter(shards.values())))
-    return np.concatenate([np.asarray(shards[start]) for start in sorted(shards)])
-
-
 def _copy_read_out(
     host: HostStaged, at: np.ndarray, rows: jax.Array, opt: dict[str, jax.Array], read: np.ndarray
 ) -> None:
     """Copies rows ``read`` of this process's blocks of a swap's read-out (and
     their state) into ``host``'s fetch rows at ``at``."""
     _, _, fetch_rows, fetch_opt = host.moves
-    kernels.copy_rows(fetch_rows, at, _local_data(rows), read)
+    kernels.copy_rows(fetch_rows, at, local_data(rows), read)
     for name, values in opt.items():
-        kernels.copy_rows(fetch_opt[name], at, _local_data(values), read)
-
-
-def _pad(values: np.ndarray, size: int, fill: int | float) -> np.ndarray:
-    out = np.full((size, *values.shape[1:]), fill, values.dtype)
-    out[: len(values)] = values
-    return out
+        kernels.copy_rows(fetch_opt[name], at, local_data(values), read)

@@ -279,6 +279,13 @@ def _check_rows(rows: np.ndarray | None, config: CacheConfig) -> np.ndarray | No
     return rows
 
 
+def pad_rows(values: np.ndarray, size: int, fill: int | float) -> np.ndarray:
+    """``values`` followed by rows of ``fill``, ``size`` rows in all (fresh)."""
+    out = np.full((size, *values.shape[1:]), fill, values.dtype)
+    out[: len(values)] = values
+    return out
+
+
 def take_rows(array: np.ndarray, at: np.ndarray) -> np.ndarray:
     """``array[at]`` as a fresh ``np.ndarray``, rows whole.
 

@@ -128,7 +128,7 @@ class CachedEmbed(nnx.Module):
           The ``Lookup`` to pass to the module in the same step.
         """
         cache = self.cache
-        cache.check_host_callback()
+        cache.callbacks.check()
         if cache.shard[1] > 1:
             raise ValueError(
                 f"lookup_ids (the host-callback form) runs in one process, but this cache's "
@@ -137,7 +137,7 @@ class CachedEmbed(nnx.Module):
             )
         cfg = cache.config
         num_ids = int(np.prod(ids.shape))
-        size = cache.callback_size(num_ids)
+        size = cache.callbacks.size(num_ids)
         devices = cache.devices
         opt_specs = {
             name: jax.ShapeDtypeStruct((size, *spec.shape), spec.dtype)
@@ -148,7 +148,7 @@ class CachedEmbed(nnx.Module):
             return jax.ShapeDtypeStruct(shape, np.int32)
 
         # Fixed sizes: V = the list size, K (no overflow), R = n K rows received per device.
-        k = cache.callback_per_destination(size, num_ids)
+        k = cache.callbacks.per_destination(size, num_ids)
         shapes = (
             int32(),
             int32(devices, devices, k),  # requests
@@ -162,10 +162,10 @@ class CachedEmbed(nnx.Module):
             opt_specs,
         )
         index, *route, evict, fetch, rows, opt = io_callback(
-            functools.partial(cache.callback_stage, train=train), shapes, ids, ordered=True
+            functools.partial(cache.callbacks.stage, train=train), shapes, ids, ordered=True
         )
         state, rows, opt = device_ops.swap(self.get_state(), evict, fetch, rows, opt)
-        io_callback(cache.callback_write_back, None, index, rows, opt, ordered=True)
+        io_callback(cache.callbacks.write_back, None, index, rows, opt, ordered=True)
         self.set_state(state)
         return Lookup(*route, table=cache.name, mesh=cache.mesh, axis=cache.axis)
 

@@ -208,7 +208,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         caches = [holder.cache for holder in tables.values()]
         if callback:
             for cache in caches:
-                cache.check_host_callback()
+                cache.callbacks.check()
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError(
                 "two batch keys map to the same cache; concatenate their ids into one array "
@@ -265,7 +265,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         self._handed_out = staged
         if self.callback:
             for key, s in staged.items():
-                self._caches[key].offer(s)
+                self._caches[key].callbacks.offer(s)
             return dict(batch)
         out = dict(batch)
         out.update(self._apply(staged))
@@ -365,7 +365,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         fit with nothing in flight raises ``CapacityError``.
         """
         planner = cache.planner
-        size = cache.callback_size(np.size(ids)) if self.callback else None
+        size = cache.callbacks.size(np.size(ids)) if self.callback else None
         # At most `lookahead` earlier plans are in flight now (staged, or the
         # one the loop trains on): plans up to `finished` are surely released.
         # Planning with that bound, not with whatever the loop has released
@@ -426,7 +426,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
             # did run (their callbacks consume offers), then swap the rest in.
             for key, holder in self._tables.items():
                 jax.block_until_ready(holder.get_state())
-                for staged in self._caches[key].take_offers():
+                for staged in self._caches[key].callbacks.take():
                     self._apply({key: staged})
         _SWITCH.drop(self)
         _OPEN.discard(self)

@@ -1,0 +1,88 @@
+"""The block layout of a cache's device arrays over devices and processes.
+
+Every device array of a cache is split row-wise over the rows axis of the
+mesh: device ``d`` holds block ``d``. A process holds, and builds on the
+host, only the blocks of its own devices (``[L X, ...]`` for a row-split
+``[n X, ...]``), which ``put`` assembles into the global array; ``local``
+takes them back out. On one CPU device the host arrays are already where the
+device reads them and are handed over as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxcache._src.host_table import HostTable, pad_rows
+
+__all__ = ["Blocks", "local_data"]
+
+
+class Blocks:
+    """How one cache's arrays map to the devices of its mesh and processes.
+
+    Args:
+      mesh: the device mesh.
+      axis: the mesh axis of the rows.
+      processes: processes owning the devices of ``axis``.
+
+    Attributes:
+      row_sharding: split row-wise over ``axis``.
+      replicated: the same on every device.
+    """
+
+    def __init__(self, mesh: Mesh, axis: str, processes: int) -> None:
+        self.row_sharding = NamedSharding(mesh, PartitionSpec(axis))
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.processes = processes
+        # On one CPU device a batch's host arrays are already where the device
+        # reads them: the jitted programs take them as they are (JAX's C++
+        # dispatch), where jax.device_put would spend Python time on each
+        # array, on the thread the training loop needs.
+        self.host_is_device = mesh.size == 1 and mesh.devices.flat[0].platform == "cpu"
+
+    def put(self, tree: Any, sharding: NamedSharding) -> Any:
+        """Device arrays of ``sharding`` from this process's part of each
+        (its blocks of a row-split array; all of a replicated one)."""
+        if self.processes == 1:  # every block is here: one batched transfer
+            return jax.device_put(tree, sharding)
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
+
+    def transfer(self, tree: Any, sharding: NamedSharding) -> Any:
+        """A staged batch's fresh host arrays for the device: ``put``, or on
+        one CPU device the arrays themselves."""
+        return tree if self.host_is_device else self.put(tree, sharding)
+
+
+def local_data(array: Any) -> np.ndarray:
+    """This process's blocks of a row-split array, in block order, as NumPy."""
+    if isinstance(array, np.ndarray):
+        return array
+    shards = {s.index[0].start or 0: s.data for s in array.addressable_shards}
+    if len(shards) == 1:
+        return np.asarray(next(iter(shards.values())))
+    return np.concatenate([np.asarray(shards[start]) for start in sorted(shards)])
+
+
+def gather_shards(
+    table: HostTable, shard: tuple[int, int]
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Every process's rows of a split host table, in id order (a collective)."""
+    from jax.experimental import multihost_utils
+
+    index, count = shard
+    arrays = {"rows": table.rows, **{f"state.{k}": v for k, v in table.state.items()}}
+    longest = len(range(0, table.num_embeddings, count))
+    padded = {k: pad_rows(np.asarray(v), longest, 0) for k, v in arrays.items()}
+    gathered = multihost_utils.process_allgather({"index": np.int32(index), **padded})
+    out = {}
+    for key, array in arrays.items():
+        whole = np.empty((table.num_embeddings, *array.shape[1:]), array.dtype)
+        for process, part in zip(gathered["index"], gathered[key], strict=True):
+            whole[int(process) :: count] = part[: len(range(int(process), len(whole), count))]
+        out[key] = whole
+    rows = out.pop("rows")
+    return rows, {k.removeprefix("state."): v for k, v in out.items()}

@@ -1,0 +1,173 @@
+"""The host-callback form: a step that takes raw ids and asks the host for their slots.
+
+``CachedEmbed.lookup_ids`` runs inside the jitted step: an ordered
+``io_callback`` hands the batch's ids to ``HostCallbacks.stage``, which
+serves the batch a pipeline staged ahead (``offer``) or stages it on the
+spot through the cache's own ``stage_host``, the same path as ``prepare`` and
+``prefetch``, with every list padded to one fixed size; the swap runs in the
+step, and a second callback lands its evicted rows (``write_back``).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from jaxcache._src.host_table import pad_rows, take_rows
+from jaxcache._src.stager import HostStaged
+
+if TYPE_CHECKING:
+    from jaxcache._src.engine import EmbeddingCache
+
+__all__ = ["HostCallbacks"]
+
+
+class HostCallbacks:
+    """The host side of one cache's host-callback form (``EmbeddingCache.callbacks``).
+
+    Args:
+      cache: the cache (held through a weak proxy by the cache itself).
+    """
+
+    def __init__(self, cache: EmbeddingCache) -> None:
+        self._cache = cache
+        self._queue: collections.deque[HostStaged] = collections.deque()
+        self._lock = threading.Lock()
+
+    def pending(self) -> int:
+        """Batches offered that no step has consumed yet."""
+        with self._lock:
+            return len(self._queue)
+
+    def check(self) -> None:
+        """Refuses the host-callback form where the step can hang in it.
+
+        On JAX's CPU backend with one core, XLA runs the step's callbacks on
+        its only compute thread, and a callback reading a large argument that
+        is not 64-byte aligned waits there for JAX's copy of it, which can
+        then never complete: the step waits for the callback, the callback for
+        the copy (runs at one core hung; none at two).
+
+        Raises:
+          RuntimeError: a CPU backend and fewer than two cores for this
+            process.
+        """
+        if self._cache.mesh.devices.flat[0].platform != "cpu":
+            return
+        if hasattr(os, "sched_getaffinity"):
+            cores = len(os.sched_getaffinity(0))
+        else:
+            cores = os.cpu_count() or 1
+        if cores < 2:
+            raise RuntimeError(
+                f"the host-callback form (CachedEmbed.lookup_ids) needs at least 2 CPU cores "
+                f"on JAX's CPU backend, and this process may run on {cores}: with one core "
+                "XLA runs the step's callbacks on its only compute thread, and a callback can "
+                "wait there forever for JAX's copy of its arguments. "
+                "Pass the step the Lookup that jaxcache.prefetch (without callback=True) or "
+                "CachedEmbed.prepare makes, or let the process use two cores or more."
+            )
+
+    def size(self, num_ids: int) -> int:
+        """Rows per list for a batch of ``num_ids``
+        ids: ``CacheConfig.callback_rows``, or the number of ids."""
+        rows = self._cache.config.callback_rows
+        return num_ids if rows is None else min(rows, num_ids)
+
+    def per_destination(self, size: int, num_ids: int) -> int:
+        """``K`` of a route padded to ``size`` rows, for a batch of ``num_ids``
+        ids: a device needs no more rows from one owner than the batch's
+        distinct ids or its own ids, so nothing overflows."""
+        return self._cache.stager.callback_per_destination(size, num_ids)
+
+    def offer(self, staged: HostStaged) -> None:
+        """Queues a batch staged ahead for the host-callback form (in plan order)."""
+        with self._lock:
+            self._queue.append(staged)
+
+    def take(self) -> list[HostStaged]:
+        """Removes and returns the offered batches no step has consumed."""
+        with self._lock:
+            offers = list(self._queue)
+            self._queue.clear()
+        return offers
+
+    def stage(self, ids: np.ndarray, *, train: bool = True):
+        """Host side of ``CachedEmbed.lookup_ids``, run by ``io_callback`` in the step.
+
+        Serves the batch a pipeline offered (it must be these ids), or stages
+        it on the spot, through the same ``stage_host`` as every other form.
+        Every list is padded to ``size(ids.size)`` rows so the
+        callback has one fixed output shape.
+
+        Returns:
+          ``(plan index, requests, overflow, inverse, owner_slots,
+          owner_inverse, evict_slots, fetch_slots, fetch_rows, fetch_opt)``
+          as NumPy arrays.
+        """
+        ids = np.asarray(ids)
+        size = self.size(ids.size)
+        with self._lock:
+            host = self._queue.popleft() if self._queue else None
+        if host is not None:
+            self._cache.applied(host.plan.index)
+            if host.ids.shape != ids.shape or not np.array_equal(host.ids, ids):
+                raise RuntimeError(
+                    "the step looked up ids that differ from the batch the pipeline prepared; "
+                    "pass each step the batch the pipeline yields, in order."
+                )
+            if host.deferred is not None:
+                # Every earlier step's write-back callback ran before this one
+                # (ordered callbacks), so the rows are home. Plans made after
+                # this batch was released may have evicted them again: their
+                # write-backs hold later values and land in later steps.
+                late = host.deferred
+                pending, _ = self._cache.write_backs.pending(late.ids, before=host.plan.index)
+                if (pending >= 0).any():
+                    raise RuntimeError(
+                        f"batch {host.plan.index} fetches rows an earlier step has not written "
+                        "back; run a step for every batch the pipeline yields, in order."
+                    )
+                with self._cache.stats.timers.time("gather"):
+                    self._cache.table.gather_into(late.ids, *host.moves[2:], late.at)
+        else:
+            self._cache.planner.release_all()
+            host = self._cache.stage_host(ids, train=train, size=size)
+            self._cache.applied(host.plan.index)
+        return (np.int32(host.plan.index), *host.route[:5], *self._global_moves(host, size))
+
+    def _global_moves(self, host: HostStaged, size: int) -> tuple[Any, ...]:
+        """``host.moves`` as global slot lists padded to ``size``, for ``swap``
+        (the host-callback form: one process, one fixed shape)."""
+        cache = self._cache
+        cfg, cl = cache.config, cache.local_capacity
+        shapes = cfg.optimizer.state_spec(cfg.features)
+        if host.moves is None:
+            empty = np.zeros(0, np.int64)
+            evict, fetch, at = empty, empty, empty
+            rows = np.zeros((0, cfg.features), cfg.row_dtype)
+            opt = {k: np.zeros((0, *spec.shape), spec.dtype) for k, spec in shapes.items()}
+        else:
+            evict_blocks, fetch_blocks, rows, opt = host.moves
+            blocks = cache.layout.per_process
+            per = evict_blocks.size // blocks
+            offset = (cache.layout.own[0] + np.arange(evict_blocks.size) // per) * cl
+            evict = (evict_blocks + offset)[evict_blocks < cl]
+            at = np.flatnonzero(fetch_blocks < cl)
+            fetch = (fetch_blocks + offset)[at]
+        return (
+            pad_rows(evict.astype(np.int32), size, cfg.capacity),
+            pad_rows(fetch.astype(np.int32), size, cfg.capacity),
+            pad_rows(take_rows(rows, at), size, 0),
+            {k: pad_rows(take_rows(v, at), size, 0) for k, v in opt.items()},
+        )
+
+    def write_back(self, index: np.ndarray, rows: np.ndarray, opt: dict) -> None:
+        """Lands the rows evicted by plan ``index`` (run by ``io_callback`` in the step)."""
+        self._cache.write_backs.land_one(
+            int(index), np.asarray(rows), {k: np.asarray(v) for k, v in opt.items()}
+        )
