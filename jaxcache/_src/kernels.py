@@ -170,6 +170,10 @@ def lookup_entries(
     each entry's rank, at the entry's own index ``j`` of ``local``.
     ``source_mark`` is stamped with ``source_stamp + s``.
 
+    The hit and miss steps are written out here and in ``lookup`` rather
+    than shared: called as compiled helpers they made both loops about four
+    times slower (59 against 14 ns per id, even asked to inline).
+
     Returns:
       ``(h, m)``: distinct hits and misses.
     """
