@@ -478,7 +478,12 @@ class Planner:
         self._in_flight[index] = unique_slots
         if train:
             self.dirty[unique_slots] = True
-        self.policy.record(self, unique_slots, inverse)
+        if self.policy.needs_counts:
+            looked_up = inverse[inverse >= 0]  # padding is -1
+            counts = np.bincount(looked_up, minlength=unique_slots.size)
+        else:
+            counts = None
+        self.policy.record(self, unique_slots, counts)
         return Plan(
             index=index,
             unique_slots=unique_slots,

@@ -25,6 +25,9 @@ class Policy:
     """Base class: priority of resident rows, updated from each batch."""
 
     name = ""
+    #: Whether ``record`` reads the lookups of each distinct slot (``counts``);
+    #: the planner counts them only for policies that do.
+    needs_counts = False
 
     def priorities(self, planner: Planner) -> np.ndarray:
         """``int64 [C]``: the priority of the row each slot holds (the
@@ -34,8 +37,10 @@ class Policy:
     def on_insert(self, planner: Planner, slots: np.ndarray, ids: np.ndarray) -> None:
         """Rows ``ids`` were just placed in ``slots``."""
 
-    def record(self, planner: Planner, unique_slots: np.ndarray, inverse: np.ndarray) -> None:
-        """Learns from a planned batch: its distinct slots and each lookup's index."""
+    def record(self, planner: Planner, unique_slots: np.ndarray, counts: np.ndarray | None) -> None:
+        """Learns from a planned batch: its distinct slots ``int32 [U]`` and,
+        when ``needs_counts``, the lookups of each ``int [U]`` (padding
+        excluded); else ``counts`` is ``None``."""
 
     # -------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -109,10 +114,11 @@ class LFUPolicy(_CountPolicy):
 
     name = "lfu"
 
-    def record(self, planner, unique_slots, inverse):
+    needs_counts = True
+
+    def record(self, planner, unique_slots, counts):
         ids = planner.id_of_slot[unique_slots]
-        looked_up = inverse[inverse >= 0]  # padding is -1
-        self.counts[ids] += np.bincount(looked_up, minlength=unique_slots.size)
+        self.counts[ids] += counts
         self.slot_counts[unique_slots] = self.counts[ids]
 
 
