@@ -19,6 +19,10 @@ binary search per id cost several times as much.
 ``copy_rows`` moves a step's rows between the host table and the staging
 buffers or read-outs: NumPy's fancy indexing of 2-D arrays goes element by
 element.
+
+``adaptive_keys``, ``adaptive_record`` and ``shadow_step`` are the per-id
+passes of the ``"adaptive"`` policy (see ``policies.AdaptivePolicy``): its
+keys, its counts, and the small shadow caches it learns from.
 """
 
 from __future__ import annotations
@@ -30,12 +34,16 @@ import numpy as np
 
 __all__ = [
     "IdIndex",
+    "adaptive_keys",
+    "adaptive_record",
     "as_index_array",
     "copy_rows",
     "fill_negative",
+    "in_sample",
     "lookup",
     "mark_new",
     "real_positions",
+    "shadow_step",
     "victim_candidates",
 ]
 
@@ -275,3 +283,259 @@ def copy_rows(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np.n
             f"row {dst_at[bad]} of {len(dst)} (from row {src_at[bad]} of {len(src)}) is out "
             "of range; nothing was copied."
         )
+
+
+# ------------------------------------------------------------ adaptive policy
+@numba.njit(**_JIT)
+def log2_fixed(count, table):
+    """``log2(count)`` in 1/256ths, rounded down on 8 bits of mantissa
+    (``count >= 1``): ``256 * (e - 1) + table[index]`` where ``count = m * 2^e``,
+    ``m`` in ``[0.5, 1)``, ``index = floor(256 * (2m - 1))``. Exact integer
+    arithmetic on the float's parts, the same in every implementation."""
+    m, e = math.frexp(float(count))
+    return 256 * (e - 1) + table[int((2.0 * m - 1.0) * 256.0)]
+
+
+@numba.njit(**_JIT)
+def _sampled(i, bits):
+    """Whether id ``i`` is in the shadow caches' sample: the top ``bits`` bits
+    of its Fibonacci hash are zero (one id in ``2^bits``)."""
+    if bits == 0:
+        return True
+    return ((i * _GOLDEN) >> (64 - bits)) & ((1 << bits) - 1) == 0
+
+
+@numba.njit(**_JIT)
+def _weight(i, counts, prior):
+    """The count that ranks id ``i``: its lookups, or its prior when larger
+    (``prior`` empty: none). At least 1."""
+    c = counts[i]
+    if prior.size and prior[i] > c:
+        c = prior[i]
+    return max(c, 1)
+
+
+@numba.njit(**_JIT)
+def in_sample(ids, bits):
+    """Which of ``ids`` are in the shadow caches' sample (``bool``, like ``ids``)."""
+    out = np.empty(ids.size, np.bool_)
+    for u in range(ids.size):
+        out[u] = _sampled(ids[u], bits)
+    return out
+
+
+@numba.njit(**_JIT)
+def _key(t, weight, bonus, table):
+    """The adaptive key of a row last used by batch ``t``: ``256 * t + bonus *
+    log2_fixed(weight)``, or ``weight`` alone for ``bonus < 0`` (by count)."""
+    if bonus < 0:
+        return weight
+    return 256 * t + bonus * log2_fixed(weight, table)
+
+
+@numba.njit(**_JIT)
+def adaptive_keys(slots, ids, last_use, counts, prior, keys, bonus, offset, table):
+    """``keys[s] = _key(last_use[s], weight of its id, bonus) + offset``."""
+    for u in range(slots.size):
+        s = slots[u]
+        keys[s] = _key(last_use[s], _weight(ids[u], counts, prior), bonus, table) + offset
+
+
+@numba.njit(**_JIT)
+def adaptive_record(slots, ids, looked_up, counts, prior, keys, t, bonus, offset, table, bits):
+    """Adds batch ``t``'s lookups to ``counts``, sets the keys of its slots
+    and returns its distinct ids that are in the shadow sample, in the order
+    of ``slots``."""
+    sample = np.empty(slots.size, np.int64)
+    k = 0
+    for u in range(slots.size):
+        i = ids[u]
+        counts[i] += looked_up[u]
+        keys[slots[u]] = _key(t, _weight(i, counts, prior), bonus, table) + offset
+        if _sampled(i, bits):
+            sample[k] = i
+            k += 1
+    return sample[:k]
+
+
+@numba.njit(**_JIT)
+def _heap_less(hk, hs, a, b):
+    return hk[a] < hk[b] or (hk[a] == hk[b] and hs[a] < hs[b])
+
+
+@numba.njit(**_JIT)
+def _heap_swap(hk, hs, hv, a, b):
+    hk[a], hk[b] = hk[b], hk[a]
+    hs[a], hs[b] = hs[b], hs[a]
+    hv[a], hv[b] = hv[b], hv[a]
+
+
+@numba.njit(**_JIT)
+def _heap_down(hk, hs, hv, size, i):
+    while True:
+        low = i
+        for child in (2 * i + 1, 2 * i + 2):
+            if child < size and _heap_less(hk, hs, child, low):
+                low = child
+        if low == i:
+            return
+        _heap_swap(hk, hs, hv, i, low)
+        i = low
+
+
+@numba.njit(**_JIT)
+def _heap_push(hk, hs, hv, size, key, slot, version):
+    i = size
+    hk[i], hs[i], hv[i] = key, slot, version
+    while i > 0:
+        parent = (i - 1) // 2
+        if not _heap_less(hk, hs, i, parent):
+            break
+        _heap_swap(hk, hs, hv, i, parent)
+        i = parent
+    return size + 1
+
+
+@numba.njit(**_JIT)
+def _heap_pop(hk, hs, hv, size):
+    size -= 1
+    _heap_swap(hk, hs, hv, 0, size)
+    _heap_down(hk, hs, hv, size, 0)
+    return size
+
+
+@numba.njit(**_JIT)
+def _home(i, bits, table_bits):
+    return ((i * _GOLDEN) >> (64 - bits - table_bits)) & ((1 << table_bits) - 1)
+
+
+@numba.njit(**_JIT)
+def _find(table, row_id, i, bits, table_bits):
+    """Position of id ``i`` in the open-addressing ``table``, or ``-1``."""
+    mask = table.size - 1
+    h = _home(i, bits, table_bits)
+    while table[h] >= 0:
+        if row_id[table[h]] == i:
+            return h
+        h = (h + 1) & mask
+    return -1
+
+
+@numba.njit(**_JIT)
+def _insert(table, i, slot, bits, table_bits):
+    mask = table.size - 1
+    h = _home(i, bits, table_bits)
+    while table[h] >= 0:
+        h = (h + 1) & mask
+    table[h] = slot
+
+
+@numba.njit(**_JIT)
+def _delete(table, row_id, h, bits, table_bits):
+    """Empties position ``h``, shifting later entries of its run back."""
+    mask = table.size - 1
+    j = h
+    while True:
+        j = (j + 1) & mask
+        if table[j] < 0:
+            break
+        home = _home(row_id[table[j]], bits, table_bits)
+        # Entry j may fill the hole at h unless its home lies in (h, j] (cyclically).
+        if (h <= j and (home <= h or home > j)) or (h > j and home <= h and home > j):
+            table[h] = table[j]
+            h = j
+    table[h] = -1
+
+
+@numba.njit(**_JIT)
+def shadow_step(sample, t, counts, prior, bonuses, rows, heap, table, state, bits, log_table):
+    """Plans the sampled distinct ids of batch ``t`` through every shadow cache.
+
+    Shadow cache ``j`` holds ``S`` rows and ranks them by the adaptive key
+    with ``bonuses[j]`` (``_key``); like the planner it evicts the lowest ``(key, slot)``
+    among the rows this batch does not use, and gives new rows free slots in
+    order first. A sampled id that finds no room is not inserted.
+
+    Args:
+      sample: the batch's sampled distinct ids, sorted.
+      rows: ``int64 [K, 4, S]``: per slot its id (``-1`` free), key, last
+        batch and version (bumped whenever its key changes).
+      heap: ``int64 [K, 3, 3S]``: a binary min-heap of ``(key, slot,
+        version)`` per cache; entries whose version is stale are skipped.
+      table: ``int32 [K, T]``: open-addressing map id -> slot (``-1`` empty).
+      state: ``int64 [K, 3]``: slots filled, heap size, hits of this batch.
+    """
+    size = rows.shape[2]
+    table_bits = 0
+    while (1 << table_bits) < table.shape[1]:
+        table_bits += 1
+    misses = np.empty(sample.size, np.int64)
+    held_key = np.empty(sample.size, np.int64)
+    held_slot = np.empty(sample.size, np.int64)
+    held_version = np.empty(sample.size, np.int64)
+    for j in range(bonuses.size):
+        row_id, key, used, version = rows[j, 0], rows[j, 1], rows[j, 2], rows[j, 3]
+        hk, hs, hv = heap[j, 0], heap[j, 1], heap[j, 2]
+        tab = table[j]
+        filled, heap_size = state[j, 0], state[j, 1]
+        if heap_size > 2 * size:  # mostly stale entries: rebuild from the slots
+            heap_size = 0
+            for s in range(filled):
+                hk[heap_size], hs[heap_size], hv[heap_size] = key[s], s, version[s]
+                heap_size += 1
+            for i in range(heap_size // 2 - 1, -1, -1):
+                _heap_down(hk, hs, hv, heap_size, i)
+        hits = 0
+        m = 0
+        for i in sample:
+            at = _find(tab, row_id, i, bits, table_bits)
+            if at < 0:
+                misses[m] = i
+                m += 1
+                continue
+            hits += 1
+            s = tab[at]
+            used[s] = t
+            key[s] = _key(t, _weight(i, counts, prior), bonuses[j], log_table)
+            version[s] += 1
+            heap_size = _heap_push(hk, hs, hv, heap_size, key[s], s, version[s])
+        held = 0
+        for q in range(m):
+            i = misses[q]
+            s = -1
+            if filled < size:
+                s = filled
+                filled += 1
+            else:
+                while heap_size > 0:
+                    top_key, top_slot, top_version = hk[0], hs[0], hv[0]
+                    heap_size = _heap_pop(hk, hs, hv, heap_size)
+                    if top_version != version[top_slot]:
+                        continue  # stale
+                    if used[top_slot] == t:  # this batch's row: keep it
+                        held_key[held], held_slot[held] = top_key, top_slot
+                        held_version[held] = top_version
+                        held += 1
+                        continue
+                    s = top_slot
+                    _delete(
+                        tab,
+                        row_id,
+                        _find(tab, row_id, row_id[s], bits, table_bits),
+                        bits,
+                        table_bits,
+                    )
+                    break
+            if s < 0:
+                continue  # every row is this batch's: no room
+            row_id[s] = i
+            used[s] = t
+            key[s] = _key(t, _weight(i, counts, prior), bonuses[j], log_table)
+            version[s] += 1
+            _insert(tab, i, s, bits, table_bits)
+            heap_size = _heap_push(hk, hs, hv, heap_size, key[s], s, version[s])
+        for q in range(held):
+            heap_size = _heap_push(
+                hk, hs, hv, heap_size, held_key[q], held_slot[q], held_version[q]
+            )
+        state[j, 0], state[j, 1], state[j, 2] = filled, heap_size, hits
