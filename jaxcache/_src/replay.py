@@ -225,11 +225,12 @@ def _run(
     config = CacheConfig(
         num_embeddings=num_embeddings, features=1, capacity=capacity, policy=policy
     )
-    planner = Planner(config, frequencies=counts if policy == "frequency" else frequencies)
+    prior = counts if policy == "frequency" else frequencies
+    planner = Planner(config, frequencies=prior)
     rows_warmed = 0
-    if policy == "frequency":
+    if planner.policy.warms:
         # Warmed as EmbeddingCache does: the hottest rows that occur at all.
-        rows_warmed = planner.warm(hottest(counts, capacity))[0].size
+        rows_warmed = planner.warm(hottest(prior, capacity))[0].size
     steady_from = len(batches) // 4
     lookups = distinct = hits = access_hits = fetched = written_back = evictions = 0
     steady_distinct = steady_hits = 0
