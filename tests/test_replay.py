@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-
-import itertools
 
 import jaxcache
 from jaxcache._src.cli import main

@@ -31,6 +31,7 @@ import math
 
 import numba
 import numpy as np
+from numba.cpython.unsafe.numbers import leading_zeros
 
 __all__ = [
     "IdIndex",
@@ -289,11 +290,12 @@ def copy_rows(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np.n
 @numba.njit(**_JIT)
 def log2_fixed(count, table):
     """``log2(count)`` in 1/256ths, rounded down on 8 bits of mantissa
-    (``count >= 1``): ``256 * (e - 1) + table[index]`` where ``count = m * 2^e``,
-    ``m`` in ``[0.5, 1)``, ``index = floor(256 * (2m - 1))``. Exact integer
-    arithmetic on the float's parts, the same in every implementation."""
-    m, e = math.frexp(float(count))
-    return 256 * (e - 1) + table[int((2.0 * m - 1.0) * 256.0)]
+    (``count >= 1``): ``256 * e + table[f]`` where ``2^e <= count < 2^(e+1)``
+    and ``f`` are the 8 bits after the leading one (``floor(256 * (count /
+    2^e - 1))``). Integer arithmetic, the same in every implementation."""
+    e = 63 - leading_zeros(count)
+    f = ((count << 8) >> e) if e <= 55 else (count >> (e - 8))
+    return 256 * e + table[f - 256]
 
 
 @numba.njit(**_JIT)
@@ -303,16 +305,6 @@ def _sampled(i, bits):
     if bits == 0:
         return True
     return ((i * _GOLDEN) >> (64 - bits)) & ((1 << bits) - 1) == 0
-
-
-@numba.njit(**_JIT)
-def _weight(i, counts, prior):
-    """The count that ranks id ``i``: its lookups, or its prior when larger
-    (``prior`` empty: none). At least 1."""
-    c = counts[i]
-    if prior.size and prior[i] > c:
-        c = prior[i]
-    return max(c, 1)
 
 
 @numba.njit(**_JIT)
@@ -334,73 +326,92 @@ def _key(t, weight, bonus, table):
 
 
 @numba.njit(**_JIT)
-def adaptive_keys(slots, ids, last_use, counts, prior, keys, bonus, offset, table):
-    """``keys[s] = _key(last_use[s], weight of its id, bonus) + offset``."""
+def adaptive_keys(slots, ids, last_use, counts, slot_prior, keys, bonus, offset, table):
+    """``keys[s] = _key(last_use[s], weight, bonus) + offset`` for the rows
+    ``ids`` in ``slots``; a row's weight is its count or, when larger, its
+    prior (``slot_prior[s]``; empty: none), at least 1."""
     for u in range(slots.size):
         s = slots[u]
-        keys[s] = _key(last_use[s], _weight(ids[u], counts, prior), bonus, table) + offset
+        c = max(counts[ids[u]], 1)
+        if slot_prior.size:
+            c = max(c, slot_prior[s])
+        keys[s] = _key(last_use[s], c, bonus, table) + offset
 
 
 @numba.njit(**_JIT)
-def adaptive_record(slots, ids, looked_up, counts, prior, keys, t, bonus, offset, table, bits):
+def adaptive_record(slots, ids, looked_up, counts, slot_prior, keys, t, bonus, offset, table, bits):
     """Adds batch ``t``'s lookups to ``counts``, sets the keys of its slots
-    and returns its distinct ids that are in the shadow sample, in the order
-    of ``slots``."""
+    (as ``adaptive_keys``) and returns its distinct ids that are in the
+    shadow sample, in the order of ``slots``."""
+    weight = np.empty(slots.size, np.int64)
+    for u in range(slots.size):  # the random reads of [N] alone: they overlap
+        c = counts[ids[u]] + looked_up[u]
+        counts[ids[u]] = c
+        weight[u] = c
     sample = np.empty(slots.size, np.int64)
     k = 0
     for u in range(slots.size):
-        i = ids[u]
-        counts[i] += looked_up[u]
-        keys[slots[u]] = _key(t, _weight(i, counts, prior), bonus, table) + offset
-        if _sampled(i, bits):
-            sample[k] = i
+        s = slots[u]
+        c = max(weight[u], slot_prior[s]) if slot_prior.size else weight[u]
+        keys[s] = _key(t, c, bonus, table) + offset
+        if _sampled(ids[u], bits):
+            sample[k] = ids[u]
             k += 1
     return sample[:k]
 
 
 @numba.njit(**_JIT)
-def _heap_less(hk, hs, a, b):
-    return hk[a] < hk[b] or (hk[a] == hk[b] and hs[a] < hs[b])
+def _weight(i, counts, prior):
+    """The weight of id ``i``: its count or, when larger, its prior (``prior``
+    empty: none), at least 1."""
+    c = max(counts[i], 1)
+    if prior.size:
+        c = max(c, prior[i])
+    return c
 
 
 @numba.njit(**_JIT)
-def _heap_swap(hk, hs, hv, a, b):
-    hk[a], hk[b] = hk[b], hk[a]
-    hs[a], hs[b] = hs[b], hs[a]
-    hv[a], hv[b] = hv[b], hv[a]
+def _heap_less(heap, a, b):
+    return heap[a, 0] < heap[b, 0] or (heap[a, 0] == heap[b, 0] and heap[a, 1] < heap[b, 1])
 
 
 @numba.njit(**_JIT)
-def _heap_down(hk, hs, hv, size, i):
+def _heap_swap(heap, a, b):
+    heap[a, 0], heap[b, 0] = heap[b, 0], heap[a, 0]
+    heap[a, 1], heap[b, 1] = heap[b, 1], heap[a, 1]
+
+
+@numba.njit(**_JIT)
+def _heap_down(heap, size, i):
     while True:
         low = i
         for child in (2 * i + 1, 2 * i + 2):
-            if child < size and _heap_less(hk, hs, child, low):
+            if child < size and _heap_less(heap, child, low):
                 low = child
         if low == i:
             return
-        _heap_swap(hk, hs, hv, i, low)
+        _heap_swap(heap, i, low)
         i = low
 
 
 @numba.njit(**_JIT)
-def _heap_push(hk, hs, hv, size, key, slot, version):
+def _heap_push(heap, size, key, slot):
     i = size
-    hk[i], hs[i], hv[i] = key, slot, version
+    heap[i, 0], heap[i, 1] = key, slot
     while i > 0:
         parent = (i - 1) // 2
-        if not _heap_less(hk, hs, i, parent):
+        if not _heap_less(heap, i, parent):
             break
-        _heap_swap(hk, hs, hv, i, parent)
+        _heap_swap(heap, i, parent)
         i = parent
     return size + 1
 
 
 @numba.njit(**_JIT)
-def _heap_pop(hk, hs, hv, size):
+def _heap_pop(heap, size):
     size -= 1
-    _heap_swap(hk, hs, hv, 0, size)
-    _heap_down(hk, hs, hv, size, 0)
+    _heap_swap(heap, 0, size)
+    _heap_down(heap, size, 0)
     return size
 
 
@@ -410,12 +421,13 @@ def _home(i, bits, table_bits):
 
 
 @numba.njit(**_JIT)
-def _find(table, row_id, i, bits, table_bits):
-    """Position of id ``i`` in the open-addressing ``table``, or ``-1``."""
+def _find(table, row, i, bits, table_bits):
+    """Position of id ``i`` in the open-addressing ``table`` (of slots of
+    ``row``, whose column 0 holds the ids), or ``-1``."""
     mask = table.size - 1
     h = _home(i, bits, table_bits)
     while table[h] >= 0:
-        if row_id[table[h]] == i:
+        if row[table[h], 0] == i:
             return h
         h = (h + 1) & mask
     return -1
@@ -431,7 +443,7 @@ def _insert(table, i, slot, bits, table_bits):
 
 
 @numba.njit(**_JIT)
-def _delete(table, row_id, h, bits, table_bits):
+def _delete(table, row, h, bits, table_bits):
     """Empties position ``h``, shifting later entries of its run back."""
     mask = table.size - 1
     j = h
@@ -439,7 +451,7 @@ def _delete(table, row_id, h, bits, table_bits):
         j = (j + 1) & mask
         if table[j] < 0:
             break
-        home = _home(row_id[table[j]], bits, table_bits)
+        home = _home(row[table[j], 0], bits, table_bits)
         # Entry j may fill the hole at h unless its home lies in (h, j] (cyclically).
         if (h <= j and (home <= h or home > j)) or (h > j and home <= h and home > j):
             table[h] = table[j]
@@ -452,90 +464,75 @@ def shadow_step(sample, t, counts, prior, bonuses, rows, heap, table, state, bit
     """Plans the sampled distinct ids of batch ``t`` through every shadow cache.
 
     Shadow cache ``j`` holds ``S`` rows and ranks them by the adaptive key
-    with ``bonuses[j]`` (``_key``); like the planner it evicts the lowest ``(key, slot)``
-    among the rows this batch does not use, and gives new rows free slots in
-    order first. A sampled id that finds no room is not inserted.
+    with ``bonuses[j]`` (``_key``); like the planner it evicts the lowest
+    ``(key, slot)`` among the rows this batch does not use, and gives new
+    rows free slots in order first. A sampled id that finds no room is not
+    inserted.
 
     Args:
       sample: the batch's sampled distinct ids, sorted.
-      rows: ``int64 [K, 4, S]``: per slot its id (``-1`` free), key, last
-        batch and version (bumped whenever its key changes).
-      heap: ``int64 [K, 3, 3S]``: a binary min-heap of ``(key, slot,
-        version)`` per cache; entries whose version is stale are skipped.
+      rows: ``int64 [K, S, 3]``: per slot its id (``-1`` free), key and last
+        batch (side by side: one cache line per row).
+      heap: ``int64 [K, S, 2]``: a binary min-heap of ``(key, slot)`` per
+        cache, one entry per row. Keys only grow, so an entry may hold an
+        older, lower key than its row: it is pushed back with the row's key
+        when it comes to the top, and a hit costs no heap work.
       table: ``int32 [K, T]``: open-addressing map id -> slot (``-1`` empty).
       state: ``int64 [K, 3]``: slots filled, heap size, hits of this batch.
     """
-    size = rows.shape[2]
+    size = rows.shape[1]
     table_bits = 0
     while (1 << table_bits) < table.shape[1]:
         table_bits += 1
+    weight = np.empty(sample.size, np.int64)
+    for q in range(sample.size):
+        weight[q] = _weight(sample[q], counts, prior)
     misses = np.empty(sample.size, np.int64)
-    held_key = np.empty(sample.size, np.int64)
-    held_slot = np.empty(sample.size, np.int64)
-    held_version = np.empty(sample.size, np.int64)
+    held = np.empty(min(sample.size, size), np.int64)
     for j in range(bonuses.size):
-        row_id, key, used, version = rows[j, 0], rows[j, 1], rows[j, 2], rows[j, 3]
-        hk, hs, hv = heap[j, 0], heap[j, 1], heap[j, 2]
-        tab = table[j]
+        row, hp, tab, bonus = rows[j], heap[j], table[j], bonuses[j]
         filled, heap_size = state[j, 0], state[j, 1]
-        if heap_size > 2 * size:  # mostly stale entries: rebuild from the slots
-            heap_size = 0
-            for s in range(filled):
-                hk[heap_size], hs[heap_size], hv[heap_size] = key[s], s, version[s]
-                heap_size += 1
-            for i in range(heap_size // 2 - 1, -1, -1):
-                _heap_down(hk, hs, hv, heap_size, i)
         hits = 0
         m = 0
-        for i in sample:
-            at = _find(tab, row_id, i, bits, table_bits)
+        for q in range(sample.size):
+            at = _find(tab, row, sample[q], bits, table_bits)
             if at < 0:
-                misses[m] = i
+                misses[m] = q
                 m += 1
                 continue
             hits += 1
             s = tab[at]
-            used[s] = t
-            key[s] = _key(t, _weight(i, counts, prior), bonuses[j], log_table)
-            version[s] += 1
-            heap_size = _heap_push(hk, hs, hv, heap_size, key[s], s, version[s])
-        held = 0
-        for q in range(m):
-            i = misses[q]
+            row[s, 1] = _key(t, weight[q], bonus, log_table)
+            row[s, 2] = t
+        h = 0
+        for r in range(m):
+            q = misses[r]
             s = -1
             if filled < size:
                 s = filled
                 filled += 1
             else:
                 while heap_size > 0:
-                    top_key, top_slot, top_version = hk[0], hs[0], hv[0]
-                    heap_size = _heap_pop(hk, hs, hv, heap_size)
-                    if top_version != version[top_slot]:
-                        continue  # stale
-                    if used[top_slot] == t:  # this batch's row: keep it
-                        held_key[held], held_slot[held] = top_key, top_slot
-                        held_version[held] = top_version
-                        held += 1
-                        continue
-                    s = top_slot
-                    _delete(
-                        tab,
-                        row_id,
-                        _find(tab, row_id, row_id[s], bits, table_bits),
-                        bits,
-                        table_bits,
-                    )
-                    break
+                    top_key, top = hp[0, 0], hp[0, 1]
+                    heap_size = _heap_pop(hp, heap_size)
+                    if top_key != row[top, 1]:  # its key grew: back in at its place
+                        heap_size = _heap_push(hp, heap_size, row[top, 1], top)
+                    elif row[top, 2] == t:  # this batch's row: keep it
+                        held[h] = top
+                        h += 1
+                    else:
+                        s = top
+                        _delete(
+                            tab, row, _find(tab, row, row[s, 0], bits, table_bits), bits, table_bits
+                        )
+                        break
             if s < 0:
                 continue  # every row is this batch's: no room
-            row_id[s] = i
-            used[s] = t
-            key[s] = _key(t, _weight(i, counts, prior), bonuses[j], log_table)
-            version[s] += 1
-            _insert(tab, i, s, bits, table_bits)
-            heap_size = _heap_push(hk, hs, hv, heap_size, key[s], s, version[s])
-        for q in range(held):
-            heap_size = _heap_push(
-                hk, hs, hv, heap_size, held_key[q], held_slot[q], held_version[q]
-            )
+            row[s, 0] = sample[q]
+            row[s, 1] = _key(t, weight[q], bonus, log_table)
+            row[s, 2] = t
+            _insert(tab, sample[q], s, bits, table_bits)
+            heap_size = _heap_push(hp, heap_size, row[s, 1], s)
+        for r in range(h):
+            heap_size = _heap_push(hp, heap_size, row[held[r], 1], held[r])
         state[j, 0], state[j, 1], state[j, 2] = filled, heap_size, hits

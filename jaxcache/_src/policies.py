@@ -203,7 +203,7 @@ class AdaptivePolicy(Policy):
     DECAY = 5
     #: A shadow replaces the chosen one when its score is higher by more than
     #: ``1 / 2^MARGIN`` of the chosen one's.
-    MARGIN = 6
+    MARGIN = 8
     # The bonus used before any evidence (an index into BONUSES).
     _START = 5
 
@@ -212,6 +212,9 @@ class AdaptivePolicy(Policy):
         self.prior = np.zeros(0, np.int64) if prior is None else prior
         self.warms = prior is not None
         self.keys = np.zeros(capacity, np.int64)
+        # The prior of each resident row: a batch's keys read [C], not [N].
+        self.slot_prior = np.zeros(capacity if self.warms else 0, np.int64)
+        self._inserted: list[tuple[int, np.ndarray]] = []  # (next plan index, slots)
         self.bits = 0
         while capacity >> (self.bits + 1) >= self.SHADOW_ROWS:
             self.bits += 1
@@ -221,9 +224,9 @@ class AdaptivePolicy(Policy):
         table = 4
         while table < 2 * size:
             table *= 2
-        self.shadow_rows = np.zeros((k, 4, size), np.int64)
-        self.shadow_rows[:, 0] = -1
-        self.shadow_heap = np.zeros((k, 3, 4 * size), np.int64)
+        self.shadow_rows = np.zeros((k, size, 3), np.int64)
+        self.shadow_rows[:, :, 0] = -1
+        self.shadow_heap = np.zeros((k, size, 2), np.int64)
         self.shadow_table = np.full((k, table), -1, np.int32)
         self.shadow_state = np.zeros((k, 3), np.int64)
         self.scores = np.zeros(k, np.int64)
@@ -241,15 +244,31 @@ class AdaptivePolicy(Policy):
         return self.BONUSES[self.scalars[0]]
 
     def priorities(self, planner):
+        self._key_inserted(planner)
         return self.keys
 
     def on_insert(self, planner, slots, ids):
+        if self.warms:
+            self.slot_prior[slots] = self.prior[ids]
+        # Keyed when the keys are next read: the rows a plan inserts are keyed
+        # by its record right after, so they are never keyed twice.
+        self._inserted.append((planner.next_index, slots))
+
+    def _key_inserted(self, planner, skip: int | None = None) -> None:
+        """Keys the rows inserted since the keys were last read (except those
+        of plan ``skip - 1``, which ``record`` keys)."""
+        for index, slots in self._inserted:
+            if index != skip:
+                self._key(planner, slots)
+        self._inserted.clear()
+
+    def _key(self, planner, slots: np.ndarray) -> None:
         kernels.adaptive_keys(
             slots,
-            ids,
+            planner.id_of_slot[slots],
             planner.last_use,
             self.counts,
-            self.prior,
+            self.slot_prior,
             self.keys,
             self.bonus,
             int(self.scalars[1]),
@@ -257,6 +276,7 @@ class AdaptivePolicy(Policy):
         )
 
     def record(self, planner, unique_slots, counts):
+        self._key_inserted(planner, skip=planner.next_index)
         t = planner.next_index - 1
         ids = planner.id_of_slot[unique_slots]
         sample = kernels.adaptive_record(
@@ -264,7 +284,7 @@ class AdaptivePolicy(Policy):
             ids,
             counts,
             self.counts,
-            self.prior,
+            self.slot_prior,
             self.keys,
             t,
             self.bonus,
@@ -299,20 +319,11 @@ class AdaptivePolicy(Policy):
 
     def _choose(self, planner, choice: int) -> None:
         """Uses bonus ``BONUSES[choice]`` from now on, re-keying the resident rows."""
+        self._key_inserted(planner)
         self.scalars[0] = choice
         slots = np.flatnonzero(planner.id_of_slot >= 0)
         old = self.keys[slots]
-        kernels.adaptive_keys(
-            slots,
-            planner.id_of_slot[slots],
-            planner.last_use,
-            self.counts,
-            self.prior,
-            self.keys,
-            self.bonus,
-            int(self.scalars[1]),
-            _LOG2_TABLE,
-        )
+        self._key(planner, slots)
         if slots.size:
             lift = max(0, int((old - self.keys[slots]).max()))
             self.scalars[1] += lift

@@ -57,9 +57,10 @@ def replay(
       policy: ``"adaptive"``, ``"frequency"``, ``"lfu"``, ``"lru"``, or
         ``"belady"``: the offline optimum under the same rule (every row of a
         batch resident while it runs), which evicts the row needed furthest in
-        the future and starts with the rows needed first loaded. It needs the
-        whole trace, so it is a ceiling to compare with, not a policy to train
-        with.
+        the future and starts with the rows needed first loaded (its steady
+        rate: replayed over the steady batches alone, started the same way).
+        It needs the whole trace, so it is a ceiling to compare with, not a
+        policy to train with.
       batch: ids per batch; required for a 1-D trace.
       num_embeddings: ``N``; defaults to ``len(frequencies)`` when they are
         given, else to the largest id plus one.
@@ -242,7 +243,12 @@ def _run(
 ) -> Result:
     """Replays the checked ``batches`` through a fresh planner (or Belady's)."""
     if policy == "belady":
-        return _summary(policy, capacity, num_embeddings, *_belady(batches, capacity))
+        # The steady rate's ceiling: the optimum over the steady batches alone,
+        # started with the rows they need first (any policy's state is some set
+        # of rows); the totals come from the whole trace.
+        per_batch, rows_warmed = _belady(batches, capacity)
+        steady, _ = _belady(batches[len(batches) // 4 :], capacity)
+        return _summary(policy, capacity, num_embeddings, per_batch, rows_warmed, steady)
     config = CacheConfig(
         num_embeddings=num_embeddings, features=1, capacity=capacity, policy=policy
     )
@@ -284,11 +290,19 @@ _COUNTERS = (
 
 
 def _summary(
-    policy: str, capacity: int, num_embeddings: int, per_batch: np.ndarray, rows_warmed: int
+    policy: str,
+    capacity: int,
+    num_embeddings: int,
+    per_batch: np.ndarray,
+    rows_warmed: int,
+    steady: np.ndarray | None = None,
 ) -> Result:
-    """The result dict of a replay from its ``int [S, 7]`` per-batch counters."""
+    """The result dict of a replay from its ``int [S, 7]`` per-batch counters
+    (and those of the batches after the first quarter, when replayed apart)."""
     total = dict(zip(_COUNTERS, (int(v) for v in per_batch.sum(axis=0)), strict=True))
-    steady = per_batch[len(per_batch) // 4 :].sum(axis=0)
+    if steady is None:
+        steady = per_batch[len(per_batch) // 4 :]
+    steady = steady.sum(axis=0)
     distinct, hits = total["distinct"], total["hits"]
     hit_rate = _ratio(hits, distinct)
     return {
