@@ -162,7 +162,7 @@ def traces(wheel: str | None = None) -> list[Trace]:
 
 
 # -------------------------------------------------- reference simulators
-@numba.njit(cache=True)
+@numba.njit
 def _set_associative(unique, sizes, sets, ways):
     """Hits per batch of a ``ways``-way set-associative LRU over ``sets`` sets."""
     row = np.full((sets, ways), -1, np.int64)
