@@ -73,7 +73,7 @@ class Model:
         size = capacity >> self.bits
         self.shadows = [Shadow(b, size) for b in BONUSES]
         self.scores = [0] * len(BONUSES)
-        self.choice = policies.AdaptivePolicy._START
+        self.choice = policies.AdaptivePolicy.START
         if prior is not None:
             ids = [i for i in range(len(prior)) if sampled(i, self.bits) and prior[i] > 0]
             hot = sorted(ids, key=lambda i: (-prior[i], i))[:size]

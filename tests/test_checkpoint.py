@@ -41,7 +41,7 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path):
     """One process trains 16 steps; another is killed right after its checkpoint at
     step 8 and a third resumes from it: same losses, table, row state, dense
     parameters and optax state, bit for bit, with the pipeline on (look-ahead 2)."""
-    policies = ("lfu", "lru")
+    policies = ("adaptive", "lfu", "lru")
     runs = {}
     for policy in policies:
         common = ("--policy", policy, "--lookahead", "2")

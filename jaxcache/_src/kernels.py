@@ -40,10 +40,10 @@ __all__ = [
     "as_index_array",
     "copy_rows",
     "fill_negative",
-    "in_sample",
     "lookup",
     "mark_new",
     "real_positions",
+    "sample_ids",
     "shadow_step",
     "victim_candidates",
 ]
@@ -308,11 +308,17 @@ def _sampled(i, bits):
 
 
 @numba.njit(**_JIT)
-def in_sample(ids, bits):
-    """Which of ``ids`` are in the shadow caches' sample (``bool``, like ``ids``)."""
-    out = np.empty(ids.size, np.bool_)
-    for u in range(ids.size):
-        out[u] = _sampled(ids[u], bits)
+def sample_ids(n, bits):
+    """The ids in ``[0, n)`` that are in the shadow caches' sample, in order."""
+    k = 0
+    for i in range(n):
+        k += _sampled(i, bits)
+    out = np.empty(k, np.int64)
+    k = 0
+    for i in range(n):
+        if _sampled(i, bits):
+            out[k] = i
+            k += 1
     return out
 
 

@@ -101,15 +101,21 @@ class _CountPolicy(Policy):
         return {"name": self.name, "counts": self.counts}
 
     def load_state_dict(self, state):
-        counts = state.get("counts")
-        if counts is None or counts is self.counts:
-            return
-        if np.shape(counts) != self.counts.shape:
-            raise ValueError(
-                f"saved access counts have shape {np.shape(counts)} but the table has "
-                f"{self.counts.shape[0]} rows; restore into a table of the same size."
-            )
-        self.counts[...] = counts
+        _take_counts(self.counts, state)
+
+
+def _take_counts(counts: np.ndarray, state: Mapping[str, Any]) -> None:
+    """Copies the per-id ``counts`` saved in ``state`` (of any counting
+    policy), if any, into ``counts``."""
+    saved = state.get("counts")
+    if saved is None or saved is counts:
+        return
+    if np.shape(saved) != counts.shape:
+        raise ValueError(
+            f"saved access counts have shape {np.shape(saved)} but the table has "
+            f"{counts.shape[0]} rows; restore into a table of the same size."
+        )
+    counts[...] = saved
 
 
 class FrequencyPolicy(_CountPolicy):
@@ -204,8 +210,8 @@ class AdaptivePolicy(Policy):
     #: A shadow replaces the chosen one when its score is higher by more than
     #: ``1 / 2^MARGIN`` of the chosen one's.
     MARGIN = 8
-    # The bonus used before any evidence (an index into BONUSES).
-    _START = 5
+    #: The bonus used before any evidence (an index into ``BONUSES``).
+    START = 5
 
     def __init__(self, counts: np.ndarray, capacity: int, prior: np.ndarray | None = None) -> None:
         self.counts = counts
@@ -231,16 +237,20 @@ class AdaptivePolicy(Policy):
         self.shadow_state = np.zeros((k, 3), np.int64)
         self.scores = np.zeros(k, np.int64)
         # [chosen bonus index, key offset]
-        self.scalars = np.array([self._START, 0], np.int64)
+        self.scalars = np.array([self.START, 0], np.int64)
         if self.warms:  # the shadows start as a warmed cache does
-            ids = np.flatnonzero(kernels.in_sample(np.arange(counts.size), self.bits))
-            hot = ids[hottest(self.prior[ids], size)]
+            if self.bits:
+                ids = kernels.sample_ids(counts.size, self.bits)
+                hot = ids[hottest(self.prior[ids], size)]
+            else:
+                hot = hottest(self.prior, size)
             self._shadow_step(np.sort(hot), -1)
             self.shadow_state[:, 2] = 0
 
     @property
     def bonus(self) -> int:
-        """The bonus in use, in batches per doubling of a row's count."""
+        """The bonus in use, in batches per doubling of a row's weight (``-1``:
+        by weight alone)."""
         return self.BONUSES[self.scalars[0]]
 
     def priorities(self, planner):
@@ -342,14 +352,7 @@ class AdaptivePolicy(Policy):
         }
 
     def load_state_dict(self, state):
-        counts = state.get("counts")
-        if counts is not None and counts is not self.counts:
-            if np.shape(counts) != self.counts.shape:
-                raise ValueError(
-                    f"saved access counts have shape {np.shape(counts)} but the table has "
-                    f"{self.counts.shape[0]} rows; restore into a table of the same size."
-                )
-            self.counts[...] = counts
+        _take_counts(self.counts, state)
         if state.get("name") != self.name:
             return
         own = self.state_dict()
