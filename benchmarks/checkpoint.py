@@ -133,7 +133,7 @@ def run(args: argparse.Namespace, scratch: str) -> dict[str, dict[str, float]]:
     target = build(os.path.join(scratch, "restored"), args.rows, args.features, args.capacity, 1)
     # The cache's own arrays (the LFU counts: 8 bytes per row) are paged in
     # before measuring, as in a cache that has trained: restore fills them.
-    target.cache.planner.policy.counts.fill(0)
+    target.cache.planner.planners[0].policy.counts.fill(0)
     results["restore"] = measure(lambda: checkpointer.restore(caches=[target]))
     restored = target.cache.table
     pairs = [

@@ -3,10 +3,12 @@
 Every process runs this same program under ``jax.distributed.initialize``; the
 cache's rows are split over all global devices, lookups and gradients travel
 between processes by ``all_to_all`` inside ``shard_map`` (gloo collectives on
-CPU, NCCL on GPU). Each process plans the same global batch with the same
-deterministic planner, so they agree on every slot without talking, and each
-stores only its share of the host rows (``jaxcache.process_shard``: the ids
-homed on its devices), fetching and writing back only its devices' rows.
+CPU, NCCL on GPU). Every id has a home device; each process reads the global
+batch once to pick out the ids homed on its devices, plans only those (its
+devices' partitions: their directories and policies live nowhere else),
+stores only their host rows (``jaxcache.process_shard``), and fetches and
+writes back only its devices' rows. The processes exchange a few integers
+per step (the padded sizes of the step's arrays) and nothing else.
 
 Run it on one machine (it starts the processes itself)::
 
@@ -156,6 +158,13 @@ def run(args: argparse.Namespace) -> dict:
         "evictions": cache.stats.total.evictions,
         "host_rows": int(table.rows.shape[0]),
         "num_embeddings": cfg.num_embeddings,
+        # What this process's planners saw: the ids homed on its devices only.
+        "planned_ids": cache.stats.total.lookups,
+        "homed_ids": sum(
+            int((batch["sparse"] % table.shard[1] == table.shard[0]).sum())
+            for batch in data.batches(args.steps, start=start)
+        ),
+        "planner_bytes": cache.planner.nbytes,
     }
 
 

@@ -159,7 +159,7 @@ def dump(path: str, embed, model, optimizer, losses: list[float]) -> None:
         "last_use": planner.last_use,
         "stats": np.array(list(vars(embed.cache.stats.total).values())),
     }
-    counts = getattr(planner.policy, "counts", None)
+    counts = planner.policy_state().get("counts")
     if counts is not None:
         arrays["counts"] = counts
     for prefix, node in (("model", model), ("optimizer", optimizer)):

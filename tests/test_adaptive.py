@@ -115,21 +115,20 @@ def shadow_rows(rows):
     lags=st.lists(st.integers(0, 2), min_size=1, max_size=40),
     rows=st.sampled_from([1024, 3]),
     with_prior=st.booleans(),
-    devices=st.sampled_from([1, 2]),
     reserve=st.sampled_from([1, 4096]),
 )
-def test_policy_matches_the_model(capacity, seed, lags, rows, with_prior, devices, reserve):
-    # Slot for slot, under in-flight batches and victim reserves as small as
-    # one slot; with shadows of a few rows, ids are sampled by hash.
+def test_policy_matches_the_model(capacity, seed, lags, rows, with_prior, reserve):
+    # One partition's planner, slot for slot, under in-flight batches and
+    # victim reserves as small as one slot; with shadows of a few rows, ids
+    # are sampled by hash.
     n = 40
-    capacity = capacity // devices * devices
     rng = np.random.default_rng(seed)
     prior = rng.integers(0, 30, n) if with_prior else None
     cfg = jaxcache.CacheConfig(n, 1, capacity, policy="adaptive")
     with shadow_rows(rows):
-        planner = jaxcache.Planner(cfg, frequencies=prior, reserve=reserve, devices=devices)
+        planner = jaxcache.Planner(cfg, frequencies=prior, reserve=reserve)
         model = Model(capacity, prior, rows)
-    dict_planner = DictPlanner(capacity, model.key, None, devices)
+    dict_planner = DictPlanner(n, capacity, model.key, None)
     if with_prior:  # warmed as a cache is, in the order of the hottest
         ids, slots = planner.warm(jaxcache.hottest(prior, capacity))
         for i, s in zip(ids.tolist(), slots.tolist(), strict=True):

@@ -13,10 +13,10 @@ import jaxcache
 def _snapshot(cache):
     p = cache.planner
     return (
-        p.slot_of_id.copy(),
-        p.id_of_slot.copy(),
-        p.last_use.copy(),
-        p.dirty.copy(),
+        *(q.slot_of_id.copy() for q in p.planners),
+        p.id_of_slot,
+        p.last_use,
+        p.dirty,
         p.next_index,
         cache.stats.steps,
         np.array(cache.table.rows),

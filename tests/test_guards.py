@@ -81,7 +81,9 @@ def test_a_nonfinite_step_is_skipped_and_named(poison):
         bad["y"] = np.full_like(bad["y"], np.nan)
     else:  # a row not on device yet turns non-finite on the host
         row = next(
-            int(i) for i in bad["ids"].ravel() if model.embed.cache.planner.slot_of_id[i] < 0
+            int(i)
+            for i in bad["ids"].ravel()
+            if model.embed.cache.planner.planners[0].slot_of_id[i] < 0
         )
         model.embed.flush()
         model.embed.cache.table.rows[row] = np.inf

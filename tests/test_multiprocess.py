@@ -56,6 +56,12 @@ def test_two_processes_match_one_process(single, tmp_path):
     n = single["num_embeddings"]
     assert single["host_rows"] == n
     assert sorted(p["host_rows"] for p in launched["processes"]) == [n // 2, n - n // 2]
+    # Each process planned only the ids homed on its devices: half of them each,
+    # with directories and policy counts for its half of the table only.
+    for process in launched["processes"]:
+        assert process["planned_ids"] == process["homed_ids"] > 0
+        assert abs(process["planner_bytes"] - single["planner_bytes"] / 2) < 64
+    assert sum(p["planned_ids"] for p in launched["processes"]) == single["planned_ids"]
 
 
 def test_split_tables_checkpoint_and_resume_on_any_process_count(single, tmp_path):

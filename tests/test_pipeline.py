@@ -201,8 +201,8 @@ def test_deferred_rows_come_from_the_read_out_or_the_landed_table(landed):
     state = cache.apply(state, cache.to_device(evicting))
     if landed:  # as the producer does when it stages the next batch: lands those ready
         jax.block_until_ready(state)
-        cache._land(np.zeros(0, np.int64))
-        assert 1 not in cache._unlanded
+        cache.write_backs.land_ready()
+        assert not cache.write_backs.expects(1)
     staged = cache.to_device(refetching)
     # Waiting for plan 1's swap is timed apart from the copy; not once landed.
     assert cache.stats.timers.counts["device_wait"] == (0 if landed else 1)
@@ -379,7 +379,8 @@ def test_host_callback_reads_a_deferred_row_that_a_later_plan_evicts_again():
 
     def run_step(ids, written_back):  # the step's two callbacks, in order
         index, *_, fetch, rows, _ = cache.callback_stage(ids)
-        evicted = cache._unlanded.get(int(index), (np.zeros(0, np.int64), None))[0]
+        evicted = cache.write_backs.ids_of(int(index))
+        evicted = np.zeros(0, np.int64) if evicted is None else evicted
         marks = np.stack([written_back.get(int(i), np.zeros(2)) for i in evicted] or [[0, 0]])
         cache.callback_write_back(index, marks.astype(np.float32), {})
         return fetch, rows
@@ -390,7 +391,7 @@ def test_host_callback_reads_a_deferred_row_that_a_later_plan_evicts_again():
     second = stage(a_b)  # A and B wait for batch 1's write-back
     assert second.deferred is not None and sorted(second.deferred[0]) == [10, 11]
     stage(c_to_f)  # evicts A and B again, before batch 2's step
-    assert any(10 in ids for ids, _ in cache._unlanded.values())
+    assert any(10 in cache.write_backs.ids_of(i) for i in cache.write_backs.busy())
     run_step(c_to_f, {10: np.array([1.0, 1.5]), 11: np.array([2.0, 2.5])})
     fetch, rows = run_step(a_b, {})
     fetched = rows[fetch < cfg.capacity]

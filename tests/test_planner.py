@@ -10,15 +10,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxcache
+from jaxcache._src.partitions import Partitions
+from jaxcache._src.placement import Layout
 
 
 class DictPlanner:
-    """Slots as a Python list, one id at a time: the specification."""
+    """Slots as Python lists, one id at a time: the specification.
 
-    def __init__(self, capacity, policy, frequencies, devices=1, groups=1):
-        local = capacity // devices
-        self.groups, self.size = groups, capacity // groups
-        self.tie = [(s % local) * devices + s // local for s in range(capacity)]
+    Id ``i`` lives only in the slots of its home device ``i % devices``
+    (each device's ``local`` slots, or as many as it has ids); each device
+    chooses its victims among its own unprotected slots."""
+
+    def __init__(self, n, capacity, policy, frequencies, devices=1):
+        self.devices, self.local = devices, capacity // devices
+        self.sizes = [min(self.local, len(range(d, n, devices))) for d in range(devices)]
         self.ids = [None] * capacity
         self.last_use = [-1] * capacity
         self.policy = policy
@@ -46,12 +51,11 @@ class DictPlanner:
         protected = {s for s in range(len(self.ids)) if self.last_use[s] > released}
         protected |= {resident[i] for i in distinct if i in resident}
         fetched = []
-        for group in range(self.groups):  # id i lives in the slots of group i % groups
-            block = range(group * self.size, (group + 1) * self.size)
-            mine = [i for i in misses if i % self.groups == group]
-            guarded = {s for s in protected if s in block}
+        for device in range(self.devices):
+            block = range(device * self.local, device * self.local + self.sizes[device])
+            mine = [i for i in misses if i % self.devices == device]
             candidates = sorted(
-                (s for s in block if s not in guarded), key=lambda s: (self.key(s), self.tie[s])
+                (s for s in block if s not in protected), key=lambda s: (self.key(s), s)
             )
             victims = sorted(candidates[: len(mine)])
             for slot, new in zip(victims, mine, strict=True):
@@ -66,12 +70,15 @@ class DictPlanner:
         return len(distinct) - len(misses), fetched
 
 
-def _too_full(ids, in_flight, capacity, groups):
-    """Whether some group's distinct ids and in-flight rows exceed its slots."""
+def _too_full(ids, in_flight, sizes):
+    """Whether some device's distinct ids and in-flight rows exceed its slots."""
     needed = set(ids) | in_flight
-    return any(
-        len([i for i in needed if i % groups == g]) > capacity // groups for g in range(groups)
-    )
+    devices = len(sizes)
+    return any(len([i for i in needed if i % devices == d]) > sizes[d] for d in range(devices))
+
+
+def _partitions(cfg, devices, **kwargs):
+    return Partitions(cfg, Layout(devices=devices), **kwargs)
 
 
 # The adaptive policy has a model of its own (tests/test_adaptive.py) that
@@ -87,68 +94,80 @@ FIXED_POLICIES = ("frequency", "lfu", "lru")
     lags=st.lists(st.integers(0, 2), min_size=1, max_size=30),
     reserve=st.sampled_from([1, 3, 4096]),
     devices=st.sampled_from([1, 2, 4]),
-    groups=st.sampled_from([1, 2]),
     padded=st.booleans(),
 )
-def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devices, groups, padded):
+def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devices, padded):
     n = 40
-    groups = groups if devices % groups == 0 else 1
     capacity = capacity // devices * devices
     rng = np.random.default_rng(seed)
     frequencies = rng.integers(0, 50, n)
     cfg = jaxcache.CacheConfig(n, 1, capacity, policy=policy, padding_id=-1 if padded else None)
     counts = frequencies if policy != "lru" else None
-    planner = jaxcache.Planner(
-        cfg, frequencies=counts, reserve=reserve, devices=devices, groups=groups
-    )
-    model = DictPlanner(capacity, policy, counts, devices, groups)
+    planner = _partitions(cfg, devices, frequencies=counts, reserve=reserve)
+    model = DictPlanner(n, capacity, policy, counts, devices)
+    local = capacity // devices
     for lag in lags:
         # Release all but the last `lag` plans, as a pipeline with look-ahead does.
         released = planner.next_index - 1 - lag
         planner.release(released)
-        ids = rng.integers(0, n, size=int(rng.integers(1, 12)))
+        ids = rng.integers(0, n, size=devices * int(rng.integers(1, 6)))
         if padded:  # bags padded with -1, which the model never sees
             ids = np.where(rng.random(ids.size) < 0.3, -1, ids)
         real = ids[ids >= 0]
         in_flight = set(planner.id_of_slot[planner.last_use > planner.released].tolist())
-        before = dict(enumerate(planner.id_of_slot.tolist()))
+        before = planner.id_of_slot
         try:
-            plan = planner.plan(ids)
+            step = planner.plan(ids)
         except jaxcache.CapacityError:
             # Refused: nothing may have changed, and it was really too full.
-            assert dict(enumerate(planner.id_of_slot.tolist())) == before
-            assert _too_full(real.tolist(), in_flight, capacity, groups)
-            _check_fits_after(planner, ids)
+            np.testing.assert_array_equal(planner.id_of_slot, before)
+            assert _too_full(real.tolist(), in_flight, model.sizes)
+            _check_fits_after(planner, ids, model.sizes)
             continue
         hits, misses = model.plan(real.tolist(), planner.released)
-        assert plan.hits == hits
-        assert plan.fetch_ids.tolist() == misses
-        assert plan.hits + plan.misses == plan.distinct == len(set(real.tolist()))
-        assert plan.lookups == real.size
-        assert (plan.inverse[ids < 0] == -1).all()
+        assert step.total("hits") == hits
+        fetched = [
+            Layout(devices=devices).global_ids(d, plan.fetch_ids)
+            for d, plan in enumerate(step.plans)
+        ]
+        assert np.concatenate(fetched).tolist() == misses
+        assert step.total("hits") + step.misses == step.distinct == len(set(real.tolist()))
+        assert step.total("lookups") == real.size
         # Same slots as the specification.
         assert planner.id_of_slot.tolist() == [-1 if i is None else i for i in model.ids]
-        # Directory is a bijection between resident ids and occupied slots.
-        occupied = np.flatnonzero(planner.id_of_slot >= 0)
-        assert (planner.slot_of_id[planner.id_of_slot[occupied]] == occupied).all()
-        assert np.count_nonzero(planner.slot_of_id >= 0) == occupied.size
         # Rows of in-flight plans never leave.
         assert in_flight <= set(planner.id_of_slot.tolist())
-        # Every id maps to a slot that holds it.
-        assert (planner.id_of_slot[plan.unique_slots[plan.inverse[ids >= 0]]] == real).all()
-        # Every row sits in its home group's slots; fetches come in slot order.
-        occupied_ids = planner.id_of_slot[occupied]
-        assert (occupied // (capacity // groups) == occupied_ids % groups).all()
-        assert (np.diff(plan.fetch_slots) > 0).all()
-        assert len(set(plan.unique_slots.tolist())) == plan.distinct
+        # Every row sits in its home device's slots.
+        occupied = np.flatnonzero(planner.id_of_slot >= 0)
+        assert (occupied // local == planner.id_of_slot[occupied] % devices).all()
+        for d, (part, plan) in enumerate(zip(planner.planners, step.plans, strict=True)):
+            # Each directory is a bijection between resident ids and occupied slots.
+            mine = np.flatnonzero(part.id_of_slot >= 0)
+            assert (part.slot_of_id[part.id_of_slot[mine]] == mine).all()
+            assert np.count_nonzero(part.slot_of_id >= 0) == mine.size
+            assert (np.diff(plan.fetch_slots) > 0).all()  # fetches in slot order
+            assert len(set(plan.unique_slots.tolist())) == plan.distinct
+            # Every id maps to a slot that holds it.
+            if devices == 1:
+                real_at = np.flatnonzero(ids >= 0)
+                rows = plan.inverse.reshape(-1)[real_at]
+            else:
+                real_at, rows = step.at[d], plan.inverse
+                bounds, first = step.bounds[d], step.first[d]
+                # ... and source s's k-th distinct row is what its k-th rank names.
+                source = np.searchsorted(bounds, np.arange(real_at.size), side="right") - 1
+                assert (first[bounds[source] + step.kpos[real_at]] == rows).all()
+                assert step.sent[d].sum() <= real_at.size
+            held = part.id_of_slot[plan.unique_slots[rows]]
+            assert (Layout(devices=devices).global_ids(d, held) == ids[real_at]).all()
 
 
-def _check_fits_after(planner, ids):
+def _check_fits_after(planner, ids, sizes):
     """A refused plan names the first release after which it fits, exactly."""
     with pytest.raises(jaxcache.CapacityError) as info:
         planner.plan(ids)
     after = info.value.fits_after
-    if _too_full(ids[ids >= 0].tolist(), set(), planner.capacity, planner.groups):
+    if _too_full(ids[ids >= 0].tolist(), set(), sizes):
         assert after is None
         return
     assert planner.released < after < planner.next_index
@@ -188,7 +207,7 @@ def test_frequency_policy_evicts_the_rarest_row():
     cache = jaxcache.EmbeddingCache(cfg, frequencies=freq)
     assert sorted(cache.planner.resident_ids().tolist()) == [0, 2, 3]  # warmed with hottest
     cache.planner.release(cache.planner.next_index - 1)
-    plan = cache.planner.plan(np.array([4]))
+    plan = cache.planner.plan(np.array([4])).plans[0]
     assert plan.fetch_ids.tolist() == [4]
     assert 3 not in cache.planner.resident_ids().tolist()
 
@@ -204,21 +223,20 @@ def test_warm_then_repeat_batch_is_all_hits(policy):
     assert (plan.hits, plan.misses, plan.access_hits) == (3, 0, 3)
 
 
-def test_new_rows_spread_over_devices():
+def test_new_rows_go_to_their_home_devices():
     cfg = jaxcache.CacheConfig(1000, 1, 64, policy="lru")
-    planner = jaxcache.Planner(cfg, devices=4)
-    plan = planner.plan(np.arange(40))
-    per_device = np.bincount(plan.fetch_slots // 16, minlength=4)
-    assert per_device.tolist() == [10, 10, 10, 10]
+    step = _partitions(cfg, 4).plan(np.arange(40))
+    assert [plan.misses for plan in step.plans] == [10, 10, 10, 10]
+    assert step.plans[3].fetch_ids.tolist() == list(range(10))  # ids 3, 7, ..., 39
 
 
-def test_a_directory_saved_with_other_groups_is_placed_by_home():
+def test_a_directory_saved_with_other_devices_is_placed_by_home():
     cfg = jaxcache.CacheConfig(40, 1, 8, policy="lfu")
-    one = jaxcache.Planner(cfg, devices=4)
-    one.plan(np.arange(0, 16, 2))  # even ids only: all in group 0 of two groups
-    two = jaxcache.Planner(cfg, devices=4, groups=2)
+    one = _partitions(cfg, 1)
+    one.plan(np.arange(0, 16, 2))  # even ids only: all homed on device 0 of two
+    two = _partitions(cfg, 2)
     two.load_state_dict(one.state_dict())
     slots = np.flatnonzero(two.id_of_slot >= 0)
-    # Four fit in group 0's slots (0-3); the hottest others would need group 1.
+    # Four fit in device 0's slots (0-3); the hottest others would need device 1.
     assert (two.id_of_slot[slots] % 2 == slots // 4).all()
     assert sorted(two.resident_ids().tolist()) == [0, 2, 4, 6]

@@ -45,7 +45,7 @@ def trained(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ckpt")
     jaxcache.Checkpointer(directory).save(30, model=model, optimizer=optimizer)
     planner = embed.cache.planner
-    saved = planner.policy.counts.copy(), planner.resident_ids()
+    saved = planner.policy_state()["counts"], planner.resident_ids()
     model.eval()
     predict = jaxcache.models.make_predict_step(model)
     held_out = list(DATA.batches(6, held_out=True))
@@ -65,7 +65,7 @@ def test_serving_scores_equal_the_trained_models(trained, capacity):
     assert embed.get_state().opt == {}  # no optimizer state on device
     assert embed.cache.table.state == {}  # nor on the host
     # Preloaded by frequency: the hottest of the training cache's resident rows.
-    counts = embed.cache.planner.policy.counts
+    counts = embed.cache.planner.policy_state()["counts"]
     np.testing.assert_array_equal(counts, saved_counts)
     resident = embed.cache.planner.resident_ids()
     assert resident.size == min(config.capacity, np.count_nonzero(counts))

@@ -10,6 +10,9 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxcache
+from jaxcache._src.partitions import Partitions
+from jaxcache._src.placement import Layout
+from jaxcache._src.threads import HostThreads
 from tests.models import dense_params, make_cached, make_callback, make_reference, zipf_batches
 
 N, D, B, F = 20000, 8, 32, 4
@@ -107,11 +110,16 @@ def test_forced_overflow_is_exact():
     _assert_matches(model, losses, *_reference())
 
 
-def test_new_rows_are_balanced_over_devices():
-    cache, _, _, _ = _train(4, "lru", 400, lookahead=0, steps=3)
-    occupied = cache.planner.id_of_slot >= 0
-    per_device = occupied.reshape(4, -1).sum(axis=1)
-    assert per_device.max() - per_device.min() <= 1
+def test_every_row_lives_on_its_home_device():
+    cache, _, _, batches = _train(4, "lru", 400, lookahead=0, steps=3)
+    assert cache.stats.total.evictions == 0
+    ids = cache.planner.id_of_slot
+    occupied = np.flatnonzero(ids >= 0)
+    assert (occupied // 100 == ids[occupied] % 4).all()  # id i only on device i % 4
+    # So each device holds exactly the distinct ids homed on it.
+    distinct = np.unique(np.concatenate([b["ids"].ravel() for b in batches[:3]]))
+    per_device = np.bincount(occupied // 100, minlength=4)
+    assert per_device.tolist() == np.bincount(distinct % 4, minlength=4).tolist()
 
 
 def test_sharded_swap_donates():
@@ -146,23 +154,32 @@ def test_routed_gather_and_update_against_numpy(k):
     mesh = _mesh(n)
     rng = np.random.default_rng(0)
     table = rng.normal(size=(n * cl, d)).astype(np.float32)
-    slots = rng.choice(n * cl, size=(16, 5))
-    slots[0, 0] = -1  # padding
-    real = slots >= 0
-    unique, inv = np.unique(slots[real], return_inverse=True)
-    inverse = np.full(slots.shape, -1)
-    inverse[real] = inv
-    need = routing.route_demand(unique, inverse, devices=n, local_capacity=cl)
-    _, owner_size = need.needs()
-    overflowing = need.overflow_count(k)
-    route = routing.plan_route(
-        unique,
-        inverse,
-        devices=n,
+    ids = rng.choice(1000, size=(16, 5))
+    ids[0, 0] = -1  # padding
+    real = ids >= 0
+    layout = Layout(devices=n)
+    parts = Partitions(jaxcache.CacheConfig(1000, d, n * cl, padding_id=-1), layout)
+    step = parts.plan(ids)
+    # Each id's global slot: its home device's block, its local slot there.
+    homes = layout.device_of(ids)
+    slots = np.where(real, -1, -1)
+    for device, planner in enumerate(parts.planners):
+        mine = real & (homes == device)
+        slots[mine] = device * cl + planner.slot_of_id[layout.local_ids(ids[mine])]
+    _, owner_size = routing.needs(step)
+    overflow = routing.overflow_slots(step, layout, cl, k)
+    overflowing = overflow.size
+    route = routing.build_route(
+        step,
+        ids.reshape(-1),
+        layout=layout,
         local_capacity=cl,
         per_destination=k,
+        overflow=overflow,
         overflow_size=overflowing,
         owner_size=owner_size,
+        pad=-1,
+        threads=HostThreads(2),
     )
     assert route.overflowed >= overflowing
     spec = P("rows")

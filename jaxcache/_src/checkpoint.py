@@ -623,21 +623,23 @@ def _shard_key(key: str, index: int, count: int) -> str:
 
 
 def _save_table(directory: str, cache: EmbeddingCache, *, fsync: bool) -> None:
-    """Writes one table. Every process writes its own host rows (one file per
-    array and process when they are split); the first process also writes
-    the planner, the policy and ``table.json``, the same in every process."""
+    """Writes one table. Every process writes its own host rows and its own
+    devices' planner state (one file per array and process when they are
+    split); the first process also writes ``table.json``."""
     os.makedirs(directory, exist_ok=True)
     state = cache.state_dict()
     planner = state["planner"]
     index, count = cache.table.shard
-    rows = {"rows": cache.table.rows, **{f"state.{k}": v for k, v in cache.table.state.items()}}
-    arrays = {_shard_key(key, index, count): array for key, array in rows.items()}
-    if index == 0:
-        arrays["planner.id_of_slot"] = planner["id_of_slot"]
-        arrays["planner.last_use"] = planner["last_use"]
     policy = dict(planner["policy"])
-    if index == 0:
-        arrays.update({f"policy.{k}": v for k, v in policy.items() if k != "name"})
+    own = {
+        "rows": cache.table.rows,
+        **{f"state.{k}": v for k, v in cache.table.state.items()},
+        # This process's slot blocks (consecutive), and its ids' policy counts.
+        "planner.id_of_slot": planner["id_of_slot"],
+        "planner.last_use": planner["last_use"],
+        **{f"policy.{k}": v for k, v in policy.items() if k != "name"},
+    }
+    arrays = {_shard_key(key, index, count): array for key, array in own.items()}
     files = {
         key: _write_array(os.path.join(directory, f"{key}.npy"), array, fsync=fsync)
         for key, array in arrays.items()
@@ -697,27 +699,24 @@ def _is_exact(meta: dict[str, Any], cache: EmbeddingCache) -> bool:
 def _restore_table(saved: _SavedTable, holder: Any) -> None:
     cache = holder.cache
     meta = saved.meta
-    policy = {"name": meta["policy"]}
-    own = cache.planner.policy.state_dict()
-    for key, spec in meta["arrays"].items():
-        if key.startswith("policy."):
-            name = key.removeprefix("policy.")
-            target = own.get(name)
-            if (
-                isinstance(target, np.ndarray)
-                and list(target.shape) == spec["shape"]
-                and target.dtype.name == spec["dtype"]
-            ):
-                # The policy takes this array over: read the file straight into
-                # its own array rather than through a memory map.
-                _read_into(saved.path(key), target)
-                policy[name] = target
-            else:
-                policy[name] = saved.array(key)
+    shards = saved.shards
+    policy: dict[str, Any] = {"name": meta["policy"]}
+    for key in meta["arrays"]:
+        if key.startswith("policy.") and ".shard-" not in key:
+            policy[key.removeprefix("policy.")] = saved.array(key)
+    for key in {k.split(".shard-")[0] for k in meta["arrays"] if ".shard-" in k}:
+        if key.startswith("policy."):  # each process's share of the ids
+            parts = [saved.array(_shard_key(key, i, shards)) for i in range(shards)]
+            policy[key.removeprefix("policy.")] = parts
+
+    def slots(key: str) -> np.ndarray:  # every process's slot blocks, in order
+        parts = [saved.array(_shard_key(key, i, shards)) for i in range(shards)]
+        return parts[0] if shards == 1 else np.concatenate(parts)
+
     state: dict[str, Any] = {
         "planner": {
-            "id_of_slot": saved.array("planner.id_of_slot"),
-            "last_use": saved.array("planner.last_use"),
+            "id_of_slot": slots("planner.id_of_slot"),
+            "last_use": slots("planner.last_use"),
             "next_index": meta["next_index"],
             "policy": policy,
         }

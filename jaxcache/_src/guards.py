@@ -35,6 +35,7 @@ from flax import nnx
 
 from jaxcache._src.engine import EmbeddingCache
 from jaxcache._src.nnx_module import CachedEmbed, value_and_grad
+from jaxcache._src.planner import Planner
 
 __all__ = [
     "FiniteCheck",
@@ -210,10 +211,11 @@ def raise_if_nonfinite(check: FiniteCheck, *, step: int) -> None:
 def check_invariants(cache: EmbeddingCache) -> None:
     """Checks the host bookkeeping of ``cache``; raises ``AssertionError`` if broken.
 
-    The directory is a bijection between resident ids and their slots, ids
-    are in range, only resident rows are dirty, recency never runs ahead of
-    the plans, and a counting policy's per-slot counts mirror its per-id
-    counts. ``O(N + C)``.
+    In every device partition of this process: the directory is a bijection
+    between resident ids and their slots, ids are in range (local ids of the
+    partition), only resident rows are dirty, recency never runs ahead of the
+    plans, and a counting policy's per-slot counts mirror its per-id counts.
+    ``O(N + C)``.
 
     Args:
       cache: the cache to check (take it between steps).
@@ -223,22 +225,28 @@ def check_invariants(cache: EmbeddingCache) -> None:
       >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8))
       >>> state, _ = cache.prepare(cache.init_state(), np.array([3, 5, 3]))
       >>> jaxcache.check_invariants(cache)
-      >>> cache.planner.slot_of_id[7] = 0  # corrupt the directory
+      >>> cache.planner.planners[0].slot_of_id[7] = 0  # corrupt the directory
       >>> try:
       ...     jaxcache.check_invariants(cache)
       ... except AssertionError as error:
       ...     print(error)
       table 'embedding': 3 ids map to a slot but 2 slots hold an id
     """
-    planner = cache.planner
-    name = cache.name
-    n, capacity = cache.config.num_embeddings, planner.capacity
+    several = cache.layout.devices > 1
+    for device, planner in zip(cache.layout.own, cache.planner.planners, strict=True):
+        where = f" on device {device}" if several else ""
+        _check_partition(planner, f"table {cache.name!r}{where}")
+
+
+def _check_partition(planner: Planner, name: str) -> None:
+    """``check_invariants`` for one device's planner."""
+    n, capacity = planner.config.num_embeddings, planner.capacity
     ids = planner.id_of_slot
     occupied = np.flatnonzero(ids >= 0)
     resident = ids[occupied]
 
     def fail(message: str) -> None:
-        raise AssertionError(f"table {name!r}: {message}")
+        raise AssertionError(f"{name}: {message}")
 
     if ids.size != capacity or ids.min(initial=0) < -1 or ids.max(initial=-1) >= n:
         fail(f"slots hold ids outside [0, {n})")

@@ -16,6 +16,11 @@ match).
 batch fetches among those a pending write-back holds) by hashing, where a
 binary search per id cost several times as much.
 
+``split_by_home``, ``source_ranks``, ``owner_route`` and ``fill_inverse``
+are the per-id passes of a batch whose rows are split over several devices
+(``jaxcache._src.partitions``): one source slice or one home partition per
+call, so calls for different slices or partitions run on different threads.
+
 ``copy_rows`` moves a step's rows between the host table and the staging
 buffers or read-outs: NumPy's fancy indexing of 2-D arrays goes element by
 element.
@@ -39,12 +44,17 @@ __all__ = [
     "adaptive_record",
     "as_index_array",
     "copy_rows",
+    "distinct_ranks",
+    "fill_inverse",
     "fill_negative",
     "lookup",
     "mark_new",
+    "owner_route",
     "real_positions",
     "sample_ids",
     "shadow_step",
+    "source_ranks",
+    "split_by_home",
     "victim_candidates",
 ]
 
@@ -141,28 +151,164 @@ def fill_negative(values, fill):
 
 
 @numba.njit(**_JIT)
-def real_positions(values, devices, size):
-    """Where the real (non-negative) entries of 1-D ``values`` are, per device.
+def real_positions(values, limit, out):
+    """Where the real entries (``< limit``) of one device's share ``values``
+    are, in order, into ``out`` (the rest of it padded with the share's
+    length). Returns how many there are; when that exceeds ``out``'s length
+    the positions are cut short and the caller must retry with more room."""
+    size = out.size
+    j = 0
+    for p in range(values.size):
+        if values[p] < limit:
+            if j < size:
+                out[j] = p
+            j += 1
+    for q in range(j, size):
+        out[q] = values.size
+    return j
 
-    ``values`` splits evenly over ``devices``; row ``d`` of the result lists
-    the positions, within device ``d``'s share, of its real entries in order,
-    padded to ``size`` with the share's length. Returns ``(positions [devices,
-    size], the most real entries of a device)``; when that exceeds ``size``
-    the positions are cut short and the caller must retry with more room.
+
+@numba.njit(**_JIT)
+def split_by_home(flat, lo, hi, pad, num_embeddings, devices, local, at, starts):
+    """Groups the real ids of ``flat[lo:hi]`` by residue ``id % devices``.
+
+    Writes, grouped by residue and in order within each group, the local id
+    (``id // devices``) of every real id into ``local`` and its position in
+    ``flat`` into ``at``; ``starts[r]`` is where residue ``r``'s group begins
+    (``starts[devices]`` the number of real ids). ``local`` and ``at`` need
+    room for ``hi - lo`` entries.
+
+    Returns:
+      The first position holding an id outside ``[0, num_embeddings)``
+      (then the outputs are incomplete), else ``-1``.
     """
-    share = values.size // devices
-    out = np.full((devices, size), share, np.int32)
-    most = 0
-    for d in range(devices):
-        j = 0
-        base = d * share
-        for p in range(share):
-            if values[base + p] >= 0:
-                if j < size:
-                    out[d, j] = p
-                j += 1
-        most = max(most, j)
-    return out, most
+    counts = np.zeros(devices + 1, np.int64)
+    power = devices & (devices - 1) == 0
+    mask = devices - 1
+    shift = 0
+    while (1 << shift) < devices:
+        shift += 1
+    for p in range(lo, hi):
+        i = flat[p]
+        if i == pad:
+            continue
+        if i < 0 or i >= num_embeddings:
+            return p
+        r = (i & mask) if power else i % devices
+        counts[r + 1] += 1
+    for r in range(devices):
+        counts[r + 1] += counts[r]
+    for r in range(devices + 1):
+        starts[r] = counts[r]
+    for p in range(lo, hi):
+        i = flat[p]
+        if i == pad:
+            continue
+        if power:
+            r = i & mask
+            q = i >> shift
+        else:
+            r = i % devices
+            q = i // devices
+        c = counts[r]
+        local[c] = q
+        at[c] = p
+        counts[r] = c + 1
+    return -1
+
+
+@numba.njit(**_JIT)
+def source_ranks(inverse, bounds, at, seen, rank, first, sent, kpos):
+    """Ranks the distinct ids each source sends one owner.
+
+    The owner's entries come grouped by source (``bounds[s]:bounds[s + 1]``);
+    ``inverse[j]`` is entry ``j``'s index among the owner's distinct rows.
+    For source ``s`` the k-th distinct row in order of appearance gets rank
+    ``k``: ``first[bounds[s] + k]`` is that row, ``sent[s]`` how many there
+    are, and ``kpos[at[j]] = k`` for every entry (``at``: the entries'
+    positions in the batch). ``seen`` and ``rank`` are scratch of one entry
+    per distinct row, ``seen`` filled with ``-1``.
+    """
+    for s in range(bounds.size - 1):
+        k = 0
+        base = bounds[s]
+        for j in range(base, bounds[s + 1]):
+            u = inverse[j]
+            if seen[u] != s:
+                seen[u] = s
+                rank[u] = k
+                first[base + k] = u
+                k += 1
+            kpos[at[j]] = rank[u]
+        sent[s] = k
+
+
+@numba.njit(**_JIT)
+def distinct_ranks(local, at, lo, hi, table, kpos):
+    """Ranks the distinct ids of ``local[lo:hi]`` in order of appearance,
+    writing each entry's rank to ``kpos[at[j]]``; returns how many there are.
+
+    For the ids a source sends an owner of another process, which ranks them
+    the same way (``source_ranks``). ``table`` is scratch: an open-addressing
+    hash table of at least twice ``hi - lo`` entries, a power of two, filled
+    with ``-1``; it is left filled with ``-1`` again.
+    """
+    mask = table.size - 1
+    bits = 0
+    while (1 << bits) < table.size:
+        bits += 1
+    shift = 64 - bits
+    count = 0
+    for j in range(lo, hi):
+        v = local[j]
+        h = ((v * _GOLDEN) >> shift) & mask
+        while True:
+            slot = table[h]
+            if slot < 0:
+                table[h] = j
+                kpos[at[j]] = count
+                count += 1
+                break
+            if local[slot] == v:
+                kpos[at[j]] = kpos[at[slot]]
+                break
+            h = (h + 1) & mask
+    for j in range(lo, hi):  # clear what was set
+        v = local[j]
+        h = ((v * _GOLDEN) >> shift) & mask
+        while table[h] >= 0:
+            table[h] = -1
+            h = (h + 1) & mask
+    return count
+
+
+@numba.njit(**_JIT)
+def owner_route(unique_slots, first, bounds, sent, per_destination, requests, owner_inverse):
+    """One owner's share of a route: ``requests[s, k]``, the local slot of the
+    k-th row it serves source ``s``, and ``owner_inverse[s K + k]``, that
+    row's index among its distinct rows; rows at ``K`` or beyond are left
+    for the overflow path."""
+    for s in range(bounds.size - 1):
+        base = bounds[s]
+        for k in range(min(sent[s], per_destination)):
+            u = first[base + k]
+            requests[s, k] = unique_slots[u]
+            owner_inverse[s * per_destination + k] = u
+
+
+@numba.njit(**_JIT)
+def fill_inverse(flat, lo, hi, pad, devices, processes, kpos, per_destination, padding, out):
+    """Each id's row in its device's received buffer: ``device K + kpos``,
+    ``padding`` for padding; ``device`` is the id's home (see ``Layout``)."""
+    per_process = devices // processes
+    for p in range(lo, hi):
+        i = flat[p]
+        if i == pad:
+            out[p] = padding
+            continue
+        r = i % devices
+        device = (r % processes) * per_process + r // processes
+        out[p] = device * per_destination + kpos[p]
 
 
 # Fibonacci hashing: the top bits of id * 2^64 / golden ratio (as int64).

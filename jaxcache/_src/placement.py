@@ -1,21 +1,24 @@
-"""Which process stores which host rows when a mesh spans several processes.
+"""Where ids live: their home device, and which process stores which host rows.
 
-The cache's slots split into ``n`` blocks, one per device of the rows axis.
-Under ``jax.distributed.initialize`` the devices of that axis belong to
-several processes; each process owns a run of consecutive blocks, and stores
-the host rows of the ids homed there: id ``i`` belongs to process group
-``i % count``. Interleaving (rather than contiguous id ranges) spreads the
-hot ids of every feature evenly over the processes, since datasets number
-each feature's values from its most frequent one.
+The cache's slots split into ``n`` blocks, one per device of the rows axis,
+and each id may only use the slots of its home device (``Layout``). Under
+``jax.distributed.initialize`` the devices of that axis belong to several
+processes; each process owns a run of consecutive blocks, and stores the host
+rows of the ids homed there: id ``i`` belongs to process ``i % count``.
+Interleaving (rather than contiguous id ranges) spreads the hot ids of every
+feature evenly over the devices and processes, since datasets number each
+feature's values from its most frequent one.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-__all__ = ["process_shard"]
+__all__ = ["Layout", "process_shard"]
 
 
 def process_shard(mesh: Mesh, axis: str = "rows") -> tuple[int, int]:
@@ -70,3 +73,84 @@ def process_shard(mesh: Mesh, axis: str = "rows") -> tuple[int, int]:
             "build the cache on a mesh that includes this process's devices."
         )
     return order.index(me), count
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where each id lives: its home device, its local id there, the owner process.
+
+    The cache's slots are split over the ``n`` devices of the rows axis, and
+    every id has one home device whose slots alone may hold its row. Homes
+    interleave: id ``i`` has residue ``r = i % n`` and local id ``i // n``,
+    so each feature's hot rows (datasets number a feature's values from the
+    most frequent one) spread evenly over the devices. With ``P`` processes
+    owning ``L = n / P`` consecutive devices each, residue ``r`` lives on
+    device ``(r % P) L + r // P``: process ``p`` then owns exactly the ids
+    ``i % P == p``, the host rows it stores (``process_shard``), and the
+    homes depend on ``n`` alone, so one process and several plan the same
+    slots.
+
+    Each device's share is a partition: a planner of its own over its local
+    ids ``0 .. N_d - 1`` (``N_d = len(range(r, N, n))``) and ``C_l`` slots.
+
+    Args:
+      devices: ``n``, devices of the rows axis.
+      processes: ``P``, processes owning them (``n % P == 0``).
+      process: this process's index ``p`` among them.
+
+    Examples:
+      >>> import numpy as np
+      >>> layout = Layout(devices=4, processes=2, process=1)
+      >>> layout.device_of(np.arange(8)).tolist()  # ids 1, 3, 5, 7 live on process 1
+      [0, 2, 1, 3, 0, 2, 1, 3]
+      >>> list(layout.own), layout.residue(3), layout.local_ids(np.array([7])).tolist()
+      ([2, 3], 3, [1])
+    """
+
+    devices: int = 1
+    processes: int = 1
+    process: int = 0
+
+    def __post_init__(self) -> None:
+        if self.devices < 1 or self.processes < 1 or self.devices % self.processes:
+            raise ValueError(
+                f"{self.devices} devices do not split over {self.processes} processes; every "
+                "process must own the same number of devices of the rows axis."
+            )
+        if not 0 <= self.process < self.processes:
+            raise ValueError(f"process={self.process} is not in [0, {self.processes}).")
+
+    @property
+    def per_process(self) -> int:
+        """``L``, devices each process owns."""
+        return self.devices // self.processes
+
+    @property
+    def own(self) -> range:
+        """The devices (partitions) of this process, in mesh order."""
+        return range(self.process * self.per_process, (self.process + 1) * self.per_process)
+
+    def residue(self, device: int) -> int:
+        """The residue ``i % n`` of the ids homed on ``device``."""
+        return (device % self.per_process) * self.processes + device // self.per_process
+
+    def device_of(self, ids: np.ndarray) -> np.ndarray:
+        """The home device of each id."""
+        residue = np.asarray(ids) % self.devices
+        return (residue % self.processes) * self.per_process + residue // self.processes
+
+    def local_ids(self, ids: np.ndarray) -> np.ndarray:
+        """Each id's local id in its home partition."""
+        return np.asarray(ids) // self.devices
+
+    def global_ids(self, device: int, local: np.ndarray) -> np.ndarray:
+        """The ids of ``device``'s local ids ``local``."""
+        return np.asarray(local, np.int64) * self.devices + self.residue(device)
+
+    def partition_rows(self, num_embeddings: int, device: int) -> int:
+        """``N_d``: ids homed on ``device`` in a table of ``num_embeddings`` rows."""
+        return len(range(self.residue(device), num_embeddings, self.devices))
+
+    def partition_of(self, values: np.ndarray, device: int) -> np.ndarray:
+        """The entries of a per-id array ``[N, ...]`` that belong to ``device``, in local order."""
+        return values[self.residue(device) :: self.devices]

@@ -32,6 +32,8 @@ class CapacityError(ValueError):
       fits_after: when rows of in-flight batches are in the way, the index
         of the plan whose release makes room for the batch (releasing it
         and every earlier plan); ``None`` when the batch can never fit.
+      distinct: when it can never fit, the batch's distinct ids (on the
+        device that overflows, with rows split over several).
 
     Examples:
       >>> import numpy as np, jaxcache
@@ -50,6 +52,7 @@ class CapacityError(ValueError):
     """
 
     fits_after: int | None = None
+    distinct: int | None = None
 
 
 class Plan(NamedTuple):
@@ -116,8 +119,49 @@ def _sorted_unique(values: np.ndarray) -> np.ndarray:
     return s[keep]
 
 
+def check_state(state: dict[str, Any], num_embeddings: int) -> None:
+    """Raises ``ValueError`` when a planner ``state_dict`` does not fit a
+    table of ``num_embeddings`` rows (ids out of range, twice, bad shapes)."""
+    n = num_embeddings
+    ids = np.asarray(state["id_of_slot"], np.int64)
+    last_use = np.asarray(state["last_use"], np.int64)
+    if ids.ndim != 1 or last_use.shape != ids.shape:
+        raise ValueError(
+            f"id_of_slot {ids.shape} and last_use {last_use.shape} must be two vectors "
+            "of the same length (one entry per slot)."
+        )
+    resident_ids = ids[ids >= 0]
+    if ids.size and (ids.min() < -1 or ids.max() >= n):
+        raise ValueError(f"saved slots hold ids outside [0, {n}); is this the same table?")
+    if np.unique(resident_ids).size != resident_ids.size:
+        raise ValueError("saved slots hold an id twice; the state is corrupt.")
+    counts = dict(state.get("policy", {})).get("counts")
+    if counts is not None and np.shape(counts) != (n,):
+        raise ValueError(
+            f"saved access counts have shape {np.shape(counts)}, the table has {n} rows."
+        )
+
+
+class _Checked(NamedTuple):
+    """A batch looked up and checked against the capacity, not yet planned:
+    the directory is unchanged (``Planner.check``, then ``Planner.commit``)."""
+
+    shape: tuple[int, ...]
+    inverse: np.ndarray  # int32 [ids]: ranks of the hits, -1 for padding; misses unwritten
+    hit_unique: np.ndarray  # int32 [H] distinct hit slots, in order of appearance
+    miss_at: np.ndarray  # int64 [m] positions of the missed lookups
+    miss_lookups: np.ndarray  # their ids
+    miss_ids: np.ndarray  # distinct missed ids, sorted
+    lookups: int
+    stamp: int
+
+
 class Planner:
-    """Directory of resident rows plus the eviction policy.
+    """Directory of resident rows plus the eviction policy, for one device.
+
+    With rows split over several devices each device has a planner of its own
+    over the ids homed there (``jaxcache.Partitions``); this class plans one
+    such partition, or a whole table on one device.
 
     Args:
       config: the table's configuration (capacity, policy, padding id).
@@ -126,13 +170,6 @@ class Planner:
         of ``"lfu"`` counts (optional).
       reserve: victim candidates kept between full scans of the slots (at
         least twice the misses of a step); it changes speed, never the choice.
-      devices: devices the slots are split over (contiguous blocks of
-        ``C / devices``); ties between equal keys alternate devices so new
-        rows spread evenly.
-      groups: host groups the devices are split over (contiguous blocks of
-        ``devices / groups``; one per process, each storing its own host
-        rows). Id ``i`` lives only in the slots of group ``i % groups``: a
-        row is fetched, updated and written back by one process.
 
     Attributes:
       slot_of_id: ``int32 [N]``, ``-1`` when the id is not resident.
@@ -141,8 +178,6 @@ class Planner:
       dirty: ``bool [C]``, the slot's row changed since it was fetched.
       released: plans with an index up to this one are finished; their rows
         may be evicted.
-      groups: host groups (processes) the slots are split over.
-      group_capacity: slots per group, ``C / groups``.
 
     Examples:
       >>> import numpy as np, jaxcache
@@ -163,8 +198,6 @@ class Planner:
         *,
         frequencies: np.ndarray | None = None,
         reserve: int = 4096,
-        devices: int = 1,
-        groups: int = 1,
     ) -> None:
         self.config = config
         capacity, n = config.capacity, config.num_embeddings
@@ -188,25 +221,8 @@ class Planner:
         self._finished = -1  # the plan being made protects what plans after it use
         # Victim candidates (see _snapshot) and the (key, slot) bound they cover.
         self.reserve = int(reserve)
-        if capacity % devices:
-            raise ValueError(
-                f"capacity={capacity} does not split over {devices} devices; use a multiple "
-                f"of {devices}."
-            )
-        if groups < 1 or devices % groups:
-            raise ValueError(
-                f"groups={groups} does not divide devices={devices}; every process must own "
-                "the same number of the mesh axis' devices."
-            )
-        local = capacity // devices
-        slots = np.arange(capacity)
-        self._tie = (slots % local) * devices + slots // local
-        self._tie_is_slot = devices == 1
-        self.groups = int(groups)
-        self.group_capacity = capacity // self.groups
-        # Victim candidates and the (key, slot) bound they cover, per group.
-        self._candidates: list[np.ndarray | None] = [None] * self.groups
-        self._threshold: list[tuple[int, int] | None] = [None] * self.groups
+        self._candidates: np.ndarray | None = None
+        self._threshold: tuple[int, int] | None = None
 
     @property
     def capacity(self) -> int:
@@ -256,6 +272,10 @@ class Planner:
             "policy": self.policy.state_dict(),
         }
 
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Raises ``ValueError`` when ``state`` (a ``state_dict``) does not fit this table."""
+        check_state(state, self.config.num_embeddings)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a ``state_dict``, onto this planner's capacity.
 
@@ -281,27 +301,14 @@ class Planner:
           >>> smaller.resident_ids().tolist(), smaller.next_index  # the hottest row
           ([7], 1)
         """
-        n = self.config.num_embeddings
+        self.check_state_dict(state)
         ids = np.asarray(state["id_of_slot"], np.int64)
         last_use = np.asarray(state["last_use"], np.int64)
         next_index = int(state["next_index"])
-        if ids.ndim != 1 or last_use.shape != ids.shape:
-            raise ValueError(
-                f"id_of_slot {ids.shape} and last_use {last_use.shape} must be two vectors "
-                "of the same length (one entry per slot)."
-            )
         resident = np.flatnonzero(ids >= 0)
         resident_ids = ids[resident]
-        if ids.size and (ids.min() < -1 or ids.max() >= n):
-            raise ValueError(f"saved slots hold ids outside [0, {n}); is this the same table?")
-        if np.unique(resident_ids).size != resident_ids.size:
-            raise ValueError("saved slots hold an id twice; the state is corrupt.")
         policy_state = dict(state.get("policy", {}))
         counts = policy_state.get("counts")
-        if counts is not None and np.shape(counts) != (n,):
-            raise ValueError(
-                f"saved access counts have shape {np.shape(counts)}, the table has {n} rows."
-            )
         self.policy.load_state_dict(policy_state)
         self.slot_of_id[:] = -1
         self.id_of_slot[:] = -1
@@ -311,16 +318,8 @@ class Planner:
         self.released = next_index - 1
         self._in_flight = {}
         self._finished = self.released
-        self._candidates = [None] * self.groups
-        self._threshold = [None] * self.groups
-        same_homes = self.groups == 1 or bool(
-            (resident // self.group_capacity == resident_ids % self.groups).all()
-        )
-        if (
-            ids.size == self.capacity
-            and policy_state.get("name") == self.policy.name
-            and same_homes
-        ):
+        self.forget_candidates()
+        if ids.size == self.capacity and policy_state.get("name") == self.policy.name:
             self.id_of_slot[:] = ids
             self.slot_of_id[resident_ids] = resident
             self.last_use[:] = last_use
@@ -353,23 +352,18 @@ class Planner:
         ids = ids[self.slot_of_id[ids] < 0]
         _, first = np.unique(ids, return_index=True)
         ids = ids[np.sort(first)]
-        free = np.flatnonzero(self.id_of_slot < 0)
-        if self.groups == 1:
-            free = free[: ids.size]
-            ids = ids[: free.size]
-        else:  # each id into a free slot of its home group, in order
-            home, free_group = ids % self.groups, free // self.group_capacity
-            pairs = []
-            for group in range(self.groups):
-                mine, theirs = ids[home == group], free[free_group == group]
-                size = min(mine.size, theirs.size)
-                pairs.append((mine[:size], theirs[:size]))
-            ids = np.concatenate([i for i, _ in pairs])
-            free = np.concatenate([f for _, f in pairs])
+        free = np.flatnonzero(self.id_of_slot < 0)[: ids.size]
+        ids = ids[: free.size]
         self.slot_of_id[ids] = free
         self.id_of_slot[free] = ids
         self.policy.on_insert(self, free, ids)
         return ids, free.astype(np.int32)
+
+    def forget_candidates(self) -> None:
+        """Drops the victim candidates: call it when priorities of resident
+        rows may have decreased (the next victim choice rescans the slots)."""
+        self._candidates = None
+        self._threshold = None
 
     def plan(
         self,
@@ -379,7 +373,7 @@ class Planner:
         released: int | None = None,
         max_distinct: int | None = None,
     ) -> Plan:
-        """Plans one batch.
+        """Plans one batch: ``check``, then ``commit``.
 
         Args:
           ids: integer ids of any shape ``[B, ...]``.
@@ -387,8 +381,8 @@ class Planner:
           released: plan as if only the plans up to this index were
             finished (at most ``self.released``; default: all released). A
             pipeline passes a bound that does not depend on the timing of
-            its threads, so that every process of a multi-process run, each
-            planning the same batches, chooses the same victims.
+            its threads, so that a run plans the same slots however its
+            threads interleave.
           max_distinct: refuse a batch with more distinct ids (the lists of
             the host-callback form have this fixed size).
 
@@ -401,6 +395,15 @@ class Planner:
           CapacityError: the batch's distinct ids do not fit next to the rows
             that in-flight batches protect (nothing changed).
         """
+        checked = self.check(ids, released=released, max_distinct=max_distinct)
+        return self.commit(checked, train=train)
+
+    def check(
+        self, ids: np.ndarray, *, released: int | None = None, max_distinct: int | None = None
+    ) -> _Checked:
+        """Looks ``ids`` up and checks that the batch fits; changes nothing
+        but scratch. Pass the result to ``commit`` before checking another
+        batch. Arguments and errors as for ``plan``."""
         cfg = self.config
         array = validation.check_id_type(ids, "ids")  # the values: in the loop below
         flat = kernels.as_index_array(array)
@@ -434,28 +437,39 @@ class Planner:
                 f"lists to callback_rows={max_distinct}; raise CacheConfig(callback_rows=...) "
                 f"to at least {distinct}, or leave it None to pad to the batch's number of ids."
             )
-        groups = self.groups
-        misses = self._per_group(ids=miss_ids)
-        hits_per_group = self._per_group(slots=hit_unique)
-        distinct_per_group = hits_per_group + misses
-        self._check_fits(distinct_per_group)
+        if distinct > self.capacity:
+            error = CapacityError(
+                f"the batch has {distinct} distinct ids but capacity is {self.capacity} rows; "
+                f"raise capacity to at least {distinct} or use smaller batches."
+            )
+            error.distinct = distinct
+            raise error
         finished = self.released if released is None else min(int(released), self.released)
-        available = self.group_capacity - hits_per_group - self._guard(finished, distinct_per_group)
-        if (misses > available).any():
-            raise self._no_room(hit_unique, misses, available)
+        available = self.capacity - h - self._guard(finished, distinct)
+        if miss_ids.size > available:
+            raise self._no_room(hit_unique, miss_ids.size, available)
+        return _Checked(
+            array.shape,
+            inverse,
+            hit_unique,
+            miss_at,
+            miss_lookups,
+            miss_ids,
+            int(lookups),
+            self._stamp,
+        )
 
-        # From here on the state changes; everything above validated.
+    def commit(self, checked: _Checked, *, train: bool = True) -> Plan:
+        """Plans the batch ``check`` accepted: victims, directory, recency, policy.
+
+        Nothing may have been checked or planned in between.
+        """
+        if checked.stamp != self._stamp:
+            raise RuntimeError("the planner checked another batch since; check this one again.")
+        inverse, hit_unique, miss_ids = checked.inverse, checked.hit_unique, checked.miss_ids
         index = self.next_index
         self.next_index += 1
-        if groups == 1:
-            victims = self._choose_victims(miss_ids.size, 0)
-        else:
-            # Groups are contiguous slot ranges: victims come out by slot, and
-            # the misses, ordered by home group (then id), line up with them.
-            victims = np.concatenate(
-                [self._choose_victims(int(m), g) for g, m in enumerate(misses)]
-            )
-            miss_ids = miss_ids[np.argsort(miss_ids % groups, kind="stable")]
+        victims = self._choose_victims(miss_ids.size)
         old_ids = self.id_of_slot[victims]
         occupied = old_ids >= 0
         evicted_slots = victims[occupied]
@@ -473,93 +487,55 @@ class Planner:
         unique_slots = np.concatenate([hit_unique, victims]).astype(np.int32)
         if miss_ids.size:
             self._rank[victims] = np.arange(hit_unique.size, unique_slots.size, dtype=np.int32)
-            inverse[miss_at] = self._rank[self.slot_of_id[miss_lookups]]
+            inverse[checked.miss_at] = self._rank[self.slot_of_id[checked.miss_lookups]]
         self.last_use[unique_slots] = index
         self._in_flight[index] = unique_slots
         if train:
             self.dirty[unique_slots] = True
+        counts = None
         if self.policy.needs_counts:
-            looked_up = inverse[inverse >= 0]  # padding is -1
-            counts = np.bincount(looked_up, minlength=unique_slots.size)
-        else:
-            counts = None
+            counts = np.bincount(inverse[inverse >= 0], minlength=unique_slots.size)
         self.policy.record(self, unique_slots, counts)
+        lookups = checked.lookups
         return Plan(
             index=index,
             unique_slots=unique_slots,
-            inverse=inverse.reshape(array.shape),
+            inverse=inverse.reshape(checked.shape),
             fetch_ids=miss_ids.astype(np.int64),
             fetch_slots=victims.astype(np.int32),
             evict_ids=evicted_ids[write_back],
             evict_slots=evicted_slots[write_back].astype(np.int32),
-            lookups=int(lookups),
+            lookups=lookups,
             hits=int(hit_unique.size),
-            access_hits=int(lookups - m),
+            access_hits=int(lookups - checked.miss_at.size),
             evictions=int(evicted_ids.size),
         )
 
-    def _per_group(self, *, slots: np.ndarray | None = None, ids: np.ndarray | None = None):
-        """How many of ``slots`` (or of ``ids``, by home) fall in each group: ``int [groups]``."""
-        values = slots if ids is None else ids
-        if self.groups == 1:
-            return np.array([values.size])
-        group = values // self.group_capacity if ids is None else values % self.groups
-        return np.bincount(group, minlength=self.groups)
-
-    def _check_fits(self, distinct: np.ndarray) -> None:
-        """Raises when a group's distinct ids (``distinct[g]``) exceed its slots."""
-        size = self.group_capacity
-        if (distinct <= size).all():
-            return
-        if self.groups == 1:
-            raise CapacityError(
-                f"the batch has {distinct[0]} distinct ids but capacity is {size} rows; "
-                f"raise capacity to at least {distinct[0]} or use smaller batches."
-            )
-        group = int(np.argmax(distinct))
-        raise CapacityError(
-            f"the batch has {distinct[group]} distinct ids of process group {group} (ids i "
-            f"with i % {self.groups} == {group}) but its devices hold {size} rows; raise "
-            f"capacity to at least {self.groups * distinct[group]} or use smaller batches."
-        )
-
-    def _no_room(
-        self, hit_unique: np.ndarray, misses: np.ndarray, available: np.ndarray
-    ) -> CapacityError:
+    def _no_room(self, hit_unique: np.ndarray, misses: int, available: int) -> CapacityError:
         """The error for misses that do not fit next to in-flight rows, with
-        ``fits_after``: the batch fits once, in every short group, at most
-        ``room`` other slots stay protected, that is once the plan holding the
-        room-th most recent of them is released."""
-        size = self.group_capacity
-        short = np.flatnonzero(misses > available)
-        fits_after = []
-        for group in short:
-            block = self.last_use[group * size : (group + 1) * size]
-            hits = hit_unique[hit_unique // size == group] - group * size
-            room = size - hits.size - int(misses[group])
-            others = np.delete(block, hits)
-            fits_after.append(int(-np.partition(-others, room)[room]))
-        group = int(short[0])
-        where = "" if self.groups == 1 else f" of process group {group}"
+        ``fits_after``: the batch fits once at most ``room`` other slots stay
+        protected, that is once the plan holding the room-th most recent of
+        them is released."""
+        room = self.capacity - hit_unique.size - misses
+        others = np.delete(self.last_use, hit_unique)
         error = CapacityError(
-            f"the batch needs {misses[group]} new rows{where} but only {available[group]} of "
-            f"{size} slots are free of in-flight batches; raise capacity, use smaller "
-            "batches or a shorter look-ahead."
+            f"the batch needs {misses} new rows but only {available} of {self.capacity} "
+            "slots are free of in-flight batches; raise capacity, use smaller batches or a "
+            "shorter look-ahead."
         )
-        error.fits_after = max(fits_after)
+        error.fits_after = int(-np.partition(-others, room)[room])
         return error
 
-    def _guard(self, finished: int, distinct: np.ndarray) -> np.ndarray:
-        """How many slots per group the plans after ``finished`` protect,
-        besides the batch's hits; ``self._finished`` rises to ``finished``.
+    def _guard(self, finished: int, distinct: int) -> int:
+        """How many slots the plans after ``finished`` protect, besides the
+        batch's hits; ``self._finished`` rises to ``finished``.
 
         A slot is protected while a plan after ``_finished`` uses it, that is
         while ``last_use > _finished``. When the in-flight plans hold too few
-        slots to crowd out the batch's ``distinct`` ids per group (the usual
-        case), their total bounds the count well enough and nothing is
-        counted (zeros); otherwise their slots are stamped and counted
-        exactly. ``O(slots of the plans in flight)`` at most, never
-        ``O(C)``.
+        slots to crowd out the batch's ``distinct`` ids (the usual case),
+        their total bounds the count well enough and nothing is counted (0);
+        otherwise their slots are stamped and counted exactly.
+        ``O(slots of the plans in flight)`` at most, never ``O(C)``.
         """
         # Never lowered: a plan made after a wait for room (a later bound)
         # leaves the plans it waited for unprotected for good.
@@ -567,52 +543,42 @@ class Planner:
         for index in [i for i in self._in_flight if i <= self._finished]:
             del self._in_flight[index]
         bound = sum(slots.size for slots in self._in_flight.values())
-        if (distinct + bound <= self.group_capacity).all():
-            return np.zeros(self.groups, np.int64)  # room, however they overlap
-        counts = np.zeros(self.groups, np.int64)
+        if distinct + bound <= self.capacity:
+            return 0  # room, however they overlap
+        counts = np.zeros(1, np.int64)
         for slots in self._in_flight.values():
-            kernels.mark_new(slots, self._mark, self._stamp, self.group_capacity, counts)
-        return counts
+            kernels.mark_new(slots, self._mark, self._stamp, self.capacity, counts)
+        return int(counts[0])
 
     def _keys(self, slots: np.ndarray) -> np.ndarray:
         """Eviction keys of ``slots``: -1 for a free slot, else the policy's priority."""
         return np.where(self.id_of_slot[slots] < 0, -1, self.policy.priorities(self)[slots])
 
-    def _snapshot(self, size: int, group: int) -> None:
-        """Keeps the ``size`` slots of ``group`` of lowest ``(key, slot)`` as
-        its victim candidates.
+    def _snapshot(self, size: int) -> None:
+        """Keeps the ``size`` slots of lowest ``(key, slot)`` as victim candidates.
 
-        Keys never decrease while a row stays (policies guarantee it; a slot
-        that gets a new row is a victim, hence a candidate already), so every
-        slot left out keeps a ``(key, slot)`` above the threshold, and a choice
-        made among candidates that stays at or below it is the global choice.
+        Keys never decrease while a row stays (policies guarantee it, or call
+        ``forget_candidates``; a slot that gets a new row is a victim, hence a
+        candidate already), so every slot left out keeps a ``(key, slot)``
+        above the threshold, and a choice made among candidates that stays at
+        or below it is the global choice.
         """
-        first, capacity = group * self.group_capacity, self.group_capacity
-        slots = np.arange(first, first + capacity)
-        if size >= capacity:
-            self._candidates[group] = slots
-            self._threshold[group] = None  # every slot is a candidate
+        if size >= self.capacity:
+            self._candidates = np.arange(self.capacity)
+            self._threshold = None  # every slot is a candidate
             return
-        keys = self._keys(slots)
+        keys = self._keys(np.arange(self.capacity))
         kth = np.partition(keys, size - 1)[size - 1]
-        below = first + np.flatnonzero(keys < kth)
-        ties = self._by_tie(first + np.flatnonzero(keys == kth))[: size - below.size]
-        self._candidates[group] = np.concatenate([below, ties])
-        self._threshold[group] = (int(kth), int(self._tie[ties[-1]]))
+        below = np.flatnonzero(keys < kth)
+        ties = np.flatnonzero(keys == kth)[: size - below.size]
+        self._candidates = np.concatenate([below, ties])
+        self._threshold = (int(kth), int(ties[-1]))
 
-    def _by_tie(self, slots: np.ndarray) -> np.ndarray:
-        """``slots`` in tie-break order: local slot first, then device, so that
-        equal keys (free slots above all) spread new rows over the devices."""
-        if self._tie_is_slot:  # one device: the slots' own order
-            return np.sort(slots)
-        return slots[np.argsort(self._tie[slots], kind="stable")]
-
-    def _choose_victims(self, count: int, group: int) -> np.ndarray:
-        """The ``count`` unprotected slots of ``group`` of lowest ``(key, slot)``, by slot.
+    def _choose_victims(self, count: int) -> np.ndarray:
+        """The ``count`` unprotected slots of lowest ``(key, slot)``, by slot.
 
         Free slots come first (key -1); then the policy's priority of the
-        resident row, lowest first; ties go to the lower local slot, then the
-        lower device (for one device: the lower slot). Victims are
+        resident row, lowest first; ties go to the lower slot. Victims are
         picked among a reserve of low-key candidates, so a step costs
         ``O(reserve)`` rather than ``O(C)``; the reserve is rebuilt with one
         partial sort over all slots only when it no longer provably holds the
@@ -620,12 +586,11 @@ class Planner:
         """
         if count == 0:
             return np.empty(0, np.int64)
-        size = max(self.reserve, 2 * count, math.isqrt(self.group_capacity * count))
-        reserve = self._candidates[group]
-        if reserve is None or reserve.size < count:
-            self._snapshot(size, group)
+        size = max(self.reserve, 2 * count, math.isqrt(self.capacity * count))
+        if self._candidates is None or self._candidates.size < count:
+            self._snapshot(size)
         while True:
-            reserve, threshold = self._candidates[group], self._threshold[group]
+            reserve, threshold = self._candidates, self._threshold
             candidates, keys = kernels.victim_candidates(
                 reserve,
                 self._mark,
@@ -638,14 +603,14 @@ class Planner:
             if candidates.size >= count:
                 kth = np.partition(keys, count - 1)[count - 1]
                 below = candidates[keys < kth]
-                ties = self._by_tie(candidates[keys == kth])[: count - below.size]
-                last = (int(kth), int(self._tie[ties[-1]]))
+                ties = np.sort(candidates[keys == kth])[: count - below.size]
+                last = (int(kth), int(ties[-1]))
                 if threshold is None or last <= threshold:
                     return np.sort(np.concatenate([below, ties]))
             if threshold is None:  # every slot was a candidate: _guard let too much in
                 raise RuntimeError(
-                    f"{count} victims needed in group {group} but only {candidates.size} "
-                    "slots are unprotected; the planner's room check is wrong."
+                    f"{count} victims needed but only {candidates.size} slots are "
+                    "unprotected; the planner's room check is wrong."
                 )
             size = max(size, 2 * reserve.size)
-            self._snapshot(size, group)
+            self._snapshot(size)

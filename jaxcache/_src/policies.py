@@ -137,7 +137,6 @@ class LFUPolicy(_CountPolicy):
     """
 
     name = "lfu"
-
     needs_counts = True
 
     def record(self, planner, unique_slots, counts):
@@ -356,7 +355,11 @@ class AdaptivePolicy(Policy):
         if state.get("name") != self.name:
             return
         own = self.state_dict()
-        if all(np.shape(state.get(k)) == np.shape(own[k]) for k in own if k != "name"):
+        if all(
+            state.get(k) is not None and np.shape(state[k]) == np.shape(own[k])
+            for k in own
+            if k != "name"
+        ):
             for key in (
                 "scores",
                 "scalars",
@@ -367,7 +370,8 @@ class AdaptivePolicy(Policy):
             ):
                 if state[key] is not own[key]:
                     own[key][...] = state[key]
-        else:  # another capacity: the shadows start afresh, the choice carries over
+        elif np.shape(state.get("scalars")) == self.scalars.shape:
+            # Another capacity: the shadows start afresh, the choice carries over.
             self.scalars[...] = state["scalars"]
 
 

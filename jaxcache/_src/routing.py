@@ -1,21 +1,24 @@
-"""Routing a batch's rows between devices: the host plan and the device exchange.
+"""Routing a batch's rows between devices: the host arrays and the device exchange.
 
 The cache's ``C`` slots are split row-wise over the ``n`` devices of a mesh
 axis: slot ``s`` lives on device ``s // C_l`` at local slot ``s % C_l``
-(``C_l = C / n``). The batch is split over the same axis (data parallel):
-device ``d`` looks up the ids of rows ``[d B/n, (d+1) B/n)``.
+(``C_l = C / n``), and an id's row only ever sits on its home device
+(``jaxcache._src.partitions``). The batch is split over the same axis (data
+parallel): device ``d`` looks up the ids of rows ``[d B/n, (d+1) B/n)``.
 
-Forward, inside ``jax.shard_map``: every device sends the local slots it needs
-to their owners with one ``all_to_all`` (a fixed ``K`` per destination), the
-owners gather those rows and a second ``all_to_all`` brings them back. Rows a
+Forward, inside ``jax.shard_map``: every owner gathers, for each source
+device, the ``K`` rows that source needs from it (``requests``, which the
+owner's own planner filled on the host: the distinct ids the source sends
+it, in order of appearance), and one ``all_to_all`` delivers them. Rows a
 device needs beyond ``K`` from one owner take the overflow path: a short list
 shared by all devices, gathered by the owners and summed over the axis. Never
 dropped, never truncated. Backward, the gradients travel the same way in
 reverse, are summed per row on the owner and the sparse optimizer updates the
 owner's rows.
 
-Everything about *which* row goes *where* is computed on the host, in
-vectorized NumPy, from the planner's slots; the device only moves data.
+Everything about *which* row goes *where* is computed on the host, per owner
+and per source in parallel, from the partitions' plans; the device only
+moves data.
 
 Shape letters: ``n`` devices, ``K`` rows per (source, destination) pair,
 ``O`` overflow rows, ``R = n K + O`` rows each device receives, ``V`` distinct
@@ -32,35 +35,39 @@ import numpy as np
 
 from jaxcache._src import kernels
 from jaxcache._src.optimizers import SparseOptimizer
+from jaxcache._src.partitions import StepPlan
+from jaxcache._src.placement import Layout
+from jaxcache._src.threads import HostThreads
 
 __all__ = [
-    "Demand",
     "HostRoute",
-    "plan_route",
-    "route_demand",
+    "build_route",
+    "needs",
+    "overflow_slots",
     "routed_apply",
     "routed_gather",
 ]
 
 
 class HostRoute(NamedTuple):
-    """Host arrays that route one batch (see the module docstring).
+    """Host arrays that route one batch (see the module docstring): this
+    process's blocks (all of them in one process).
 
     Attributes:
-      requests: ``int32 [n, n, K]``: ``[d, e, k]`` is the local slot device
-        ``d`` needs from owner ``e``; padding ``C_l``.
+      requests: ``int32 [L, n, K]``: ``[e, s, k]`` is the local slot owner
+        ``e`` serves source ``s`` at ``k``; padding ``C_l``.
       overflow: ``int32 [O]`` global slots of the overflow path; padding ``C``.
-      inverse: ``int32`` of the ids' shape: each id's row in its device's
-        received buffer ``[R]``; padding ``R``.
-      owner_slots: ``int32 [n, V]`` distinct local slots each owner updates;
+      inverse: ``int32`` of the shape of this process's rows of the ids:
+        each id's row in its device's received buffer ``[R]``; padding ``R``.
+      owner_slots: ``int32 [L, V]`` distinct local slots each owner updates;
         padding ``C_l``.
-      owner_inverse: ``int32 [n, R]``: for owner ``e``, the row of
+      owner_inverse: ``int32 [L, R]``: for owner ``e``, the row of
         ``owner_slots[e]`` each received gradient adds to; ``V`` drops it.
       overflowed: rows that took the overflow path (statistics).
-      positions: ``int32 [n, P]`` or ``None``: for batches of bags with
+      positions: ``int32 [L, P]`` or ``None``: for batches of bags with
         padding, where the real ids are in each device's share of the
         (flattened) batch, padded with the share's length; pooling reads
-        only these (``EmbeddingCache`` fills it in).
+        only these (the stager fills it in).
     """
 
     requests: np.ndarray
@@ -72,222 +79,164 @@ class HostRoute(NamedTuple):
     positions: np.ndarray | None = None
 
 
-def _first_occurrence(keys: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct ``keys`` (values in ``[0, size)``) in order of appearance, and the
-    index of each key among them. ``O(len(keys) + size)``."""
-    positions = np.arange(keys.size, dtype=np.int64)
-    first = np.empty(size, np.int64)
-    first[keys[::-1]] = positions[::-1]
-    distinct = keys[first[keys] == positions]
-    rank = np.empty(size, np.int64)
-    rank[distinct] = np.arange(distinct.size)
-    return distinct, rank[keys]
+def needs(step: StepPlan) -> tuple[int, int]:
+    """The most distinct rows one source needs from one owner (``K`` without
+    overflow), and the most distinct rows one owner serves (``V``), as far as
+    this process sees them (its owners, and its sources)."""
+    k = int(step.sent.max(initial=0))
+    if step.sent_out is not None:
+        k = max(k, int(step.sent_out.max(initial=0)))
+    return k, max(plan.distinct for plan in step.plans)
 
 
-def _pairs(
-    unique_slots: np.ndarray, inverse: np.ndarray, devices: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The distinct (device, row) pairs a batch needs: ``(pairs, pair of each
-    real id, which ids are real)``; ``pair = device * U + row``."""
-    u = unique_slots.size
-    per_device = inverse.reshape(devices, -1)
-    valid = per_device >= 0
-    device_of = np.broadcast_to(np.arange(devices)[:, None], per_device.shape)
-    pairs, pair_of_id = _first_occurrence((device_of * u + per_device)[valid], devices * u)
-    return pairs, pair_of_id, valid
+def overflow_slots(step: StepPlan, layout: Layout, local_capacity: int, k: int) -> np.ndarray:
+    """Sorted global slots of the rows that take the overflow path when ``K = k``.
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> from jaxcache._src.partitions import Partitions
+      >>> from jaxcache._src.placement import Layout
+      >>> parts = Partitions(jaxcache.CacheConfig(100, 2, capacity=8), Layout(devices=2))
+      >>> step = parts.plan(np.array([[1, 3], [5, 7]]))  # every id homed on device 1
+      >>> overflow_slots(step, Layout(devices=2), 4, 1).tolist()  # 2nd row of each source
+      [5, 7]
+    """
+    found = []
+    for device, plan, first, bounds, sent in _owners(step, layout):
+        rows = [first[b + k : b + m] for b, m in zip(bounds[:-1], sent, strict=True) if m > k]
+        if rows:
+            found.append(device * local_capacity + plan.unique_slots[np.concatenate(rows)])
+    if not found:
+        return np.zeros(0, np.int64)
+    return np.unique(np.concatenate(found)).astype(np.int64)
 
 
-def _group_positions(groups: np.ndarray, num_groups: int) -> tuple[np.ndarray, np.ndarray]:
-    """For each item, its position within its group (stable), and the group sizes."""
-    order = np.argsort(groups, kind="stable")
-    counts = np.bincount(groups, minlength=num_groups)
-    starts = np.cumsum(counts) - counts
-    position = np.empty(groups.size, np.int64)
-    position[order] = np.arange(groups.size) - starts[groups[order]]
-    return position, counts
+def _owners(step: StepPlan, layout: Layout):
+    """``(device, plan, first, bounds, sent)`` of each own partition; on one
+    device the plan's distinct rows are its ranks (one source)."""
+    if step.first is None:
+        plan = step.plans[0]
+        first = np.arange(plan.distinct, dtype=np.int32)
+        yield layout.own[0], plan, first, np.array([0, plan.distinct]), step.sent[0]
+        return
+    yield from zip(layout.own, step.plans, step.first, step.bounds, step.sent, strict=True)
 
 
-def plan_route(
-    unique_slots: np.ndarray,
-    inverse: np.ndarray,
+def build_route(
+    step: StepPlan,
+    flat: np.ndarray,
     *,
-    devices: int,
+    layout: Layout,
     local_capacity: int,
     per_destination: int,
+    overflow: np.ndarray,
     overflow_size: int,
     owner_size: int,
-    demand: Demand | None = None,
+    pad: int,
+    threads: HostThreads,
 ) -> HostRoute:
-    """Routes a planned batch over ``devices`` devices.
+    """The padded route of a planned batch.
 
     Args:
-      unique_slots: ``[U]`` distinct global slots of the batch (from the plan).
-      inverse: each id's index into ``unique_slots``, ``-1`` for padding; the
-        leading axis is split evenly over the devices.
-      devices: ``n``.
+      step: the plan.
+      flat: the batch's ids, flattened.
+      layout: the homes of ids.
       local_capacity: ``C_l``.
       per_destination: ``K``; rows beyond it take the overflow path.
-      overflow_size: ``O``, padded length of the overflow list (at least
-        ``Demand.overflow_count``).
+      overflow: the rows that do (``overflow_slots``).
+      overflow_size: ``O``, padded length of the overflow list.
       owner_size: ``V``, padded distinct rows per owner.
-      demand: the batch's ``route_demand``, when the sizes were chosen from it.
+      pad: the padding id (a value no id takes when there is none).
+      threads: the host threads; owners and sources are filled in parallel.
 
     Returns:
       The ``HostRoute``.
 
     Examples:
-      >>> import numpy as np
-      >>> from jaxcache._src.routing import plan_route
-      >>> # 2 devices, 4 slots each; device 0 looks up slots 1 and 6, device 1 slot 6.
-      >>> r = plan_route(np.array([1, 6]), np.array([[0, 1], [1, 1]]), devices=2,
-      ...                local_capacity=4, per_destination=2, overflow_size=0, owner_size=1)
-      >>> r.requests.tolist()  # [source][owner][k]: local slots
-      [[[1, 4], [2, 4]], [[4, 4], [2, 4]]]
-      >>> r.inverse.tolist()  # rows of each device's received buffer [owner 0 x2, owner 1 x2]
-      [[0, 2], [2, 2]]
+      >>> import numpy as np, jaxcache
+      >>> from jaxcache._src.partitions import Partitions
+      >>> from jaxcache._src.placement import Layout
+      >>> from jaxcache._src.threads import HostThreads
+      >>> # 2 devices, 4 slots each; device 0 looks up ids 1 and 4, device 1 id 1 twice.
+      >>> cfg = jaxcache.CacheConfig(100, 2, capacity=8)
+      >>> layout = Layout(devices=2)
+      >>> ids = np.array([[1, 4], [1, 1]])
+      >>> step = Partitions(cfg, layout).plan(ids)
+      >>> r = build_route(step, ids.reshape(-1), layout=layout, local_capacity=4,
+      ...                 per_destination=1, overflow=np.zeros(0, np.int64), overflow_size=0,
+      ...                 owner_size=1, pad=-1, threads=HostThreads(1))
+      >>> r.requests.tolist()  # [owner][source][k]: local slots
+      [[[0], [4]], [[0], [0]]]
+      >>> r.inverse.tolist()  # rows of each device's received buffer [owner 0, owner 1]
+      [[1, 0], [1, 1]]
       >>> r.owner_slots.tolist(), r.owner_inverse.tolist()
-      ([[1], [2]], [[0, 1, 1, 1], [0, 1, 0, 1]])
+      ([[0], [0]], [[0, 1], [0, 0]])
     """
-    n, cl = devices, local_capacity
-    k_size, o_size, v_size = per_destination, overflow_size, owner_size
-    received = n * k_size + o_size
-    u = unique_slots.size
-    if n == 1 and u <= min(k_size, v_size):
-        return _one_device(unique_slots, inverse, cl, k_size, o_size, v_size)
-    # Distinct (device, row) pairs: what each device must receive.
-    d = demand
-    if d is None:
-        d = route_demand(unique_slots, inverse, devices=n, local_capacity=cl)
-    src, dst, slot, k = d.src, d.dst, d.slot, d.position
-    direct = k < k_size
+    n, cl, k = layout.devices, local_capacity, per_destination
+    own = len(layout.own)
+    received = n * k + overflow_size
+    requests = np.full((own, n, k), cl, np.int32)
+    owner_slots = np.full((own, owner_size), cl, np.int32)
+    owner_inverse = np.full((own, received), owner_size, np.int32)
+    owners = list(enumerate(_owners(step, layout)))
 
-    requests = np.full((n, n, k_size), cl, np.int32)
-    requests[src[direct], dst[direct], k[direct]] = slot[direct] % cl
-    overflow_slots = np.unique(slot[~direct])
-    if overflow_slots.size > o_size:
-        raise ValueError(
-            f"{overflow_slots.size} rows overflow but the overflow list holds {o_size}; "
-            "size it with Demand.overflow_count."
+    def fill_owner(item) -> None:
+        e, (device, plan, first, bounds, sent) = item
+        owner_slots[e, : plan.distinct] = plan.unique_slots
+        kernels.owner_route(
+            plan.unique_slots, first, bounds, sent, k, requests[e], owner_inverse[e]
         )
-    overflow = np.full(o_size, n * cl, np.int32)
-    overflow[: overflow_slots.size] = overflow_slots
-    buffer_row = np.where(
-        direct, dst * k_size + k, n * k_size + np.searchsorted(overflow_slots, slot)
-    )
-    out_inverse = np.full(d.valid.shape, received, np.int32)
-    out_inverse[d.valid] = buffer_row[d.pair_of_id]
+        if overflow.size:
+            rows = [first[b + k : b + m] for b, m in zip(bounds[:-1], sent, strict=True) if m > k]
+            if rows:
+                rows = np.concatenate(rows)
+                at = np.searchsorted(overflow, device * cl + plan.unique_slots[rows])
+                owner_inverse[e, n * k + at] = rows
 
-    # Each distinct row has one owner; its index among that owner's rows.
-    owner, owner_rank = d.owner, d.owner_rank
-    owner_slots = np.full((n, v_size), cl, np.int32)
-    owner_slots[owner, owner_rank] = unique_slots % cl
-    owner_inverse = np.full((n, received), v_size, np.int32)
-    owner_inverse[dst[direct], src[direct] * k_size + k[direct]] = owner_rank[d.row[direct]]
-    if overflow_slots.size:
-        by_slot = np.argsort(unique_slots)
-        ov_rows = by_slot[np.searchsorted(unique_slots, overflow_slots, sorter=by_slot)]
-        owner_inverse[owner[ov_rows], n * k_size + np.arange(overflow_slots.size)] = owner_rank[
-            ov_rows
-        ]
+    threads.map(fill_owner, owners)
+    out_inverse = np.empty(flat.size, np.int32)
+    if step.kpos is None:  # one device: the plan's ranks, -1 for padding
+        out_inverse[:] = kernels.fill_negative(
+            np.ascontiguousarray(step.plans[0].inverse, dtype=np.int32).reshape(-1), received
+        )
+        if overflow.size:
+            late = out_inverse >= k
+            late &= out_inverse < received
+            slots = step.plans[0].unique_slots[out_inverse[late]]
+            out_inverse[late] = n * k + np.searchsorted(overflow, slots)
+    else:
+        share = flat.size // n
+
+        def fill_source(source: int) -> None:
+            lo, hi = source * share, (source + 1) * share
+            kernels.fill_inverse(
+                flat, lo, hi, pad, n, layout.processes, step.kpos, k, received, out_inverse
+            )
+
+        threads.map(fill_source, layout.own)
+        if overflow.size:
+            for device, plan, _, _, _ in _owners(step, layout):
+                at = step.at[device - layout.own[0]]
+                late = step.kpos[at] >= k
+                slots = device * cl + plan.unique_slots[plan.inverse[late]]
+                out_inverse[at[late]] = n * k + np.searchsorted(overflow, slots)
+    full_overflow = np.full(overflow_size, n * cl, np.int32)
+    full_overflow[: overflow.size] = overflow
+    share = flat.size // n  # the rows of this process's sources
+    mine = out_inverse[layout.own[0] * share : (layout.own[-1] + 1) * share]
     return HostRoute(
         requests,
-        overflow,
-        out_inverse.reshape(inverse.shape),
+        full_overflow,
+        mine.reshape(-1, *step.shape[1:]),
         owner_slots,
         owner_inverse,
-        int((~direct).sum()),
+        0 if not overflow.size else _overflowed(step, k),
     )
 
 
-def _one_device(
-    unique_slots: np.ndarray, inverse: np.ndarray, cl: int, k: int, o: int, v: int
-) -> HostRoute:
-    """``plan_route`` for one device with room for every row: the received rows
-    are the distinct rows in order, and each is its own owner row."""
-    u = unique_slots.size
-    received = k + o
-    requests = np.full((1, 1, k), cl, np.int32)
-    requests[0, 0, :u] = unique_slots
-    owner_slots = np.full((1, v), cl, np.int32)
-    owner_slots[0, :u] = unique_slots
-    owner_inverse = np.full((1, received), v, np.int32)
-    owner_inverse[0, :u] = np.arange(u, dtype=np.int32)
-    # One compiled pass: np.where over a mostly-padding batch cost 0.2-0.6 ms.
-    flat = np.ascontiguousarray(inverse, dtype=np.int32).reshape(-1)
-    out_inverse = kernels.fill_negative(flat, received).reshape(inverse.shape)
-    overflow = np.full(o, cl, np.int32)
-    return HostRoute(requests, overflow, out_inverse, owner_slots, owner_inverse, 0)
-
-
-class Demand(NamedTuple):
-    """What a planned batch needs from each owner: computed once per batch by
-    ``route_demand``, then shared by the sizing (``needs``, ``overflow_count``) and
-    ``plan_route``.
-
-    A *pair* is a distinct (device, row of ``unique_slots``) the batch needs.
-
-    Attributes:
-      pair_of_id: for each real id (in ``valid`` order), its pair.
-      valid: ``bool [n, B/n ...]``: which ids are real (not padding).
-      src: ``[P]`` device that needs each pair.
-      row: ``[P]`` its row of ``unique_slots``.
-      slot: ``int64 [P]`` its global slot.
-      dst: ``[P]`` the owner of that slot.
-      position: ``[P]`` its position among the pairs of the same
-        (``src``, ``dst``): pairs at ``K`` or beyond overflow.
-      per_pair: ``[n * n]`` pairs per (``src``, ``dst``).
-      owner: ``[U]`` the owner of each row of ``unique_slots``.
-      owner_rank: ``[U]`` its index among that owner's rows.
-      per_owner: ``[n]`` distinct rows per owner.
-    """
-
-    pair_of_id: np.ndarray
-    valid: np.ndarray
-    src: np.ndarray
-    row: np.ndarray
-    slot: np.ndarray
-    dst: np.ndarray
-    position: np.ndarray
-    per_pair: np.ndarray
-    owner: np.ndarray
-    owner_rank: np.ndarray
-    per_owner: np.ndarray
-
-    def needs(self) -> tuple[int, int]:
-        """The most rows one device takes from one owner (the ``K`` without
-        overflow), and the most distinct rows one owner serves (``V``).
-
-        Examples:
-          >>> import numpy as np
-          >>> from jaxcache._src.routing import route_demand
-          >>> route_demand(np.array([1, 6, 7]), np.array([[0, 1, 2], [1, 1, -1]]),
-          ...              devices=2, local_capacity=4).needs()
-          (2, 2)
-        """
-        return int(self.per_pair.max(initial=0)), int(self.per_owner.max(initial=0))
-
-    def overflow_count(self, k: int) -> int:
-        """Distinct rows that take the overflow path when ``K = k``."""
-        return int(np.unique(self.slot[self.position >= k]).size)
-
-
-def route_demand(
-    unique_slots: np.ndarray, inverse: np.ndarray, *, devices: int, local_capacity: int
-) -> Demand:
-    """The ``Demand`` of a planned batch over ``devices`` devices (arguments as
-    for ``plan_route``)."""
-    n, cl = devices, local_capacity
-    u = unique_slots.size
-    pairs, pair_of_id, valid = _pairs(unique_slots, inverse, n)
-    src, row = pairs // max(u, 1), pairs % max(u, 1)
-    slot = unique_slots[row].astype(np.int64)
-    dst = slot // cl
-    position, per_pair = _group_positions(src * n + dst, n * n)
-    owner = (unique_slots // cl).astype(np.int64)
-    owner_rank, per_owner = _group_positions(owner, n)
-    return Demand(
-        pair_of_id, valid, src, row, slot, dst, position, per_pair, owner, owner_rank, per_owner
-    )
+def _overflowed(step: StepPlan, k: int) -> int:
+    """Rows (per source and owner) that take the overflow path at ``K = k``."""
+    return int(np.maximum(step.sent - k, 0).sum())
 
 
 def routed_gather(
@@ -297,13 +246,12 @@ def routed_gather(
 
     Args:
       rows: this device's ``[C_l, D]`` cached rows.
-      requests: ``[1, n, K]`` local slots this device needs from each owner.
+      requests: ``[1, n, K]`` local slots this device serves each source.
       overflow: ``[O]`` global slots of the overflow path (same on all devices).
       axis: the mesh axis the rows and the batch are split over.
     """
     cl = rows.shape[0]
-    asked = jax.lax.all_to_all(requests[0], axis, 0, 0, tiled=True)  # [n, K] from each source
-    served = rows.at[asked].get(mode="fill", fill_value=0)  # [n, K, D]
+    served = rows.at[requests[0]].get(mode="fill", fill_value=0)  # [n, K, D], per source
     got = jax.lax.all_to_all(served, axis, 0, 0, tiled=True)  # [n, K, D] from each owner
     mine = overflow // cl == jax.lax.axis_index(axis)
     local = jnp.where(mine, overflow % cl, cl)

@@ -1,0 +1,598 @@
+"""Planning a batch whose rows are split over devices: one planner per device.
+
+Every id has a home device (``Layout``) and its row only ever sits in that
+device's slots, so the cache is a set of independent partitions, each with a
+``Planner`` of its own over the ids homed there (its local ids), its own
+policy, victim reserve and protection of in-flight batches. A process plans
+only the partitions of its own devices.
+
+A batch is split over the same devices (data parallel): device ``s`` (a
+*source*) looks up the ids of its slice. Planning a batch takes three
+passes, each split into independent pieces that run on the host threads:
+
+1. **split** (per source): the real ids of the slice, grouped by home, as
+   local ids; padding and range errors are found here.
+2. **plan** (per home partition): the partition's planner checks the ids
+   sent to it by every source (hits, misses, room); only when every
+   partition fits does each commit (victims, directory, policy). Then the
+   distinct ids each source sends the partition are ranked in order of
+   appearance: rank ``k`` of source ``s`` is the row the owner serves ``s``
+   at position ``k`` of its ``all_to_all`` block (``jaxcache._src.routing``).
+3. The route's padded arrays, built once the sizes are known (the stager).
+
+On one device the split and the ranking are skipped: the planner looks the
+batch up directly and its ranks are the ranks.
+
+Shape letters: ``n`` devices, ``L`` devices of this process, ``E`` entries
+(real ids) a partition receives, ``U`` its distinct ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jaxcache._src import kernels, validation
+from jaxcache._src.config import CacheConfig
+from jaxcache._src.frequency import hottest
+from jaxcache._src.placement import Layout
+from jaxcache._src.planner import _NO_PAD, CapacityError, Plan, Planner, check_state
+from jaxcache._src.threads import HostThreads, raised
+
+__all__ = ["Partitions", "StepPlan"]
+
+
+class StepPlan(NamedTuple):
+    """One batch planned over this process's partitions (host arrays).
+
+    Attributes:
+      index: sequence number of the plan (the same in every partition).
+      shape: shape of the batch's ids.
+      plans: one ``Plan`` per own partition, in local ids and local slots.
+      bounds: per own partition, ``int64 [n + 1]``: its entries from each
+        source (``None`` on one device).
+      first: per own partition, ``[E]``: the distinct row (index into its
+        ``unique_slots``) of source ``s``'s rank ``k`` at ``bounds[s] + k``.
+      at: per own partition, ``[E]``: each entry's position in the batch.
+      sent: ``int64 [L, n]``: distinct ids each source sends each own partition.
+      real: ``int64 [L]``: real (not padding) ids of each own source's slice.
+      sent_out: ``int64 [L, n]``: distinct ids each own source sends each
+        device (those of other processes ranked here too); ``None`` in one
+        process, where ``sent`` covers every pair.
+      kpos: ``int32`` of the flattened ids: each real id's rank among the
+        distinct ids its source sends its home (``None`` on one device,
+        where it is the plan's ``inverse``).
+    """
+
+    index: int
+    shape: tuple[int, ...]
+    plans: tuple[Plan, ...]
+    bounds: tuple[np.ndarray, ...] | None
+    first: tuple[np.ndarray, ...] | None
+    at: tuple[np.ndarray, ...] | None
+    sent: np.ndarray
+    real: np.ndarray
+    sent_out: np.ndarray | None
+    kpos: np.ndarray | None
+
+    def total(self, field: str) -> int:
+        """A count of the plans (``lookups``, ``hits``, ...) summed over the partitions."""
+        return sum(getattr(plan, field) for plan in self.plans)
+
+    @property
+    def distinct(self) -> int:
+        """Distinct ids of the batch homed on this process's devices."""
+        return sum(plan.distinct for plan in self.plans)
+
+    @property
+    def misses(self) -> int:
+        """Distinct ids fetched from the host."""
+        return sum(plan.misses for plan in self.plans)
+
+    @property
+    def rows_to_host(self) -> int:
+        """Dirty rows evicted (written back)."""
+        return sum(len(plan.evict_ids) for plan in self.plans)
+
+
+class Partitions:
+    """The planners of this process's device partitions, planned as one.
+
+    Args:
+      config: the table's configuration (``capacity`` a multiple of ``n``).
+      layout: the homes of ids (devices, processes, this process).
+      frequencies: ``int [N]`` dataset access counts (see ``Planner``).
+      reserve: victim candidates per partition (see ``Planner``).
+      threads: the host threads that plan partitions in parallel.
+
+    Attributes:
+      planners: the ``Planner`` of each own partition (local ids).
+      devices: the own partitions' devices.
+      local_capacity: ``C_l``, slots per device.
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> from jaxcache._src.placement import Layout
+      >>> cfg = jaxcache.CacheConfig(100, 2, capacity=8, policy="lru")
+      >>> parts = Partitions(cfg, Layout(devices=2))
+      >>> step = parts.plan(np.array([[3, 4], [5, 3]]))  # ids 4 on device 0; 3, 5 on device 1
+      >>> [plan.fetch_ids.tolist() for plan in step.plans]  # local ids (id // 2)
+      [[2], [1, 2]]
+      >>> parts.id_of_slot.reshape(2, 4).tolist()
+      [[4, -1, -1, -1], [3, 5, -1, -1]]
+    """
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        layout: Layout,
+        *,
+        frequencies: np.ndarray | None = None,
+        reserve: int = 4096,
+        threads: HostThreads | None = None,
+    ) -> None:
+        n = layout.devices
+        if config.capacity % n:
+            raise ValueError(
+                f"capacity={config.capacity} does not split over {n} devices; use a multiple "
+                f"of {n}."
+            )
+        if frequencies is not None:
+            frequencies = validation.check_frequencies(
+                frequencies, config.num_embeddings, "count them with jaxcache.FrequencyCounter"
+            )
+        self.config = config
+        self.layout = layout
+        self.threads = threads or HostThreads(1)
+        self.local_capacity = config.capacity // n
+        self.devices = tuple(layout.own)
+        self.planners = [
+            Planner(
+                self._partition_config(d),
+                frequencies=None if frequencies is None else layout.partition_of(frequencies, d),
+                reserve=reserve,
+            )
+            for d in self.devices
+        ]
+
+    def _partition_config(self, device: int) -> CacheConfig:
+        if self.layout.devices == 1:
+            return self.config
+        rows = self.layout.partition_rows(self.config.num_embeddings, device)
+        return dataclasses.replace(
+            self.config,
+            num_embeddings=rows,
+            capacity=min(self.local_capacity, rows),
+            padding_id=None,  # the split drops padding
+        )
+
+    # ---------------------------------------------------------------- status
+    @property
+    def capacity(self) -> int:
+        """``C``, slots over all devices."""
+        return self.config.capacity
+
+    @property
+    def next_index(self) -> int:
+        """Index the next plan gets."""
+        return self.planners[0].next_index
+
+    @property
+    def released(self) -> int:
+        """Plans up to this index are finished."""
+        return self.planners[0].released
+
+    @property
+    def in_flight(self) -> range:
+        """Indices of the plans made and not released yet."""
+        return range(self.released + 1, self.next_index)
+
+    def release(self, index: int) -> None:
+        """Marks plans up to ``index`` finished: their rows become evictable."""
+        for planner in self.planners:
+            planner.release(index)
+
+    def release_all(self) -> None:
+        """Marks every plan made so far finished."""
+        self.release(self.next_index - 1)
+
+    def _blocks(self, values: list[np.ndarray], fill: Any, dtype: Any) -> np.ndarray:
+        """Per-partition slot arrays, each padded to ``C_l``, one after another."""
+        out = np.full(len(values) * self.local_capacity, fill, dtype)
+        for block, array in enumerate(values):
+            start = block * self.local_capacity
+            out[start : start + array.size] = array
+        return out
+
+    @property
+    def id_of_slot(self) -> np.ndarray:
+        """``int64 [L C_l]``: the id in each slot of this process's devices
+        (global ids, ``-1`` for a free slot); a copy."""
+        return self._blocks(
+            [
+                np.where(p.id_of_slot >= 0, self.layout.global_ids(d, p.id_of_slot), -1)
+                for d, p in zip(self.devices, self.planners, strict=True)
+            ],
+            -1,
+            np.int64,
+        )
+
+    @property
+    def last_use(self) -> np.ndarray:
+        """``int64 [L C_l]``: the last plan that used each slot; a copy."""
+        return self._blocks([p.last_use for p in self.planners], -1, np.int64)
+
+    @property
+    def dirty(self) -> np.ndarray:
+        """``bool [L C_l]``: slots whose row changed since it was fetched; a copy."""
+        return self._blocks([p.dirty for p in self.planners], False, bool)
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory of the directories and policies of this process's partitions."""
+        total = 0
+        for planner in self.planners:
+            arrays = [planner.slot_of_id, planner.id_of_slot, planner.last_use, planner.dirty]
+            arrays += [v for v in vars(planner.policy).values() if isinstance(v, np.ndarray)]
+            total += sum(a.nbytes for a in arrays)
+        return total
+
+    def resident_ids(self) -> np.ndarray:
+        """Ids currently in a slot of this process's devices, in slot order."""
+        ids = self.id_of_slot
+        return ids[ids >= 0]
+
+    # ------------------------------------------------------------------ warm
+    def warm(self, ids: np.ndarray) -> None:
+        """Places ``ids`` (global, not yet resident) into free slots of their
+        homes, in order; ids beyond a partition's free slots are ignored."""
+        ids = validation.check_ids(ids, self.config.num_embeddings, None, "ids").reshape(-1)
+        homes = self.layout.device_of(ids)
+        for device, planner in zip(self.devices, self.planners, strict=True):
+            planner.warm(self.layout.local_ids(ids[homes == device]))
+
+    def warm_hottest(self, frequencies: np.ndarray) -> None:
+        """Fills every partition's free slots with its hottest ids by ``frequencies``."""
+        for device, planner in zip(self.devices, self.planners, strict=True):
+            counts = self.layout.partition_of(np.asarray(frequencies), device)
+            planner.warm(hottest(counts, planner.capacity))
+
+    # ------------------------------------------------------------------ plan
+    def plan(
+        self,
+        ids: np.ndarray,
+        *,
+        train: bool = True,
+        released: int | None = None,
+        max_distinct: int | None = None,
+    ) -> StepPlan:
+        """Plans one batch in every own partition (arguments as for ``Planner.plan``).
+
+        The leading axis of ``ids`` splits evenly over the devices. Either every
+        partition plans the batch or, when one refuses it, none does.
+
+        Raises:
+          TypeError, ValueError: bad ids (nothing changed).
+          CapacityError: a partition's distinct ids do not fit next to its
+            in-flight rows (nothing changed); ``fits_after`` covers them all.
+        """
+        array = validation.check_id_type(ids, "ids")
+        if self.layout.devices == 1:
+            plan = self.planners[0].plan(
+                array, train=train, released=released, max_distinct=max_distinct
+            )
+            sent = np.array([[plan.distinct]], np.int64)
+            real = np.array([plan.lookups], np.int64)
+            return StepPlan(
+                plan.index, array.shape, (plan,), None, None, None, sent, real, None, None
+            )
+        flat = kernels.as_index_array(array)
+        local, at, starts = self._split(array, flat)
+        entries = [self._entries(d, local, at, starts) for d in self.devices]
+        checked = self.threads.gather(
+            lambda item: item[0].check(item[1][0], released=released),
+            list(zip(self.planners, entries, strict=True)),
+        )
+        self._raise_refusals(checked, max_distinct)
+        kpos = np.empty(flat.size, np.int32)
+
+        def commit(item):
+            planner, check, (_, at_d, bounds) = item
+            plan = planner.commit(check, train=train)
+            distinct = plan.distinct
+            first = np.empty(at_d.size, np.int32)
+            sent = np.empty(bounds.size - 1, np.int64)
+            kernels.source_ranks(
+                plan.inverse,
+                bounds,
+                at_d,
+                np.full(distinct, -1, np.int64),
+                np.empty(distinct, np.int32),
+                first,
+                sent,
+                kpos,
+            )
+            return plan, first, sent
+
+        done = self.threads.map(commit, list(zip(self.planners, checked, entries, strict=True)))
+        plans, first, sent = zip(*done, strict=True)
+        own = np.array(self.devices)
+        return StepPlan(
+            plans[0].index,
+            array.shape,
+            tuple(plans),
+            tuple(bounds for _, _, bounds in entries),
+            tuple(first),
+            tuple(at_d for _, at_d, _ in entries),
+            np.stack(sent),
+            starts[own, -1].copy(),
+            self._rank_foreign(local, at, starts, kpos),
+            kpos,
+        )
+
+    def _rank_foreign(
+        self, local: np.ndarray, at: np.ndarray, starts: np.ndarray, kpos: np.ndarray
+    ) -> np.ndarray | None:
+        """Ranks the ids each own source sends the devices of other processes
+        (``distinct_ranks``), as their owners rank them; returns ``sent_out``."""
+        layout = self.layout
+        if layout.processes == 1:
+            return None
+        n = layout.devices
+        share = local.size // n
+        sent_out = np.zeros((len(self.devices), n), np.int64)
+        foreign = [d for d in range(n) if d not in layout.own]
+
+        def rank(item) -> None:
+            row, source = item
+            most = int(max(starts[source, r + 1] - starts[source, r] for r in range(n)))
+            table = np.full(1 << max(4, (2 * most).bit_length()), -1, np.int64)
+            for device in foreign:
+                r = layout.residue(device)
+                lo, hi = source * share + starts[source, r], source * share + starts[source, r + 1]
+                sent_out[row, device] = kernels.distinct_ranks(local, at, lo, hi, table, kpos)
+
+        self.threads.map(rank, list(enumerate(self.devices)))
+        return sent_out
+
+    def _split(
+        self, array: np.ndarray, flat: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The real ids of each source's slice grouped by residue (``split_by_home``).
+
+        Returns ``(local [ids], at [ids], starts [n, n + 1])``: source ``s``'s
+        entries of residue ``r`` are ``[s S + starts[s, r], s S + starts[s, r + 1])``
+        of ``local`` and ``at``, ``S`` the slice length.
+        """
+        cfg, n = self.config, self.layout.devices
+        share = flat.size // n
+        pad = _NO_PAD if cfg.padding_id is None else cfg.padding_id
+        local = np.empty(flat.size, np.int64)
+        at = np.empty(flat.size, np.int64)
+        starts = np.empty((n, n + 1), np.int64)
+
+        def split(source: int) -> int:
+            lo, hi = source * share, (source + 1) * share
+            return kernels.split_by_home(
+                flat, lo, hi, pad, cfg.num_embeddings, n, local[lo:hi], at[lo:hi], starts[source]
+            )
+
+        bad = [p for p in self.threads.map(split, range(n)) if p >= 0]
+        if bad:  # check_ids words the error; the kernel found where
+            validation.check_ids(array, cfg.num_embeddings, cfg.padding_id, "ids")
+            raise ValueError(f"ids hold {flat[bad[0]]}, outside [0, {cfg.num_embeddings}).")
+        return local, at, starts
+
+    def _entries(
+        self, device: int, local: np.ndarray, at: np.ndarray, starts: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What ``device``'s partition receives: ``(local ids [E], positions [E],
+        bounds [n + 1])``, grouped by source."""
+        n = self.layout.devices
+        r = self.layout.residue(device)
+        share = local.size // n
+        lo = np.arange(n) * share + starts[:, r]
+        hi = np.arange(n) * share + starts[:, r + 1]
+        bounds = np.zeros(n + 1, np.int64)
+        np.cumsum(hi - lo, out=bounds[1:])
+        pieces = [slice(a, b) for a, b in zip(lo.tolist(), hi.tolist(), strict=True)]
+        ids = np.concatenate([local[p] for p in pieces])
+        positions = np.concatenate([at[p] for p in pieces])
+        return ids, positions, bounds
+
+    def _raise_refusals(self, checked: list[Any], max_distinct: int | None) -> None:
+        """Raises the error of a partition that refused the batch, or when the
+        batch has more than ``max_distinct`` distinct ids in all."""
+        errors = [(d, raised(c)) for d, c in zip(self.devices, checked, strict=True)]
+        errors = [(d, e) for d, e in errors if e is not None]
+        for _, error in errors:
+            if not isinstance(error, CapacityError):
+                raise error
+        never = [(d, e) for d, e in errors if e.fits_after is None]
+        if never:
+            device, error = max(never, key=lambda item: item[1].distinct or 0)
+            n = self.layout.devices
+            distinct = error.distinct
+            refusal = CapacityError(
+                f"the batch has {distinct} distinct ids homed on device {device} (ids i with "
+                f"i % {n} == {self.layout.residue(device)}) but each device holds "
+                f"{self.local_capacity} rows; raise capacity to at least {n * distinct} or "
+                "use smaller batches."
+            )
+            refusal.distinct = distinct
+            raise refusal
+        if errors:
+            device, error = max(errors, key=lambda item: item[1].fits_after)
+            refusal = CapacityError(f"device {device}: {error}")
+            refusal.fits_after = error.fits_after
+            raise refusal
+        if max_distinct is not None:
+            distinct = sum(c.hit_unique.size + c.miss_ids.size for c in checked)
+            if distinct > max_distinct:
+                raise ValueError(
+                    f"the batch has {distinct} distinct ids, but the host-callback form pads "
+                    f"its lists to callback_rows={max_distinct}; raise "
+                    f"CacheConfig(callback_rows=...) to at least {distinct}, or leave it None "
+                    "to pad to the batch's number of ids."
+                )
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The planners' state, as this process's part of the whole cache's.
+
+        Returns:
+          ``{"id_of_slot": int64 [L C_l] (global ids), "last_use": int64
+          [L C_l], "next_index": int, "policy": {"name": ..., per-id arrays
+          in this process's share of the ids (``i % P == p``, as its host
+          table stores them), the policies' other arrays stacked ``[L,
+          ...]``}}``.
+        """
+        for planner in self.planners:
+            planner.state_dict()  # refuses rows changed on device
+        return {
+            "id_of_slot": self.id_of_slot,
+            "last_use": self.last_use,
+            "next_index": self.next_index,
+            "policy": self.policy_state(),
+        }
+
+    def policy_state(self) -> dict[str, Any]:
+        """What the policies learned: ``{"name": ..., per-id arrays}`` over this
+        process's ids (all ids in one process), in id order, and the
+        policies' other arrays (``Policy.per_id`` tells which are which), one
+        per partition stacked ``[L, ...]``; copies.
+
+        Examples:
+          >>> import numpy as np, jaxcache
+          >>> from jaxcache._src.placement import Layout
+          >>> parts = Partitions(jaxcache.CacheConfig(6, 2, capacity=4), Layout(devices=2))
+          >>> _ = parts.plan(np.array([[5, 5], [2, 5]]))
+          >>> parts.policy_state()["counts"].tolist()
+          [0, 0, 1, 0, 0, 3]
+        """
+        states = [planner.policy.state_dict() for planner in self.planners]
+        policy: dict[str, Any] = {"name": states[0]["name"]}
+        per_id = _per_id_keys(states[0], self.planners[0].policy.per_id)
+        for key, value in states[0].items():
+            if key in per_id:
+                policy[key] = self._merge_per_id([np.array(s[key]) for s in states])
+            elif isinstance(value, np.ndarray):  # per partition: exact on the same layout
+                policy[key] = np.stack([s[key] for s in states])
+        return policy
+
+    def _merge_per_id(self, parts: list[np.ndarray]) -> np.ndarray:
+        """Per-partition arrays over local ids as one array over this
+        process's ids ``i % P == p`` (id order)."""
+        layout = self.layout
+        if layout.devices == 1:
+            return parts[0]
+        share = len(range(layout.process, self.config.num_embeddings, layout.processes))
+        out = np.empty((share, *parts[0].shape[1:]), parts[0].dtype)
+        for device, part in zip(self.devices, parts, strict=True):
+            out[device % layout.per_process :: layout.per_process] = part
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores the whole cache's state (every process's part, joined).
+
+        ``state`` holds ``id_of_slot`` and ``last_use`` of every slot of the
+        cache it was saved from (global ids; any device count and capacity),
+        ``next_index`` and the policy with per-id arrays over all ``N`` ids:
+        one array, or a list of the ``Q`` shares of the processes that saved
+        it (share ``q`` holds ids ``i % Q == q`` in order; each partition then
+        reads only its own ids of them).
+        Saved on the same devices, capacity and policy, every row goes back
+        to its slot; otherwise each partition places its previously resident
+        rows hottest first (``Planner.load_state_dict``).
+
+        Raises:
+          ValueError: the state does not fit this table (nothing changed).
+        """
+        n, cl = self.layout.devices, self.local_capacity
+        ids = np.asarray(state["id_of_slot"], np.int64)
+        last_use = np.asarray(state["last_use"], np.int64)
+        policy = dict(state.get("policy", {}))
+        keys = _per_id_keys(policy, self.planners[0].policy.per_id)
+        if n == 1:
+            policy = {k: self._policy_part(k in keys, v, 0, 0) for k, v in policy.items()}
+            self.planners[0].load_state_dict({**state, "policy": policy})
+            return
+        check_state(
+            {"id_of_slot": ids, "last_use": last_use, "policy": {}}, self.config.num_embeddings
+        )
+        same_layout = ids.size == self.capacity and bool(
+            (self.layout.device_of(ids[ids >= 0]) == np.flatnonzero(ids >= 0) // cl).all()
+        )
+        parts = []
+        for index, (device, planner) in enumerate(zip(self.devices, self.planners, strict=True)):
+            part_policy = {
+                key: self._policy_part(key in keys, value, device, index if same_layout else -1)
+                for key, value in policy.items()
+            }
+            if same_layout:
+                block = slice(device * cl, device * cl + planner.capacity)
+                slots, used = ids[block], last_use[block]
+            else:
+                mine = (ids >= 0) & (self.layout.device_of(ids) == device)
+                slots, used = ids[mine], last_use[mine]
+                if slots.size == planner.capacity:  # not the same slots: rank them
+                    slots, used = np.append(slots, -1), np.append(used, -1)
+            local = np.where(slots >= 0, self.layout.local_ids(slots), -1)
+            part = {
+                "id_of_slot": local,
+                "last_use": used,
+                "next_index": state["next_index"],
+                "policy": part_policy,
+            }
+            planner.check_state_dict(part)
+            parts.append(part)
+        for planner, part in zip(self.planners, parts, strict=True):
+            planner.load_state_dict(part)
+
+    def _policy_part(self, per_id: bool, value: Any, device: int, index: int) -> Any:
+        """Partition ``device``'s part of a saved policy entry: its ids' entries
+        of a per-id array; of another array saved per partition (``[L, ...]``,
+        or the list of the processes' stacks), entry ``index`` of this
+        process's when the layout is the same (``index >= 0``), else nothing
+        (``None``: the policy starts that state afresh); other values as
+        they are."""
+        if per_id:
+            return self._per_id_part(value, device)
+        if isinstance(value, (list, tuple)):  # the processes' stacks, in order
+            if len(value) != self.layout.processes:
+                return None
+            value = np.asarray(value[self.layout.process])
+        if not isinstance(value, np.ndarray):
+            return value
+        if index < 0 or value.ndim == 0 or value.shape[0] != len(self.planners):
+            return None
+        return value[index]
+
+    def _per_id_part(self, value: Any, device: int) -> np.ndarray:
+        """``device``'s local ids' entries of a per-id array ``[N]``, or of
+        the list of its process shares."""
+        if not isinstance(value, (list, tuple)):
+            value = np.asarray(value)
+            n = self.config.num_embeddings
+            if value.shape[:1] != (n,):
+                raise ValueError(
+                    f"saved access counts have shape {value.shape}, the table has {n} rows."
+                )
+            return self.layout.partition_of(value, device)
+        shares = len(value)
+        ids = self.layout.global_ids(
+            device, np.arange(self.layout.partition_rows(self.config.num_embeddings, device))
+        )
+        out = np.empty((ids.size, *np.shape(value[0])[1:]), np.asarray(value[0][:0]).dtype)
+        for share, part in enumerate(value):
+            mine = ids % shares == share
+            out[mine] = np.asarray(part)[ids[mine] // shares]
+        return out
+
+
+def _per_id_keys(policy_state: dict[str, Any], per_id: tuple[str, ...]) -> tuple[str, ...]:
+    """The policy state's arrays with one entry per id: those the policy
+    declares (``per_id``), and the access counts of any counting policy."""
+    return tuple(key for key in policy_state if key in per_id or key == "counts")

@@ -1,0 +1,299 @@
+"""The host half of a step: a batch planned, routed, padded and gathered.
+
+``Stager.stage`` plans a batch over this process's partitions, routes it,
+pads every per-step list to a bucket size (so compiled shapes repeat), and
+copies the rows it fetches (with their optimizer state) out of the host
+table into fresh buffers, one block per device; the gathers run per
+partition on the host threads. It touches the planners, the host table and
+fresh arrays only, never the device state, so it can run on a pipeline's
+background thread while the device trains.
+
+Shape letters: ``n`` devices, ``L`` devices of this process, ``P`` padded
+rows moved per device, ``C_l`` slots per device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jaxcache._src import kernels, routing
+from jaxcache._src.agreement import Agreement
+from jaxcache._src.config import CacheConfig
+from jaxcache._src.host_table import HostTable
+from jaxcache._src.partitions import Partitions, StepPlan
+from jaxcache._src.planner import _NO_PAD
+from jaxcache._src.stats import CacheStats, StepStats
+from jaxcache._src.threads import HostThreads
+from jaxcache._src.write_back import WriteBacks
+
+__all__ = ["Deferred", "HostStaged", "Stager", "bucket_size"]
+
+
+def bucket_size(n: int, minimum: int, previous: int = 0) -> int:
+    """Padded size for a list of ``n`` rows: a power of two ``>= minimum``.
+
+    With ``previous`` (the last size used) the size only shrinks once ``n``
+    falls to a quarter of it, so a count that hovers around a power of two
+    does not flip between two compiled shapes.
+
+    Examples:
+      >>> from jaxcache import bucket_size
+      >>> bucket_size(200, 64), bucket_size(200, 64, previous=512), bucket_size(200, 64, 1024)
+      (256, 512, 256)
+    """
+    size = max(minimum, 1 << max(0, int(n) - 1).bit_length())
+    if size < previous and n > previous // 4:
+        return previous
+    return size
+
+
+class Deferred(NamedTuple):
+    """Rows a batch fetches whose latest values an earlier plan's write-back
+    holds, not landed in the host table when the batch was staged.
+
+    Attributes:
+      ids: the rows' ids.
+      at: each row's position in the batch's fetch rows.
+      plans: the plan whose eviction read each row out last.
+      read_out: each row's position in that plan's read-out (this process's
+        blocks of the swap's evicted rows).
+    """
+
+    ids: np.ndarray
+    at: np.ndarray
+    plans: np.ndarray
+    read_out: np.ndarray
+
+
+class HostStaged(NamedTuple):
+    """A batch planned and gathered on the host, padded, not yet transferred.
+
+    Attributes:
+      plan: the ``StepPlan``.
+      ids: the ids it was planned for.
+      moves: ``(evict_slots, fetch_slots, fetch_rows, fetch_opt)`` or
+        ``None``: for each of this process's devices, ``P`` local slots
+        (padding ``C_l``) and rows, blocks one after another (``[L P]``).
+      route: which rows each owner serves each device.
+      deferred: the ``Deferred`` fetched rows whose write-back from an
+        earlier plan had not landed when this one was staged: they are
+        copied from that plan's read-out (its swap has been applied by then)
+        into the fetch rows before the transfer. ``None`` when there are none.
+    """
+
+    plan: StepPlan
+    ids: np.ndarray
+    moves: tuple[Any, ...] | None
+    route: routing.HostRoute
+    deferred: Deferred | None = None
+
+
+class _Sizes(NamedTuple):
+    """Padded sizes of one step's lists."""
+
+    per_destination: int  # K
+    owner: int  # V
+    overflow: int  # O
+    moves: int  # P rows moved per device; 0 when no row moves
+    bags: int  # real ids per device of a batch of bags; 0: not skipped
+
+
+class Stager:
+    """Plans, routes, pads and gathers batches for one cache.
+
+    Args:
+      config: the table's configuration.
+      partitions: the planners of this process's partitions.
+      table: the host table.
+      ledger: the write-back ledger.
+      stats: the statistics to record each batch in.
+      threads: the host threads.
+      agreement: how processes agree on padded sizes (one process: alone).
+    """
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        partitions: Partitions,
+        table: HostTable,
+        ledger: WriteBacks,
+        stats: CacheStats,
+        threads: HostThreads,
+        agreement: Agreement | None = None,
+    ) -> None:
+        self.config = config
+        self.partitions = partitions
+        self.layout = partitions.layout
+        self.table = table
+        self.ledger = ledger
+        self.stats = stats
+        self.threads = threads
+        self.agreement = agreement or Agreement()
+        self.local_capacity = partitions.local_capacity
+        self.fetch_bucket = 0  # P
+        self.route_buckets = (0, 0, 0)  # K, V, O in use
+        self.bag_bucket = 0  # real ids per device in a batch of bags
+
+    @property
+    def _minimum(self) -> int:
+        return max(1, self.config.min_bucket // self.layout.devices)
+
+    def stage(
+        self,
+        ids: np.ndarray,
+        *,
+        train: bool = True,
+        size: int | None = None,
+        released: int | None = None,
+        defer: bool = False,
+    ) -> HostStaged:
+        """Plans, routes and gathers one batch (see ``EmbeddingCache.stage_host``)."""
+        timers = self.stats.timers
+        ids = np.asarray(ids)
+        with timers.time("plan"):
+            step = self.partitions.plan(ids, train=train, released=released, max_distinct=size)
+            sizes = self._sizes(step, ids, size)
+            route = self._route(step, ids, sizes)
+        moves = deferred = None
+        if sizes.moves:
+            moves, deferred = self._moves(step, defer, sizes.moves)
+        self.stats.record(
+            StepStats(
+                lookups=step.total("lookups"),
+                distinct=step.distinct,
+                hits=step.total("hits"),
+                misses=step.misses,
+                access_hits=step.total("access_hits"),
+                evictions=step.total("evictions"),
+                rows_to_device=step.misses,
+                rows_to_host=step.rows_to_host,
+                overflow=route.overflowed,
+            )
+        )
+        return HostStaged(step, ids, moves, route, deferred)
+
+    # ----------------------------------------------------------------- sizes
+    def _sizes(self, step: StepPlan, ids: np.ndarray, size: int | None) -> _Sizes:
+        """The padded sizes of a step: from buckets (with every process's
+        needs, which they agree on), or the fixed ``size`` of the
+        host-callback form (no overflow possible, no bags skipped)."""
+        k_need, v_need = routing.needs(step)
+        moved = max(max(plan.misses, len(plan.evict_ids)) for plan in step.plans)
+        real = int(step.real.max(initial=0))
+        k_need, v_need, moved, real = self.agreement.max(
+            step.index, np.array([k_need, v_need, moved, real])
+        ).tolist()
+        minimum = self._minimum
+        if moved:
+            self.fetch_bucket = bucket_size(moved, minimum, self.fetch_bucket)
+        moves = self.fetch_bucket if moved else 0
+        if size is not None:
+            k = self.callback_per_destination(size, ids.size)
+            return _Sizes(k, size, 0, moves, 0)
+        k_prev, v_prev, o_prev = self.route_buckets
+        if self.config.route_capacity is not None:
+            k = self.config.route_capacity
+        else:
+            k = bucket_size(k_need, minimum, k_prev)
+        v = bucket_size(v_need, minimum, v_prev)
+        overflowing = 0
+        if k_need > k:  # one process (see EmbeddingCache): it sees every route
+            overflowing = routing.overflow_slots(step, self.layout, self.local_capacity, k).size
+        o = bucket_size(overflowing, 8, o_prev) if overflowing or o_prev else 0
+        self.route_buckets = (k, v, o)
+        bags = 0
+        if self.config.padding_id is not None and ids.ndim >= 2:
+            bags = self.bag_bucket = bucket_size(real, minimum, self.bag_bucket)
+        return _Sizes(k, v, o, moves, bags)
+
+    # ----------------------------------------------------------------- route
+    def _route(self, step: StepPlan, ids: np.ndarray, sizes: _Sizes) -> routing.HostRoute:
+        """Routes ``step`` over the devices, padded to ``sizes``."""
+        cl, k = self.local_capacity, sizes.per_destination
+        overflow = np.zeros(0, np.int64)
+        if sizes.overflow:
+            overflow = routing.overflow_slots(step, self.layout, cl, k)
+        pad = _NO_PAD if self.config.padding_id is None else self.config.padding_id
+        route = routing.build_route(
+            step,
+            kernels.as_index_array(ids),
+            layout=self.layout,
+            local_capacity=cl,
+            per_destination=k,
+            overflow=overflow,
+            overflow_size=sizes.overflow,
+            owner_size=sizes.owner,
+            pad=pad,
+            threads=self.threads,
+        )
+        if not sizes.bags:
+            return route
+        return route._replace(positions=self._real_positions(route, sizes.bags))
+
+    def callback_per_destination(self, size: int, num_ids: int) -> int:
+        """``K`` of a route padded to ``size`` rows, for a batch of ``num_ids``
+        ids: a device needs no more rows from one owner than the batch's
+        distinct ids or its own ids, so nothing overflows."""
+        return min(size, num_ids // self.layout.devices)
+
+    def _real_positions(self, route: routing.HostRoute, size: int) -> np.ndarray:
+        """``[L, P]`` positions of the real ids in each of this process's
+        devices' share of a batch of bags (``HostRoute.positions``)."""
+        own = len(self.layout.own)
+        flat = route.inverse.reshape(own, -1)
+        limit = route.owner_inverse.shape[1]  # R: padding
+        positions = np.empty((own, size), np.int32)
+        self.threads.map(lambda d: kernels.real_positions(flat[d], limit, positions[d]), range(own))
+        return positions
+
+    # ----------------------------------------------------------------- moves
+    def _moves(
+        self, step: StepPlan, defer: bool, size: int
+    ) -> tuple[tuple[Any, ...], Deferred | None]:
+        """This process's blocks of ``step``'s swap and the fetches deferred
+        to the transfer; lands the write-backs it needs first (or defers the
+        rows that wait for one) and queues its own evictions' write-back."""
+        timers, layout, cl = self.stats.timers, self.layout, self.local_capacity
+        blocks = len(step.plans)
+        evict_slots = np.full(blocks * size, cl, np.int32)
+        fetch_slots = np.full(blocks * size, cl, np.int32)
+        evict_ids, evict_at, fetch_ids, fetch_at = [], [], [], []
+        for block, (device, plan) in enumerate(zip(layout.own, step.plans, strict=True)):
+            start = block * size
+            evict_slots[start : start + len(plan.evict_slots)] = plan.evict_slots
+            fetch_slots[start : start + plan.misses] = plan.fetch_slots
+            evict_ids.append(layout.global_ids(device, plan.evict_ids))
+            evict_at.append(start + np.arange(len(plan.evict_ids)))
+            fetch_ids.append(layout.global_ids(device, plan.fetch_ids))
+            fetch_at.append(start + np.arange(plan.misses))
+        wanted = np.concatenate(fetch_ids)
+        deferred = None
+        with timers.time("write_back"):
+            if defer:
+                self.ledger.land_ready()
+                plans, read_out = self.ledger.pending(wanted)
+                late = plans >= 0
+                if late.any():
+                    at = np.concatenate(fetch_at)
+                    deferred = Deferred(wanted[late], at[late], plans[late], read_out[late])
+                    self.stats.deferred_fetches += int(late.sum())
+                    # Only the rows that are home now are gathered below.
+                    home = np.split(~late, np.cumsum([ids.size for ids in fetch_ids])[:-1])
+                    fetch_ids = [ids[keep] for ids, keep in zip(fetch_ids, home, strict=True)]
+                    fetch_at = [at_d[keep] for at_d, keep in zip(fetch_at, home, strict=True)]
+            else:
+                self.ledger.land_for(wanted)
+        evicted = np.concatenate(evict_ids)
+        if evicted.size:  # after landing: a plan never fetches what it evicts
+            self.ledger.register(step.index, evicted, np.concatenate(evict_at))
+        with timers.time("gather"):  # into fresh buffers: the device may alias them
+            table, total = self.table, blocks * size
+            rows = np.zeros((total, *table.rows.shape[1:]), table.rows.dtype)
+            opt = {k: np.zeros((total, *v.shape[1:]), v.dtype) for k, v in table.state.items()}
+            self.threads.map(
+                lambda item: table.gather_into(item[0], rows, opt, item[1]),
+                [(ids, at) for ids, at in zip(fetch_ids, fetch_at, strict=True) if ids.size],
+            )
+        return (evict_slots, fetch_slots, rows, opt), deferred
