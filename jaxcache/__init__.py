@@ -17,6 +17,7 @@ from jaxcache._src.device_ops import (
     pool,
     swap,
 )
+from jaxcache._src.dram_tier import TierStats
 from jaxcache._src.engine import EmbeddingCache, Staged, bucket_size
 from jaxcache._src.frequency import FrequencyCounter, hottest
 from jaxcache._src.guards import (
@@ -43,12 +44,19 @@ from jaxcache._src.pipeline import CacheHolder, Prefetcher, prefetch
 from jaxcache._src.placement import process_shard
 from jaxcache._src.planner import CapacityError, Plan, Planner
 from jaxcache._src.replay import plot_curve, replay, sweep
+from jaxcache._src.row_log import DiskStats
 from jaxcache._src.serving import Server, serving_config
 from jaxcache._src.stats import CacheStats, PhaseTimers, StepStats, compilations
 from jaxcache._src.synthetic import (
     CRITEO_KAGGLE_CARDINALITIES,
     DCNV2_BAG_SIZES,
     SyntheticCriteo,
+)
+from jaxcache._src.tiered_table import (
+    TableColumn,
+    TieredStats,
+    TieredTable,
+    default_dram_budget,
 )
 
 __version__ = "0.1.0"
@@ -65,6 +73,7 @@ __all__ = [
     "CheckpointInfo",
     "Checkpointer",
     "DCNV2_BAG_SIZES",
+    "DiskStats",
     "EmbeddingCache",
     "FiniteCheck",
     "FrequencyCounter",
@@ -84,12 +93,17 @@ __all__ = [
     "Staged",
     "StepStats",
     "SyntheticCriteo",
+    "TableColumn",
+    "TierStats",
+    "TieredStats",
+    "TieredTable",
     "adagrad",
     "adam",
     "apply_sparse",
     "bucket_size",
     "check_invariants",
     "compilations",
+    "default_dram_budget",
     "embed",
     "embed_init",
     "hottest",

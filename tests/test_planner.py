@@ -19,7 +19,8 @@ class DictPlanner:
 
     Id ``i`` lives only in the slots of its home device ``i % devices``
     (each device's ``local`` slots, or as many as it has ids); each device
-    chooses its victims among its own unprotected slots."""
+    chooses its victims among its own unprotected slots, and its misses, in
+    order of first appearance, take them in rising slot order."""
 
     def __init__(self, n, capacity, policy, frequencies, devices=1):
         self.devices, self.local = devices, capacity // devices
@@ -46,7 +47,7 @@ class DictPlanner:
         t = self.index
         self.index += 1
         resident = self.resident()
-        distinct = sorted(set(ids))
+        distinct = list(dict.fromkeys(ids))  # in order of first appearance
         misses = [i for i in distinct if i not in resident]
         protected = {s for s in range(len(self.ids)) if self.last_use[s] > released}
         protected |= {resident[i] for i in distinct if i in resident}
@@ -147,17 +148,26 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
             assert np.count_nonzero(part.slot_of_id >= 0) == mine.size
             assert (np.diff(plan.fetch_slots) > 0).all()  # fetches in slot order
             assert len(set(plan.unique_slots.tolist())) == plan.distinct
-            # Every id maps to a slot that holds it.
+            # Every id maps to a slot that holds it: through its rank among the
+            # distinct ids its source (a slice of the batch) sends its home.
+            real_at = np.flatnonzero((ids >= 0) & (ids % devices == d))
             if devices == 1:
-                real_at = np.flatnonzero(ids >= 0)
                 rows = plan.inverse.reshape(-1)[real_at]
             else:
-                real_at, rows = step.at[d], plan.inverse
-                bounds, first = step.bounds[d], step.first[d]
-                # ... and source s's k-th distinct row is what its k-th rank names.
-                source = np.searchsorted(bounds, np.arange(real_at.size), side="right") - 1
-                assert (first[bounds[source] + step.kpos[real_at]] == rows).all()
-                assert step.sent[d].sum() <= real_at.size
+                source = real_at // (ids.size // devices)
+                split = step.split  # the entries of each source, then its unused room
+                filled = np.concatenate(
+                    [s * split.share + np.arange(split.starts[s, -1]) for s in range(devices)]
+                )
+                ranks = np.empty(ids.size, np.int64)
+                ranks[split.at[filled]] = split.ranks[filled]  # by position in the batch
+                ranks = ranks[real_at]
+                assert (ranks < step.sent[d][source]).all()
+                rows = plan.inverse[step.bounds[d][source] + ranks]
+                # Each source's ranks name distinct rows.
+                for s in range(devices):
+                    named = plan.inverse[step.bounds[d][s] : step.bounds[d][s] + step.sent[d][s]]
+                    assert np.unique(named).size == named.size
             held = part.id_of_slot[plan.unique_slots[rows]]
             assert (Layout(devices=devices).global_ids(d, held) == ids[real_at]).all()
 

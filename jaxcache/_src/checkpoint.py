@@ -16,7 +16,9 @@ Items of a step directory:
   each process writes its own (``rows.shard-<i>-of-<p>.npy``, ...) and the
   first the rest. Large arrays are streamed to disk without a copy
   in memory: a memory-mapped table is copied file to file by the kernel
-  (``os.copy_file_range``), an in-memory one is written from its own buffer.
+  (``os.copy_file_range``), an in-memory one is written from its own buffer,
+  and a ``TieredTable`` is read through its tiers in one pass (restored by
+  scattering the saved rows back through them).
 * ``model/`` and ``optimizer/``: orbax PyTrees of the NNX state of the model
   (every variable except the cache rows, which the tables hold) and of the
   optimizer.
@@ -578,6 +580,21 @@ class _SavedTable:
                         out.dtype if stored is None else stored
                     )
 
+    def take(self, key: str, ids: np.ndarray, dtype: Any) -> np.ndarray:
+        """The saved values of global ``ids`` in array ``key``, as ``dtype``
+        (the table's), whatever split they were saved with."""
+        if self.shards == 1:
+            return np.asarray(self.array(key)[ids]).view(dtype)
+        out = None
+        for saved in range(self.shards):
+            mine = ids % self.shards == saved
+            if mine.any():
+                part = self.array(_shard_key(key, saved, self.shards))[ids[mine] // self.shards]
+                if out is None:
+                    out = np.empty((ids.size, *part.shape[1:]), part.dtype)
+                out[mine] = part
+        return out.view(dtype)
+
     def array(self, key: str) -> np.ndarray:
         """A read-only memory map of array ``key`` (stored dtype; bfloat16 as raw bytes)."""
         return np.load(self.path(key), mmap_mode="r")
@@ -629,21 +646,26 @@ def _save_table(directory: str, cache: EmbeddingCache, *, fsync: bool) -> None:
     os.makedirs(directory, exist_ok=True)
     state = cache.state_dict()
     planner = state["planner"]
-    index, count = cache.table.shard
+    table = cache.table
+    index, count = table.shard
     policy = dict(planner["policy"])
+    rows = {"rows": table.rows, **{f"state.{k}": v for k, v in table.state.items()}}
+    arrays = {_shard_key(key, index, count): array for key, array in rows.items()}
+    files = {}
+    if not isinstance(table.rows, np.ndarray):  # a TieredTable: its rows are read in chunks
+        files = _write_streamed(directory, table, list(arrays), fsync=fsync)
+        arrays = {}
     own = {
-        "rows": cache.table.rows,
-        **{f"state.{k}": v for k, v in cache.table.state.items()},
         # This process's slot blocks (consecutive), and its ids' policy counts.
         "planner.id_of_slot": planner["id_of_slot"],
         "planner.last_use": planner["last_use"],
         **{f"policy.{k}": v for k, v in policy.items() if k != "name"},
     }
-    arrays = {_shard_key(key, index, count): array for key, array in own.items()}
-    files = {
-        key: _write_array(os.path.join(directory, f"{key}.npy"), array, fsync=fsync)
+    arrays.update({_shard_key(key, index, count): array for key, array in own.items()})
+    files.update(
+        (key, _write_array(os.path.join(directory, f"{key}.npy"), array, fsync=fsync))
         for key, array in arrays.items()
-    }
+    )
     if index:
         return
     meta = {
@@ -726,9 +748,15 @@ def _restore_table(saved: _SavedTable, holder: Any) -> None:
         state["stats"] = meta["stats"]
     cache.load_state_dict(state)
     table = cache.table
-    saved.copy_rows("rows", table.rows, table.shard)
-    for key, array in table.state.items():
-        saved.copy_rows(f"state.{key}", array, table.shard)
+    if isinstance(table.rows, np.ndarray):
+        saved.copy_rows("rows", table.rows, table.shard)
+        for key, array in table.state.items():
+            saved.copy_rows(f"state.{key}", array, table.shard)
+    else:  # a TieredTable: written in chunks through its tiers
+        for ids in _id_chunks(table):
+            rows = saved.take("rows", ids, table.rows.dtype)
+            state = {k: saved.take(f"state.{k}", ids, v.dtype) for k, v in table.state.items()}
+            table.scatter(ids, rows, state)
     holder.set_state(cache.init_state())
 
 
@@ -840,6 +868,50 @@ def _write_array(path: str, array: np.ndarray, *, fsync: bool, dtype: Any = None
         if fsync:
             os.fsync(f.fileno())
     return {"shape": list(array.shape), "dtype": dtype.name, "bytes": size}
+
+
+def _id_chunks(table: Any) -> Iterable[np.ndarray]:
+    """The global ids a table stores, in order, about ``_CHUNK_BYTES`` of rows at a time."""
+    index, count = table.shard
+    local = len(table.rows)
+    row_bytes = table.rows[:1].nbytes + sum(v[:1].nbytes for v in table.state.values())
+    step = max(1, _CHUNK_BYTES // max(1, row_bytes))
+    for start in range(0, local, step):
+        yield index + count * np.arange(start, min(start + step, local), dtype=np.int64)
+
+
+def _write_streamed(directory: str, table: Any, keys: list[str], *, fsync: bool) -> dict:
+    """Writes a table that is not in memory (``TableColumn`` views) as ``.npy``
+    files, one pass over its rows: each chunk read once, all arrays at once."""
+    columns = [table.rows, *table.state.values()]
+    files, meta = [], {}
+    try:
+        for key, column in zip(keys, columns, strict=True):
+            f = open(os.path.join(directory, f"{key}.npy"), "wb")
+            files.append(f)
+            header = {
+                "descr": np.lib.format.dtype_to_descr(column.dtype),
+                "fortran_order": False,
+                "shape": column.shape,
+            }
+            np.lib.format.write_array_header_1_0(f, header)
+            meta[key] = {
+                "shape": list(column.shape),
+                "dtype": column.dtype.name,
+                "bytes": column.nbytes,
+            }
+        for ids in _id_chunks(table):
+            rows, state = table.gather(ids)
+            for f, values in zip(files, [rows, *state.values()], strict=True):
+                f.write(np.ascontiguousarray(values).reshape(-1).view(np.uint8))
+        for f in files:
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+    finally:
+        for f in files:
+            f.close()
+    return meta
 
 
 def _read_into(path: str, out: np.ndarray) -> None:

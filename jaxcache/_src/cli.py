@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from jaxcache._src import replay as replay_lib
+from jaxcache._src import tier_replay
 
 __all__ = ["main"]
 
@@ -103,6 +104,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     replay_parser.add_argument(
         "--plot", metavar="OUT.png", help="also draw hit rate and miss ratio against capacity"
     )
+    replay_parser.add_argument(
+        "--dram-budget",
+        type=_bytes,
+        metavar="BYTES",
+        help="also replay the rows moved through the DRAM tier of a jaxcache.TieredTable with "
+        "this budget (e.g. 512M or 64G; needs --row-bytes): its hit rate and disk traffic",
+    )
+    replay_parser.add_argument(
+        "--row-bytes",
+        type=_positive_int,
+        metavar="BYTES",
+        help="bytes of one row with its optimizer state, for --dram-budget (D * 4 + 4 for "
+        "float32 rows and row-wise Adagrad)",
+    )
     args = parser.parse_args(argv)
     if args.command == "replay":
         _replay(replay_parser, args)
@@ -138,6 +153,26 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             num_embeddings=args.num_embeddings,
             frequencies=frequencies,
         )
+    if args.dram_budget is not None:
+        if args.row_bytes is None:
+            parser.error("argument --dram-budget: needs --row-bytes, the bytes of one row.")
+        with _blame(parser, "--dram-budget"):
+            results = [
+                {
+                    **result,
+                    **tier_replay.replay_dram_tier(
+                        trace,
+                        capacity=result["capacity"],
+                        policy=result["policy"],
+                        dram_budget=args.dram_budget,
+                        row_bytes=args.row_bytes,
+                        batch=args.batch,
+                        num_embeddings=n,
+                        frequencies=frequencies,
+                    ),
+                }
+                for result in results
+            ]
     for result in results:
         print(json.dumps(result), flush=True)
     if args.plot is not None:
@@ -203,6 +238,20 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
     return value
+
+
+def _bytes(text: str) -> int:
+    """A byte count: ``"4096"``, or with a binary suffix, ``"512M"``, ``"64G"``, ``"1T"``."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    number = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = number[-1:] if number[-1:] in units else ""
+    try:
+        value = float(number[: len(number) - len(unit)]) * units[unit]
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 512M or 64G, got {text!r}")
+    return int(value)
 
 
 def _capacity(text: str) -> int | float:

@@ -2,7 +2,8 @@
 
 Rows are always stored in the caller's id order (row ``i`` is id ``i``), so
 exporting or checkpointing never scrambles them. Arrays are plain NumPy, or
-``np.memmap`` files when a directory is given, for tables larger than RAM.
+``np.memmap`` files when a directory is given. For tables larger than memory,
+``TieredTable`` (``tiered_table.py``) keeps the rows on disk behind a DRAM tier.
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ class HostTable:
       seed: seed of the initializer.
       directory: when given, rows and state live in ``np.memmap`` files there
         (``rows.npy`` and ``<state>.npy``; ``rows.shard-<i>-of-<p>.npy`` and
-        so on for a shard), for tables larger than RAM.
+        so on for a shard), for tables that fit in the page cache or files
+        shared with other processes. Every evicted row dirties a page of the
+        file; for tables larger than memory use ``jaxcache.TieredTable``.
       copy: copy ``rows`` (default) or adopt the array as the table.
       shard: ``(index, count)``: keep only this process's ids; ``rows``, when
         given, is still the whole ``[N, D]`` table (or a memory map of it).
@@ -142,41 +145,20 @@ class HostTable:
         shard: tuple[int, int] | None = None,
     ) -> None:
         self.config = config
-        index, count = (0, 1) if shard is None else (int(shard[0]), int(shard[1]))
-        if count < 1 or not 0 <= index < count:
-            raise ValueError(
-                f"shard={shard!r} is not (index, count) with 0 <= index < count; pass "
-                "jaxcache.process_shard(mesh) or leave it out for the whole table."
-            )
-        self.shard = (index, count)
-        shape = (config.num_embeddings, config.features)
-        local = (len(range(index, shape[0], count)), shape[1])
-        if rows is not None:
-            rows = np.asarray(rows)
-            if rows.shape != shape:
-                raise ValueError(
-                    f"rows has shape {rows.shape} but the config needs {shape} "
-                    "(num_embeddings, features)."
-                )
-            if not np.issubdtype(rows.dtype, np.floating) and rows.dtype != config.row_dtype:
-                raise TypeError(f"rows must be floating point, got dtype {rows.dtype}.")
+        self.shard = _check_shard(shard)
+        index, count = self.shard
+        rows = _check_rows(rows, config)
         self.directory = None if directory is None else os.fspath(directory)
         if self.directory is not None:
             os.makedirs(self.directory, exist_ok=True)
+        local = (len(range(index, config.num_embeddings, count)), config.features)
         self.rows = self._allocate("rows", local, config.row_dtype)
         if rows is not None and count == 1 and not copy and self.directory is None:
             if rows.dtype == config.row_dtype:
                 self.rows = rows
-        if rows is not None and self.rows is not rows:
-            for lo, hi, keep in self._chunks():
-                self.rows[keep] = rows[lo:hi][(index - lo) % count :: count]
-        elif rows is None:
-            # The whole table's draws, chunk by chunk, keeping this shard's
-            # rows: a shard holds exactly the values the whole table would.
-            init = init or embed_init()
-            rng = np.random.default_rng(seed)
-            for lo, hi, keep in self._chunks():
-                self.rows[keep] = init(rng, (hi - lo, shape[1]))[(index - lo) % count :: count]
+        if rows is None or self.rows is not rows:
+            for keep, values in self._initial_rows(rows, init, seed):
+                self.rows[keep] = values
         self.state: dict[str, np.ndarray] = {}
         for name, spec in config.optimizer.state_spec(config.features).items():
             array = self._allocate(name, (local[0], *spec.shape), spec.dtype)
@@ -200,6 +182,21 @@ class HostTable:
             hi = min(lo + _INIT_CHUNK_ROWS, n)
             first, end = -(-(lo - index) // count), -(-(hi - index) // count)
             yield lo, hi, slice(max(first, 0), max(end, 0))
+
+    def _initial_rows(self, rows: np.ndarray | None, init: Initializer | None, seed: int):
+        """``(local slice, values)`` of this shard's initial rows, chunk by chunk:
+        from ``rows`` (the whole table), or the whole table's draws from ``init``,
+        so that a shard holds exactly the values the whole table would."""
+        index, count = self.shard
+        if rows is None:
+            init = init or embed_init()
+            rng = np.random.default_rng(seed)
+        for lo, hi, keep in self._chunks():
+            if rows is None:
+                chunk = init(rng, (hi - lo, self.config.features))
+            else:
+                chunk = rows[lo:hi]
+            yield keep, chunk[(index - lo) % count :: count]
 
     @property
     def num_embeddings(self) -> int:
@@ -256,6 +253,30 @@ class HostTable:
         for array, values in ((self.rows, rows), *((v, state[k]) for k, v in self.state.items())):
             values = np.ascontiguousarray(values, dtype=array.dtype)  # as assignment would cast
             kernels.copy_rows(array, local, values, at)
+
+
+def _check_shard(shard: tuple[int, int] | None) -> tuple[int, int]:
+    index, count = (0, 1) if shard is None else (int(shard[0]), int(shard[1]))
+    if count < 1 or not 0 <= index < count:
+        raise ValueError(
+            f"shard={shard!r} is not (index, count) with 0 <= index < count; pass "
+            "jaxcache.process_shard(mesh) or leave it out for the whole table."
+        )
+    return index, count
+
+
+def _check_rows(rows: np.ndarray | None, config: CacheConfig) -> np.ndarray | None:
+    if rows is None:
+        return None
+    rows = np.asarray(rows)
+    shape = (config.num_embeddings, config.features)
+    if rows.shape != shape:
+        raise ValueError(
+            f"rows has shape {rows.shape} but the config needs {shape} (num_embeddings, features)."
+        )
+    if not np.issubdtype(rows.dtype, np.floating) and rows.dtype != config.row_dtype:
+        raise TypeError(f"rows must be floating point, got dtype {rows.dtype}.")
+    return rows
 
 
 def take_rows(array: np.ndarray, at: np.ndarray) -> np.ndarray:

@@ -16,7 +16,7 @@ match).
 batch fetches among those a pending write-back holds) by hashing, where a
 binary search per id cost several times as much.
 
-``split_by_home``, ``source_ranks``, ``owner_route`` and ``fill_inverse``
+``split_by_home``, ``lookup_entries``, ``owner_route`` and ``fill_inverse``
 are the per-id passes of a batch whose rows are split over several devices
 (``jaxcache._src.partitions``): one source slice or one home partition per
 call, so calls for different slices or partitions run on different threads.
@@ -48,12 +48,14 @@ __all__ = [
     "fill_inverse",
     "fill_negative",
     "lookup",
+    "lookup_entries",
     "mark_new",
     "owner_route",
     "real_positions",
+    "resolve_first",
+    "restore_misses",
     "sample_ids",
     "shadow_step",
-    "source_ranks",
     "split_by_home",
     "victim_candidates",
 ]
@@ -70,21 +72,42 @@ def as_index_array(ids: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(**_JIT)
-def lookup(flat, pad, num_embeddings, slot_of_id, rank, mark, stamp, inverse, hits, misses):
-    """Looks a batch's ids up in the directory.
+def lookup(
+    flat,
+    pad,
+    num_embeddings,
+    slot_of_id,
+    rank,
+    mark,
+    stamp,
+    inverse,
+    hits,
+    hit_counts,
+    miss_ids,
+    miss_counts,
+    miss_at,
+):
+    """Looks a batch's ids up in the directory, counting each distinct id.
 
     Writes ``inverse[p]``: ``-1`` for padding, the hit's rank among the
     distinct hits (in order of first appearance) for a resident id, and
-    leaves misses unwritten; ``hits[:h]``: the distinct hit slots, marked
-    ``stamp``; ``misses[:m]``: the positions of the misses.
+    ``-2 - q`` for the ``q``-th distinct missed id (in order of first
+    appearance); ``hits[:h]``: the distinct hit slots, marked ``stamp``, and
+    their lookups ``hit_counts[:h]``; ``miss_ids[:m]``, ``miss_counts[:m]``:
+    the distinct missed ids and their lookups; ``miss_at``: the positions of
+    the missed lookups. Misses are told apart through the directory itself:
+    while a batch is being planned, ``slot_of_id`` of its ``q``-th miss holds
+    ``-2 - q`` (``restore_misses`` undoes it; ``Planner.commit`` overwrites it).
 
     Returns:
-      ``(h, m, valid, bad)``: ``valid`` non-padding positions; ``bad`` the
-      first position holding an id outside ``[0, num_embeddings)`` (then the
-      other outputs are incomplete), else ``-1``.
+      ``(h, m, missed, valid, bad)``: ``missed`` missed lookups, ``valid``
+      non-padding positions; ``bad`` the first position holding an id
+      outside ``[0, num_embeddings)`` (then the directory is restored and
+      the other outputs are incomplete), else ``-1``.
     """
     h = 0
     m = 0
+    missed = 0
     valid = 0
     for p in range(flat.size):
         i = flat[p]
@@ -92,20 +115,135 @@ def lookup(flat, pad, num_embeddings, slot_of_id, rank, mark, stamp, inverse, hi
             inverse[p] = -1
             continue
         if i < 0 or i >= num_embeddings:
-            return h, m, valid, p
+            restore_misses(slot_of_id, miss_ids, m)
+            return h, m, missed, valid, p
         valid += 1
         s = slot_of_id[i]
-        if s < 0:
-            misses[m] = p
-            m += 1
+        if s >= 0:
+            if mark[s] != stamp:
+                mark[s] = stamp
+                rank[s] = h
+                hits[h] = s
+                hit_counts[h] = 0
+                h += 1
+            r = rank[s]
+            hit_counts[r] += 1
+            inverse[p] = r
             continue
-        if mark[s] != stamp:
-            mark[s] = stamp
-            rank[s] = h
-            hits[h] = s
-            h += 1
-        inverse[p] = rank[s]
-    return h, m, valid, -1
+        if s == -1:  # the first lookup of this miss
+            q = m
+            slot_of_id[i] = -2 - q
+            miss_ids[m] = i
+            miss_counts[m] = 0
+            m += 1
+        else:
+            q = -2 - s
+        miss_counts[q] += 1
+        inverse[p] = -2 - q
+        miss_at[missed] = p
+        missed += 1
+    return h, m, missed, valid, -1
+
+
+@numba.njit(**_JIT)
+def lookup_entries(
+    local,
+    chunk_lo,
+    chunk_hi,
+    slot_of_id,
+    rank,
+    mark,
+    stamp,
+    source_mark,
+    source_stamp,
+    source_rank,
+    hits,
+    hit_counts,
+    miss_ids,
+    miss_counts,
+    miss_source,
+    miss_rank,
+    first,
+    sent,
+    ranks,
+):
+    """``lookup`` for a device partition, and the ranks of what each source sends.
+
+    The partition's entries (real local ids, checked) are
+    ``local[chunk_lo[s]:chunk_hi[s]]`` for each source ``s``. Besides the
+    distinct hits and misses with their lookups (as ``lookup``, misses coded
+    in the directory), it ranks the distinct ids of each source in order of
+    appearance: rank ``k`` of source ``s`` is ``first[b_s + k]`` (the hit's
+    rank, or ``-1 - q`` for the ``q``-th miss; ``b_s`` the entries of the
+    sources before ``s``), ``sent[s]`` how many there are, and ``ranks[j]``
+    each entry's rank, at the entry's own index ``j`` of ``local``.
+    ``source_mark`` is stamped with ``source_stamp + s``.
+
+    Returns:
+      ``(h, m)``: distinct hits and misses.
+    """
+    h = 0
+    m = 0
+    base = 0
+    for s in range(chunk_lo.size):
+        k = 0
+        tag = source_stamp + s
+        for j in range(chunk_lo[s], chunk_hi[s]):
+            i = local[j]
+            v = slot_of_id[i]
+            if v >= 0:
+                if mark[v] != stamp:
+                    mark[v] = stamp
+                    rank[v] = h
+                    hits[h] = v
+                    hit_counts[h] = 0
+                    h += 1
+                hit_counts[rank[v]] += 1
+                if source_mark[v] != tag:
+                    source_mark[v] = tag
+                    source_rank[v] = k
+                    first[base + k] = rank[v]
+                    k += 1
+                ranks[j] = source_rank[v]
+                continue
+            if v == -1:  # the first lookup of this miss
+                q = m
+                slot_of_id[i] = -2 - q
+                miss_ids[m] = i
+                miss_counts[m] = 0
+                miss_source[m] = -1
+                m += 1
+            else:
+                q = -2 - v
+            miss_counts[q] += 1
+            if miss_source[q] != s:
+                miss_source[q] = s
+                miss_rank[q] = k
+                first[base + k] = -1 - q
+                k += 1
+            ranks[j] = miss_rank[q]
+        sent[s] = k
+        base += chunk_hi[s] - chunk_lo[s]
+    return h, m
+
+
+@numba.njit(**_JIT)
+def restore_misses(slot_of_id, miss_ids, m):
+    """Clears the codes ``lookup`` left in the directory for ``miss_ids[:m]``."""
+    for q in range(m):
+        slot_of_id[miss_ids[q]] = -1
+
+
+@numba.njit(**_JIT)
+def resolve_first(first, bounds, sent, hits):
+    """Turns the misses' codes ``-1 - q`` of ``lookup_entries``' ranks into
+    their rows ``hits + q`` (the misses follow the hits)."""
+    for s in range(bounds.size - 1):
+        base = bounds[s]
+        for j in range(base, base + sent[s]):
+            code = first[j]
+            if code < 0:
+                first[j] = hits - 1 - code
 
 
 @numba.njit(**_JIT)
@@ -169,14 +307,15 @@ def real_positions(values, limit, out):
 
 
 @numba.njit(**_JIT)
-def split_by_home(flat, lo, hi, pad, num_embeddings, devices, local, at, starts):
+def split_by_home(flat, lo, hi, pad, num_embeddings, devices, keep, local, at, starts):
     """Groups the real ids of ``flat[lo:hi]`` by residue ``id % devices``.
 
     Writes, grouped by residue and in order within each group, the local id
-    (``id // devices``) of every real id into ``local`` and its position in
-    ``flat`` into ``at``; ``starts[r]`` is where residue ``r``'s group begins
-    (``starts[devices]`` the number of real ids). ``local`` and ``at`` need
-    room for ``hi - lo`` entries.
+    (``id // devices``) of every real id whose residue ``r`` has ``keep[r]``
+    into ``local`` and its position in ``flat`` into ``at``; ``starts[r]`` is
+    where residue ``r``'s group begins (``starts[devices]`` where the last
+    ends). ``local`` and ``at`` need room for ``hi - lo`` entries. Every id
+    is range-checked, kept or not.
 
     Returns:
       The first position holding an id outside ``[0, num_embeddings)``
@@ -195,7 +334,7 @@ def split_by_home(flat, lo, hi, pad, num_embeddings, devices, local, at, starts)
         if i < 0 or i >= num_embeddings:
             return p
         r = (i & mask) if power else i % devices
-        counts[r + 1] += 1
+        counts[r + 1] += keep[r]
     for r in range(devices):
         counts[r + 1] += counts[r]
     for r in range(devices + 1):
@@ -210,46 +349,21 @@ def split_by_home(flat, lo, hi, pad, num_embeddings, devices, local, at, starts)
         else:
             r = i % devices
             q = i // devices
-        c = counts[r]
-        local[c] = q
-        at[c] = p
-        counts[r] = c + 1
+        if keep[r]:
+            c = counts[r]
+            local[c] = q
+            at[c] = p
+            counts[r] = c + 1
     return -1
 
 
 @numba.njit(**_JIT)
-def source_ranks(inverse, bounds, at, seen, rank, first, sent, kpos):
-    """Ranks the distinct ids each source sends one owner.
-
-    The owner's entries come grouped by source (``bounds[s]:bounds[s + 1]``);
-    ``inverse[j]`` is entry ``j``'s index among the owner's distinct rows.
-    For source ``s`` the k-th distinct row in order of appearance gets rank
-    ``k``: ``first[bounds[s] + k]`` is that row, ``sent[s]`` how many there
-    are, and ``kpos[at[j]] = k`` for every entry (``at``: the entries'
-    positions in the batch). ``seen`` and ``rank`` are scratch of one entry
-    per distinct row, ``seen`` filled with ``-1``.
-    """
-    for s in range(bounds.size - 1):
-        k = 0
-        base = bounds[s]
-        for j in range(base, bounds[s + 1]):
-            u = inverse[j]
-            if seen[u] != s:
-                seen[u] = s
-                rank[u] = k
-                first[base + k] = u
-                k += 1
-            kpos[at[j]] = rank[u]
-        sent[s] = k
-
-
-@numba.njit(**_JIT)
-def distinct_ranks(local, at, lo, hi, table, kpos):
+def distinct_ranks(local, lo, hi, table, ranks):
     """Ranks the distinct ids of ``local[lo:hi]`` in order of appearance,
-    writing each entry's rank to ``kpos[at[j]]``; returns how many there are.
+    writing each entry's rank to ``ranks[j]``; returns how many there are.
 
     For the ids a source sends an owner of another process, which ranks them
-    the same way (``source_ranks``). ``table`` is scratch: an open-addressing
+    the same way (``lookup_entries``). ``table`` is scratch: an open-addressing
     hash table of at least twice ``hi - lo`` entries, a power of two, filled
     with ``-1``; it is left filled with ``-1`` again.
     """
@@ -266,11 +380,11 @@ def distinct_ranks(local, at, lo, hi, table, kpos):
             slot = table[h]
             if slot < 0:
                 table[h] = j
-                kpos[at[j]] = count
+                ranks[j] = count
                 count += 1
                 break
             if local[slot] == v:
-                kpos[at[j]] = kpos[at[slot]]
+                ranks[j] = ranks[slot]
                 break
             h = (h + 1) & mask
     for j in range(lo, hi):  # clear what was set
@@ -297,18 +411,16 @@ def owner_route(unique_slots, first, bounds, sent, per_destination, requests, ow
 
 
 @numba.njit(**_JIT)
-def fill_inverse(flat, lo, hi, pad, devices, processes, kpos, per_destination, padding, out):
-    """Each id's row in its device's received buffer: ``device K + kpos``,
-    ``padding`` for padding; ``device`` is the id's home (see ``Layout``)."""
-    per_process = devices // processes
-    for p in range(lo, hi):
-        i = flat[p]
-        if i == pad:
-            out[p] = padding
-            continue
-        r = i % devices
-        device = (r % processes) * per_process + r // processes
-        out[p] = device * per_destination + kpos[p]
+def fill_inverse(at, ranks, lo, starts, base, out):
+    """One source's ids' rows in its device's received buffer: for the
+    entries of residue ``r`` (``lo + starts[r]`` to ``lo + starts[r + 1]`` of
+    the split's grouped ``at`` and ``ranks``), ``out[at[j]] = base[r] +
+    ranks[j]`` (``base[r]``: ``K`` times the home device of residue ``r``).
+    Padding is left as it was."""
+    for r in range(base.size):
+        b = base[r]
+        for j in range(lo + starts[r], lo + starts[r + 1]):
+            out[at[j]] = b + ranks[j]
 
 
 # Fibonacci hashing: the top bits of id * 2^64 / golden ratio (as int64).

@@ -41,7 +41,38 @@ from jaxcache._src.placement import Layout
 from jaxcache._src.planner import _NO_PAD, CapacityError, Plan, Planner, check_state
 from jaxcache._src.threads import HostThreads, raised
 
-__all__ = ["Partitions", "StepPlan"]
+__all__ = ["Partitions", "Split", "StepPlan"]
+
+
+class Split(NamedTuple):
+    """A batch's real ids grouped by source slice, then by residue (home).
+
+    Source ``s``'s entries of residue ``r`` are ``[s S + starts[s, r],
+    s S + starts[s, r + 1])`` of each array (``S`` the slice length); the
+    sources of other processes keep only the residues homed here.
+
+    Attributes:
+      local: ``int64``: each entry's local id (``id // n``).
+      at: ``int32``: its position in the flattened batch.
+      starts: ``int64 [n, n + 1]``: where each (source, residue) group starts.
+      ranks: ``int32``: each entry's rank among the distinct ids its source
+        sends its home device, in order of first appearance.
+    """
+
+    local: np.ndarray
+    at: np.ndarray
+    starts: np.ndarray
+    ranks: np.ndarray
+
+    @property
+    def share(self) -> int:
+        """``S``, the length of a source's slice of the flattened batch."""
+        return self.local.size // self.starts.shape[0]
+
+    def chunks(self, residue: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(lo, hi)``, each ``[n]``: every source's entries of ``residue``."""
+        offsets = np.arange(self.starts.shape[0]) * self.share
+        return offsets + self.starts[:, residue], offsets + self.starts[:, residue + 1]
 
 
 class StepPlan(NamedTuple):
@@ -51,31 +82,28 @@ class StepPlan(NamedTuple):
       index: sequence number of the plan (the same in every partition).
       shape: shape of the batch's ids.
       plans: one ``Plan`` per own partition, in local ids and local slots.
-      bounds: per own partition, ``int64 [n + 1]``: its entries from each
-        source (``None`` on one device).
-      first: per own partition, ``[E]``: the distinct row (index into its
-        ``unique_slots``) of source ``s``'s rank ``k`` at ``bounds[s] + k``.
-      at: per own partition, ``[E]``: each entry's position in the batch.
+        With several devices a plan's ``inverse`` holds, for source ``s``'s
+        rank ``k``, the distinct row (index into its ``unique_slots``) at
+        ``bounds[s] + k``.
+      bounds: per own partition, ``int64 [n + 1]``: where each source's
+        ranks start (``None`` on one device).
       sent: ``int64 [L, n]``: distinct ids each source sends each own partition.
       real: ``int64 [L]``: real (not padding) ids of each own source's slice.
       sent_out: ``int64 [L, n]``: distinct ids each own source sends each
         device (those of other processes ranked here too); ``None`` in one
         process, where ``sent`` covers every pair.
-      kpos: ``int32`` of the flattened ids: each real id's rank among the
-        distinct ids its source sends its home (``None`` on one device,
-        where it is the plan's ``inverse``).
+      split: the batch's real ids grouped by source and home (``None`` on
+        one device, where the plan's ``inverse`` holds the ranks).
     """
 
     index: int
     shape: tuple[int, ...]
     plans: tuple[Plan, ...]
     bounds: tuple[np.ndarray, ...] | None
-    first: tuple[np.ndarray, ...] | None
-    at: tuple[np.ndarray, ...] | None
     sent: np.ndarray
     real: np.ndarray
     sent_out: np.ndarray | None
-    kpos: np.ndarray | None
+    split: Split | None
 
     def total(self, field: str) -> int:
         """A count of the plans (``lookups``, ``hits``, ...) summed over the partitions."""
@@ -148,6 +176,7 @@ class Partitions:
         self.threads = threads or HostThreads(1)
         self.local_capacity = config.capacity // n
         self.devices = tuple(layout.own)
+        self._source_stamp = 1  # stamps of the sources' ranking, n per plan
         self.planners = [
             Planner(
                 self._partition_config(d),
@@ -285,63 +314,43 @@ class Partitions:
             )
             sent = np.array([[plan.distinct]], np.int64)
             real = np.array([plan.lookups], np.int64)
-            return StepPlan(
-                plan.index, array.shape, (plan,), None, None, None, sent, real, None, None
-            )
+            return StepPlan(plan.index, array.shape, (plan,), None, sent, real, None, None)
+        n = self.layout.devices
         flat = kernels.as_index_array(array)
-        local, at, starts = self._split(array, flat)
-        entries = [self._entries(d, local, at, starts) for d in self.devices]
-        checked = self.threads.gather(
-            lambda item: item[0].check(item[1][0], released=released),
-            list(zip(self.planners, entries, strict=True)),
-        )
+        split = self._split(array, flat)
+        stamp = self._source_stamp
+        self._source_stamp += n
+
+        def check(item):
+            device, planner = item
+            lo, hi = split.chunks(self.layout.residue(device))
+            return planner.check_entries(split.local, lo, hi, split.ranks, stamp, released=released)
+
+        own = list(zip(self.devices, self.planners, strict=True))
+        checked = self.threads.gather(check, own)
         self._raise_refusals(checked, max_distinct)
-        kpos = np.empty(flat.size, np.int32)
-
-        def commit(item):
-            planner, check, (_, at_d, bounds) = item
-            plan = planner.commit(check, train=train)
-            distinct = plan.distinct
-            first = np.empty(at_d.size, np.int32)
-            sent = np.empty(bounds.size - 1, np.int64)
-            kernels.source_ranks(
-                plan.inverse,
-                bounds,
-                at_d,
-                np.full(distinct, -1, np.int64),
-                np.empty(distinct, np.int32),
-                first,
-                sent,
-                kpos,
-            )
-            return plan, first, sent
-
-        done = self.threads.map(commit, list(zip(self.planners, checked, entries, strict=True)))
-        plans, first, sent = zip(*done, strict=True)
-        own = np.array(self.devices)
+        plans = self.threads.map(
+            lambda item: item[0].commit(item[1], train=train),
+            list(zip(self.planners, checked, strict=True)),
+        )
         return StepPlan(
             plans[0].index,
             array.shape,
             tuple(plans),
-            tuple(bounds for _, _, bounds in entries),
-            tuple(first),
-            tuple(at_d for _, at_d, _ in entries),
-            np.stack(sent),
-            starts[own, -1].copy(),
-            self._rank_foreign(local, at, starts, kpos),
-            kpos,
+            tuple(c.bounds for c in checked),
+            np.stack([c.sent for c in checked]),
+            split.starts[np.array(self.devices), -1].copy(),
+            self._rank_foreign(split),
+            split,
         )
 
-    def _rank_foreign(
-        self, local: np.ndarray, at: np.ndarray, starts: np.ndarray, kpos: np.ndarray
-    ) -> np.ndarray | None:
+    def _rank_foreign(self, split: Split) -> np.ndarray | None:
         """Ranks the ids each own source sends the devices of other processes
         (``distinct_ranks``), as their owners rank them; returns ``sent_out``."""
         layout = self.layout
         if layout.processes == 1:
             return None
-        n = layout.devices
-        share = local.size // n
+        n, starts, share = layout.devices, split.starts, split.share
         sent_out = np.zeros((len(self.devices), n), np.int64)
         foreign = [d for d in range(n) if d not in layout.own]
 
@@ -352,61 +361,60 @@ class Partitions:
             for device in foreign:
                 r = layout.residue(device)
                 lo, hi = source * share + starts[source, r], source * share + starts[source, r + 1]
-                sent_out[row, device] = kernels.distinct_ranks(local, at, lo, hi, table, kpos)
+                sent_out[row, device] = kernels.distinct_ranks(
+                    split.local, lo, hi, table, split.ranks
+                )
 
         self.threads.map(rank, list(enumerate(self.devices)))
         return sent_out
 
-    def _split(
-        self, array: np.ndarray, flat: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The real ids of each source's slice grouped by residue (``split_by_home``).
-
-        Returns ``(local [ids], at [ids], starts [n, n + 1])``: source ``s``'s
-        entries of residue ``r`` are ``[s S + starts[s, r], s S + starts[s, r + 1])``
-        of ``local`` and ``at``, ``S`` the slice length.
-        """
+    def _split(self, array: np.ndarray, flat: np.ndarray) -> Split:
+        """The real ids of each source's slice grouped by residue
+        (``split_by_home``), one piece per source; ranks to be filled."""
         cfg, n = self.config, self.layout.devices
         share = flat.size // n
         pad = _NO_PAD if cfg.padding_id is None else cfg.padding_id
         local = np.empty(flat.size, np.int64)
-        at = np.empty(flat.size, np.int64)
+        at = np.empty(flat.size, np.int32)
         starts = np.empty((n, n + 1), np.int64)
+        # A source of this process needs every residue ranked; another
+        # process's source only the residues homed here.
+        mine = np.zeros(n, bool)
+        mine[[self.layout.residue(d) for d in self.devices]] = True
+        everything = np.ones(n, bool)
 
         def split(source: int) -> int:
             lo, hi = source * share, (source + 1) * share
+            keep = everything if source in self.layout.own else mine
             return kernels.split_by_home(
-                flat, lo, hi, pad, cfg.num_embeddings, n, local[lo:hi], at[lo:hi], starts[source]
+                flat,
+                lo,
+                hi,
+                pad,
+                cfg.num_embeddings,
+                n,
+                keep,
+                local[lo:hi],
+                at[lo:hi],
+                starts[source],
             )
 
         bad = [p for p in self.threads.map(split, range(n)) if p >= 0]
         if bad:  # check_ids words the error; the kernel found where
             validation.check_ids(array, cfg.num_embeddings, cfg.padding_id, "ids")
             raise ValueError(f"ids hold {flat[bad[0]]}, outside [0, {cfg.num_embeddings}).")
-        return local, at, starts
-
-    def _entries(
-        self, device: int, local: np.ndarray, at: np.ndarray, starts: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """What ``device``'s partition receives: ``(local ids [E], positions [E],
-        bounds [n + 1])``, grouped by source."""
-        n = self.layout.devices
-        r = self.layout.residue(device)
-        share = local.size // n
-        lo = np.arange(n) * share + starts[:, r]
-        hi = np.arange(n) * share + starts[:, r + 1]
-        bounds = np.zeros(n + 1, np.int64)
-        np.cumsum(hi - lo, out=bounds[1:])
-        pieces = [slice(a, b) for a, b in zip(lo.tolist(), hi.tolist(), strict=True)]
-        ids = np.concatenate([local[p] for p in pieces])
-        positions = np.concatenate([at[p] for p in pieces])
-        return ids, positions, bounds
+        return Split(local, at, starts, np.empty(flat.size, np.int32))
 
     def _raise_refusals(self, checked: list[Any], max_distinct: int | None) -> None:
         """Raises the error of a partition that refused the batch, or when the
         batch has more than ``max_distinct`` distinct ids in all."""
         errors = [(d, raised(c)) for d, c in zip(self.devices, checked, strict=True)]
         errors = [(d, e) for d, e in errors if e is not None]
+        distinct = sum(c.hits.size + c.miss_ids.size for c in checked if raised(c) is None)
+        if errors or (max_distinct is not None and distinct > max_distinct):
+            for planner, c in zip(self.planners, checked, strict=True):
+                if raised(c) is None:  # the batch is refused: clear its misses' codes
+                    planner.abandon(c)
         for _, error in errors:
             if not isinstance(error, CapacityError):
                 raise error
@@ -429,7 +437,6 @@ class Partitions:
             refusal.fits_after = error.fits_after
             raise refusal
         if max_distinct is not None:
-            distinct = sum(c.hit_unique.size + c.miss_ids.size for c in checked)
             if distinct > max_distinct:
                 raise ValueError(
                     f"the batch has {distinct} distinct ids, but the host-callback form pads "

@@ -78,7 +78,7 @@ class Plan(NamedTuple):
       >>> planner = jaxcache.Planner(jaxcache.CacheConfig(100, 2, capacity=4))
       >>> plan = planner.plan(np.array([[8, 3], [3, 3]]))
       >>> plan.distinct, plan.misses, plan.lookups, plan.inverse.tolist()
-      (2, 2, 4, [[1, 0], [0, 0]])
+      (2, 2, 4, [[0, 1], [1, 1]])
     """
 
     index: int
@@ -108,15 +108,11 @@ class Plan(NamedTuple):
 _NO_PAD = np.iinfo(np.int64).min
 
 
-def _sorted_unique(values: np.ndarray) -> np.ndarray:
-    # np.sort + a mask is several times faster than np.unique on NumPy 2.x.
-    if values.size == 0:
-        return values
-    s = np.sort(values)
-    keep = np.empty(s.shape, bool)
-    keep[0] = True
-    np.not_equal(s[1:], s[:-1], out=keep[1:])
-    return s[keep]
+def _lowest(values: np.ndarray, count: int) -> np.ndarray:
+    """The ``count`` smallest of distinct ``values``, in order."""
+    if count < values.size:
+        values = np.partition(values, count - 1)[:count]
+    return np.sort(values)
 
 
 def check_state(state: dict[str, Any], num_embeddings: int) -> None:
@@ -143,17 +139,22 @@ def check_state(state: dict[str, Any], num_embeddings: int) -> None:
 
 
 class _Checked(NamedTuple):
-    """A batch looked up and checked against the capacity, not yet planned:
-    the directory is unchanged (``Planner.check``, then ``Planner.commit``)."""
+    """A batch looked up and checked against the capacity, not yet planned
+    (``Planner.check``, then ``Planner.commit`` or ``Planner.abandon``). Its
+    misses are coded in the directory meanwhile (see ``kernels.lookup``)."""
 
     shape: tuple[int, ...]
-    inverse: np.ndarray  # int32 [ids]: ranks of the hits, -1 for padding; misses unwritten
-    hit_unique: np.ndarray  # int32 [H] distinct hit slots, in order of appearance
-    miss_at: np.ndarray  # int64 [m] positions of the missed lookups
-    miss_lookups: np.ndarray  # their ids
-    miss_ids: np.ndarray  # distinct missed ids, sorted
+    inverse: np.ndarray | None  # int32 [ids]: hit ranks, miss codes, -1 for padding
+    miss_at: np.ndarray | None  # positions of the missed lookups
+    hits: np.ndarray  # int32 [h] distinct hit slots, in order of appearance
+    miss_ids: np.ndarray  # [m] distinct missed ids, in order of appearance
+    counts: np.ndarray  # int64 [h + m] lookups of each distinct id, hits first
     lookups: int
+    missed: int  # missed lookups
     stamp: int
+    first: np.ndarray | None = None  # entries: each source's ranks (lookup_entries)
+    bounds: np.ndarray | None = None
+    sent: np.ndarray | None = None
 
 
 class Planner:
@@ -185,7 +186,7 @@ class Planner:
       >>> planner = jaxcache.Planner(cfg)
       >>> plan = planner.plan(np.array([7, 2, 7]))
       >>> plan.fetch_ids.tolist(), plan.inverse.tolist()
-      ([2, 7], [1, 0, 1])
+      ([7, 2], [0, 1, 0])
       >>> planner.release(plan.index)  # its step is done: rows may be evicted
       >>> plan = planner.plan(np.array([2, 5, 9]))  # 7 is the least recent
       >>> plan.hits, plan.fetch_ids.tolist(), int(planner.slot_of_id[7])
@@ -217,6 +218,9 @@ class Planner:
         # last_use. A plan never scans all C slots to find them.
         self._mark = np.zeros(capacity, np.int64)
         self._stamp = 0
+        # Per-source stamps of the slots a partition's sources send (lazily).
+        self._source_mark: np.ndarray | None = None
+        self._source_rank: np.ndarray | None = None
         self._in_flight: dict[int, np.ndarray] = {}  # plan index -> its slots
         self._finished = -1  # the plan being made protects what plans after it use
         # Victim candidates (see _snapshot) and the (key, slot) bound they cover.
@@ -401,18 +405,23 @@ class Planner:
     def check(
         self, ids: np.ndarray, *, released: int | None = None, max_distinct: int | None = None
     ) -> _Checked:
-        """Looks ``ids`` up and checks that the batch fits; changes nothing
-        but scratch. Pass the result to ``commit`` before checking another
-        batch. Arguments and errors as for ``plan``."""
+        """Looks ``ids`` up and checks that the batch fits; the directory only
+        holds codes for its misses until ``commit`` (or ``abandon``), which
+        must come before the next batch is checked. Arguments and errors as
+        for ``plan`` (after an error nothing has changed)."""
         cfg = self.config
         array = validation.check_id_type(ids, "ids")  # the values: in the loop below
         flat = kernels.as_index_array(array)
         pad = _NO_PAD if cfg.padding_id is None else cfg.padding_id
         self._stamp += 1  # the hits are marked protected as they are found
-        inverse = np.empty(flat.size, np.int32)
-        hits = np.empty(min(flat.size, self.capacity), np.int32)
-        miss_at = np.empty(flat.size, np.int64)
-        h, m, lookups, bad = kernels.lookup(
+        size = flat.size
+        hits = np.empty(min(size, self.capacity), np.int32)
+        hit_counts = np.empty(hits.size, np.int64)
+        miss_ids = np.empty(min(size, cfg.num_embeddings), np.int64)
+        miss_counts = np.empty(miss_ids.size, np.int64)
+        inverse = np.empty(size, np.int32)
+        miss_at = np.empty(size, np.int64)
+        h, m, missed, lookups, bad = kernels.lookup(
             flat,
             pad,
             cfg.num_embeddings,
@@ -422,42 +431,124 @@ class Planner:
             self._stamp,
             inverse,
             hits,
+            hit_counts,
+            miss_ids,
+            miss_counts,
             miss_at,
         )
         if bad >= 0:  # check_ids words the error; the kernel found where
             validation.check_ids(array, cfg.num_embeddings, cfg.padding_id, "ids")
             raise ValueError(f"ids hold {flat[bad]}, outside [0, {cfg.num_embeddings}).")
-        hit_unique, miss_at = hits[:h], miss_at[:m]
-        miss_lookups = flat[miss_at]
-        miss_ids = _sorted_unique(miss_lookups)
-        distinct = h + miss_ids.size
+        checked = _Checked(
+            array.shape,
+            inverse,
+            miss_at[:missed],
+            hits[:h],
+            miss_ids[:m],
+            np.concatenate([hit_counts[:h], miss_counts[:m]]),
+            int(lookups),
+            int(missed),
+            self._stamp,
+        )
+        return self._admit(checked, released, max_distinct)
+
+    def check_entries(
+        self,
+        local: np.ndarray,
+        chunk_lo: np.ndarray,
+        chunk_hi: np.ndarray,
+        ranks: np.ndarray,
+        source_stamp: int,
+        *,
+        released: int | None = None,
+    ) -> _Checked:
+        """``check`` for a device partition's entries: real local ids
+        ``local[chunk_lo[s]:chunk_hi[s]]`` from each source ``s``.
+
+        Also ranks the distinct ids each source sends (``lookup_entries``),
+        writing each entry's rank to ``ranks`` at the entry's index.
+        """
+        self._stamp += 1
+        size = int((chunk_hi - chunk_lo).sum())
+        if self._source_mark is None:
+            self._source_mark = np.zeros(self.capacity, np.int64)
+            self._source_rank = np.empty(self.capacity, np.int32)
+        hits = np.empty(min(size, self.capacity), np.int32)
+        hit_counts = np.empty(hits.size, np.int64)
+        miss_ids = np.empty(min(size, self.config.num_embeddings), np.int64)
+        miss_counts = np.empty(miss_ids.size, np.int64)
+        first = np.empty(size, np.int32)
+        sent = np.empty(chunk_lo.size, np.int64)
+        h, m = kernels.lookup_entries(
+            local,
+            chunk_lo,
+            chunk_hi,
+            self.slot_of_id,
+            self._rank,
+            self._mark,
+            self._stamp,
+            self._source_mark,
+            source_stamp,
+            self._source_rank,
+            hits,
+            hit_counts,
+            miss_ids,
+            miss_counts,
+            np.empty(miss_ids.size, np.int64),
+            np.empty(miss_ids.size, np.int32),
+            first,
+            sent,
+            ranks,
+        )
+        bounds = np.zeros(chunk_lo.size + 1, np.int64)
+        np.cumsum(chunk_hi - chunk_lo, out=bounds[1:])
+        checked = _Checked(
+            (size,),
+            None,
+            None,
+            hits[:h],
+            miss_ids[:m],
+            np.concatenate([hit_counts[:h], miss_counts[:m]]),
+            size,
+            int(miss_counts[:m].sum()),
+            self._stamp,
+            first,
+            bounds,
+            sent,
+        )
+        return self._admit(checked, released, None)
+
+    def _admit(self, checked: _Checked, released: int | None, max_distinct: int | None) -> _Checked:
+        """``checked`` if the batch fits next to the in-flight rows; else the
+        directory's miss codes are cleared and the refusal raised."""
+        h, m = checked.hits.size, checked.miss_ids.size
+        distinct = h + m
+        error: Exception | None = None
         if max_distinct is not None and distinct > max_distinct:
-            raise ValueError(
+            error = ValueError(
                 f"the batch has {distinct} distinct ids, but the host-callback form pads its "
                 f"lists to callback_rows={max_distinct}; raise CacheConfig(callback_rows=...) "
                 f"to at least {distinct}, or leave it None to pad to the batch's number of ids."
             )
-        if distinct > self.capacity:
+        elif distinct > self.capacity:
             error = CapacityError(
                 f"the batch has {distinct} distinct ids but capacity is {self.capacity} rows; "
                 f"raise capacity to at least {distinct} or use smaller batches."
             )
             error.distinct = distinct
+        else:
+            finished = self.released if released is None else min(int(released), self.released)
+            available = self.capacity - h - self._guard(finished, distinct)
+            if m > available:
+                error = self._no_room(checked.hits, m, available)
+        if error is not None:
+            self.abandon(checked)
             raise error
-        finished = self.released if released is None else min(int(released), self.released)
-        available = self.capacity - h - self._guard(finished, distinct)
-        if miss_ids.size > available:
-            raise self._no_room(hit_unique, miss_ids.size, available)
-        return _Checked(
-            array.shape,
-            inverse,
-            hit_unique,
-            miss_at,
-            miss_lookups,
-            miss_ids,
-            int(lookups),
-            self._stamp,
-        )
+        return checked
+
+    def abandon(self, checked: _Checked) -> None:
+        """Forgets a checked batch that will not be committed."""
+        kernels.restore_misses(self.slot_of_id, checked.miss_ids, checked.miss_ids.size)
 
     def commit(self, checked: _Checked, *, train: bool = True) -> Plan:
         """Plans the batch ``check`` accepted: victims, directory, recency, policy.
@@ -466,7 +557,7 @@ class Planner:
         """
         if checked.stamp != self._stamp:
             raise RuntimeError("the planner checked another batch since; check this one again.")
-        inverse, hit_unique, miss_ids = checked.inverse, checked.hit_unique, checked.miss_ids
+        hits, miss_ids = checked.hits, checked.miss_ids
         index = self.next_index
         self.next_index += 1
         victims = self._choose_victims(miss_ids.size)
@@ -476,38 +567,39 @@ class Planner:
         evicted_ids = old_ids[occupied]
         write_back = self.dirty[evicted_slots]
         self.slot_of_id[evicted_ids] = -1
-        self.slot_of_id[miss_ids] = victims
+        self.slot_of_id[miss_ids] = victims  # replaces the misses' codes
         self.id_of_slot[victims] = miss_ids
         self.dirty[victims] = False
         self.policy.on_insert(self, victims, miss_ids)
 
         # Distinct slots: the hits' (in order of appearance), then the new
-        # rows' (in id order). Missed lookups reach theirs through the
-        # directory and the rank scratch, in linear time.
-        unique_slots = np.concatenate([hit_unique, victims]).astype(np.int32)
-        if miss_ids.size:
-            self._rank[victims] = np.arange(hit_unique.size, unique_slots.size, dtype=np.int32)
-            inverse[checked.miss_at] = self._rank[self.slot_of_id[checked.miss_lookups]]
+        # rows' (misses in order of appearance, in victims of rising slot).
+        h = hits.size
+        unique_slots = np.concatenate([hits, victims]).astype(np.int32)
+        inverse = checked.inverse
+        if inverse is not None:
+            if checked.missed:  # code -2 - q becomes rank h + q
+                inverse[checked.miss_at] = h - 2 - inverse[checked.miss_at]
+            inverse = inverse.reshape(checked.shape)
+        else:
+            inverse = checked.first
+            kernels.resolve_first(inverse, checked.bounds, checked.sent, h)
         self.last_use[unique_slots] = index
         self._in_flight[index] = unique_slots
         if train:
             self.dirty[unique_slots] = True
-        counts = None
-        if self.policy.needs_counts:
-            counts = np.bincount(inverse[inverse >= 0], minlength=unique_slots.size)
-        self.policy.record(self, unique_slots, counts)
-        lookups = checked.lookups
+        self.policy.record(self, unique_slots, checked.counts if self.policy.needs_counts else None)
         return Plan(
             index=index,
             unique_slots=unique_slots,
-            inverse=inverse.reshape(checked.shape),
+            inverse=inverse,
             fetch_ids=miss_ids.astype(np.int64),
             fetch_slots=victims.astype(np.int32),
             evict_ids=evicted_ids[write_back],
             evict_slots=evicted_slots[write_back].astype(np.int32),
-            lookups=lookups,
-            hits=int(hit_unique.size),
-            access_hits=int(lookups - checked.miss_at.size),
+            lookups=checked.lookups,
+            hits=int(h),
+            access_hits=int(checked.lookups - checked.missed),
             evictions=int(evicted_ids.size),
         )
 
@@ -603,7 +695,7 @@ class Planner:
             if candidates.size >= count:
                 kth = np.partition(keys, count - 1)[count - 1]
                 below = candidates[keys < kth]
-                ties = np.sort(candidates[keys == kth])[: count - below.size]
+                ties = _lowest(candidates[keys == kth], count - below.size)
                 last = (int(kth), int(ties[-1]))
                 if threshold is None or last <= threshold:
                     return np.sort(np.concatenate([below, ties]))

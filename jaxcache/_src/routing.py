@@ -114,12 +114,13 @@ def overflow_slots(step: StepPlan, layout: Layout, local_capacity: int, k: int) 
 def _owners(step: StepPlan, layout: Layout):
     """``(device, plan, first, bounds, sent)`` of each own partition; on one
     device the plan's distinct rows are its ranks (one source)."""
-    if step.first is None:
+    if step.bounds is None:
         plan = step.plans[0]
         first = np.arange(plan.distinct, dtype=np.int32)
         yield layout.own[0], plan, first, np.array([0, plan.distinct]), step.sent[0]
         return
-    yield from zip(layout.own, step.plans, step.first, step.bounds, step.sent, strict=True)
+    firsts = [plan.inverse for plan in step.plans]
+    yield from zip(layout.own, step.plans, firsts, step.bounds, step.sent, strict=True)
 
 
 def build_route(
@@ -195,7 +196,8 @@ def build_route(
 
     threads.map(fill_owner, owners)
     out_inverse = np.empty(flat.size, np.int32)
-    if step.kpos is None:  # one device: the plan's ranks, -1 for padding
+    split = step.split
+    if split is None:  # one device: the plan's ranks, -1 for padding
         out_inverse[:] = kernels.fill_negative(
             np.ascontiguousarray(step.plans[0].inverse, dtype=np.int32).reshape(-1), received
         )
@@ -205,21 +207,25 @@ def build_route(
             slots = step.plans[0].unique_slots[out_inverse[late]]
             out_inverse[late] = n * k + np.searchsorted(overflow, slots)
     else:
-        share = flat.size // n
+        share = split.share
+        base = layout.device_of(np.arange(n)) * k  # by residue
 
         def fill_source(source: int) -> None:
-            lo, hi = source * share, (source + 1) * share
-            kernels.fill_inverse(
-                flat, lo, hi, pad, n, layout.processes, step.kpos, k, received, out_inverse
-            )
+            lo = source * share
+            out_inverse[lo : lo + share] = received  # padding, unless a real id's
+            kernels.fill_inverse(split.at, split.ranks, lo, split.starts[source], base, out_inverse)
 
         threads.map(fill_source, layout.own)
-        if overflow.size:
-            for device, plan, _, _, _ in _owners(step, layout):
-                at = step.at[device - layout.own[0]]
-                late = step.kpos[at] >= k
-                slots = device * cl + plan.unique_slots[plan.inverse[late]]
-                out_inverse[at[late]] = n * k + np.searchsorted(overflow, slots)
+        if overflow.size:  # one process (see EmbeddingCache): every source is here
+            for device, plan, first, bounds, _ in _owners(step, layout):
+                lo, hi = split.chunks(layout.residue(device))
+                for source in range(n):
+                    ranks = split.ranks[lo[source] : hi[source]]
+                    late = ranks >= k
+                    rows = first[bounds[source] + ranks[late]]
+                    slots = device * cl + plan.unique_slots[rows]
+                    at = split.at[lo[source] : hi[source]][late]
+                    out_inverse[at] = n * k + np.searchsorted(overflow, slots)
     full_overflow = np.full(overflow_size, n * cl, np.int32)
     full_overflow[: overflow.size] = overflow
     share = flat.size // n  # the rows of this process's sources

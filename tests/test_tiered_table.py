@@ -1,0 +1,377 @@
+"""The tiered host table: rows on disk, a DRAM tier of hot rows, exact training."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import jaxcache
+from jaxcache._src import cli
+from jaxcache._src.tier_replay import replay_dram_tier
+from jaxcache._src.tiered_table import INDEX_BYTES_PER_ROW
+from tests.models import dense_params, make_cached, make_reference, zipf_batches
+from tests.test_exactness import OPTIMIZERS
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+N, D, B, F = 4000, 8, 32, 4
+
+
+def tiered(config, directory, rows_in_dram, **kwargs):
+    """A tiered table whose DRAM tier holds about ``rows_in_dram`` rows, with
+    small log segments so that garbage collection runs in a short test."""
+    probe = jaxcache.TieredTable(config, directory, dram_budget=1 << 30, **kwargs)
+    record, index = probe.record_bytes, INDEX_BYTES_PER_ROW
+    local = len(probe.rows)
+    probe.close()
+    kwargs.setdefault("shards", 4)
+    kwargs.setdefault("segment_bytes", 40 * record)
+    budget = index * local + rows_in_dram * record
+    return jaxcache.TieredTable(config, directory, dram_budget=budget, **kwargs)
+
+
+def _random_rows(rng, table, n):
+    rows = rng.normal(size=(n, table.config.features)).astype(np.float32)
+    state = {k: rng.normal(size=(n, *v.shape[1:])).astype(v.dtype) for k, v in table.state.items()}
+    return rows, state
+
+
+# ------------------------------------------------------------- the table alone
+@pytest.mark.parametrize("shard", [None, (1, 3)])
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_random_reads_and_writes_match_the_host_table(tmp_path, opt_name, shard):
+    # A DRAM tier of 40 rows and segments of 40 records: rows spill, come back,
+    # and the log is collected many times over.
+    rng = np.random.default_rng(0)
+    cfg = jaxcache.CacheConfig(3000, 6, capacity=10, optimizer=OPTIMIZERS[opt_name])
+    reference = jaxcache.HostTable(cfg, seed=2, shard=shard)
+    table = tiered(cfg, tmp_path, 40, seed=2, shard=shard)
+    ids = reference.ids()
+    for _ in range(200):
+        chosen = rng.choice(ids, rng.integers(1, 120), replace=False)
+        if rng.random() < 0.5:
+            rows, state = _random_rows(rng, reference, chosen.size)
+            reference.scatter(chosen, rows, state)
+            table.scatter(chosen, rows, state)
+            continue
+        expected_rows, expected_state = reference.gather(chosen)
+        size = chosen.size + 3
+        rows = np.zeros((size, 6), np.float32)
+        state = {k: np.zeros((size, *v.shape[1:]), v.dtype) for k, v in reference.state.items()}
+        at = rng.permutation(size)[: chosen.size]
+        table.gather_into(chosen, rows, state, at)
+        np.testing.assert_array_equal(rows[at], expected_rows)
+        for name in state:
+            np.testing.assert_array_equal(state[name][at], expected_state[name])
+    np.testing.assert_array_equal(np.asarray(table.rows), reference.rows)
+    for name in reference.state:
+        np.testing.assert_array_equal(np.asarray(table.state[name]), reference.state[name])
+    stats = table.stats()
+    assert stats.dram.evicted_dirty > 1000 and stats.disk.rows_read > 1000
+    assert stats.disk.segments_collected > 10
+    assert 1.0 < stats.disk.write_amplification <= 2.0
+
+
+def test_initial_rows_are_the_host_tables(tmp_path):
+    cfg = jaxcache.CacheConfig(70001, 3, 100, optimizer=jaxcache.adagrad(0.1))
+    whole = jaxcache.HostTable(cfg, seed=5)
+    for shard in (None, (2, 3)):
+        index, count = shard or (0, 1)
+        drawn = tiered(cfg, tmp_path / f"drawn{index}", 1000, seed=5, shard=shard)
+        given = tiered(cfg, tmp_path / f"given{index}", 1000, rows=whole.rows, shard=shard)
+        for table in (drawn, given):
+            np.testing.assert_array_equal(np.asarray(table.rows), whole.rows[index::count])
+            assert (np.asarray(table.state["accumulator"]) == 0.1).all()
+    name = "embedding.shard-2-of-3.log"
+    assert (tmp_path / "drawn2" / name).exists()
+    drawn.close()
+    assert not (tmp_path / "drawn2" / name).exists()
+
+
+def test_bfloat16_rows_pack_with_float32_state(tmp_path):
+    # Records of 2-byte rows (6 of them, 12 bytes) and a 4-byte-wide state.
+    cfg = jaxcache.CacheConfig(2000, 6, 10, dtype="bfloat16", optimizer=OPTIMIZERS["adagrad"])
+    reference = jaxcache.HostTable(cfg, seed=3)
+    table = tiered(cfg, tmp_path, 30, seed=3)
+    assert table.record_bytes == 6 * 2 + 6 * 4
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        ids = rng.choice(2000, 50, replace=False)
+        rows, state = _random_rows(rng, reference, 50)
+        reference.scatter(ids, rows, state)
+        table.scatter(ids, rows, state)
+    rows, state = table.gather(np.arange(2000))
+    assert rows.dtype == cfg.row_dtype
+    assert rows.tobytes() == reference.rows.tobytes()
+    assert state["accumulator"].tobytes() == reference.state["accumulator"].tobytes()
+
+
+def test_columns_index_and_assign_like_arrays(tmp_path):
+    cfg = jaxcache.CacheConfig(500, 4, 10, optimizer=jaxcache.adam(0.1))
+    reference = jaxcache.HostTable(cfg, seed=1)
+    table = tiered(cfg, tmp_path, 20, seed=1)
+    mask = np.arange(500) % 7 == 0
+    for key in (3, -1, slice(10, 40, 3), [5, 5, 499], np.array([[1, 2], [3, 4]]), mask):
+        np.testing.assert_array_equal(table.rows[key], reference.rows[key])
+    np.testing.assert_array_equal(table.rows[7:9, 2], reference.rows[7:9, 2])
+    np.testing.assert_array_equal(table.state["count"][[1, 2]], reference.state["count"][[1, 2]])
+    for key, value in ((4, 1.5), (slice(100, 300), 2.0), ([7, 450], np.ones((2, 4)))):
+        table.rows[key] = value
+        reference.rows[key] = value
+    table.state["mu"][(slice(0, 50), 1)] = -3.0
+    reference.state["mu"][0:50, 1] = -3.0
+    np.testing.assert_array_equal(np.asarray(table.rows), reference.rows)
+    np.testing.assert_array_equal(np.asarray(table.state["mu"]), reference.state["mu"])
+    assert table.rows.shape == (500, 4) and table.state["count"].shape == (500,)
+    assert len(table.rows) == 500 and table.rows.nbytes == 500 * 16
+    with pytest.raises(IndexError, match="out of range"):
+        table.rows[[500]]
+
+
+def test_budget_is_checked_and_defaults_to_a_share_of_memory(tmp_path):
+    cfg = jaxcache.CacheConfig(10_000, 4, 10)
+    small = jaxcache.TieredTable(cfg, tmp_path / "a")  # the default fits the whole table
+    assert small.stats().dram.slots == 10_000
+    assert small.dram_budget == 10_000 * (12 + 16)
+    with pytest.raises(ValueError, match="does not hold the index of 10,000 rows"):
+        jaxcache.TieredTable(cfg, tmp_path / "b", dram_budget=100_000)
+    with pytest.raises(ValueError, match="must be a positive number of bytes"):
+        jaxcache.TieredTable(cfg, tmp_path / "c", dram_budget=0.5)
+    assert 0 < jaxcache.default_dram_budget()
+    with pytest.raises(IndexError, match="outside this table's"):
+        small.gather([10_000])
+    with pytest.raises(TypeError, match="rows must be"):
+        small.gather_into([1], np.zeros((1, 4)), {}, [0])
+
+
+def test_threads_on_disjoint_rows_see_their_own_writes(tmp_path):
+    # Eight threads, each owning the rows r % 8 == t, write and read back
+    # through a DRAM tier of 64 rows over 4 shards (evictions and garbage
+    # collection on behalf of each other), and check every value they read.
+    cfg = jaxcache.CacheConfig(4000, 5, 10, optimizer=jaxcache.rowwise_adagrad(0.1))
+    table = tiered(cfg, tmp_path, 64, seed=0)
+    expected = {
+        "rows": np.asarray(table.rows),
+        "accumulator": np.asarray(table.state["accumulator"]),
+    }
+    errors = []
+
+    def work(thread: int) -> None:
+        rng = np.random.default_rng(thread)
+        mine = np.arange(thread, 4000, 8)
+        try:
+            for step in range(150):
+                ids = rng.choice(mine, rng.integers(1, 60), replace=False)
+                if step % 2 == 0:
+                    rows, state = _random_rows(rng, table, ids.size)
+                    table.scatter(ids, rows, state)
+                    expected["rows"][ids] = rows
+                    expected["accumulator"][ids] = state["accumulator"]
+                else:
+                    rows = np.empty((ids.size, 5), np.float32)
+                    state = {"accumulator": np.empty(ids.size, np.float32)}
+                    table.gather_into(ids, rows, state, np.arange(ids.size))
+                    np.testing.assert_array_equal(rows, expected["rows"][ids])
+                    np.testing.assert_array_equal(
+                        state["accumulator"], expected["accumulator"][ids]
+                    )
+        except Exception as error:  # surfaced by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[0]
+    np.testing.assert_array_equal(np.asarray(table.rows), expected["rows"])
+    stats = table.stats()
+    assert stats.dram.evicted_dirty > 500 and stats.disk.segments_collected > 0
+
+
+# ------------------------------------------------------------------- training
+def _max_diff(a, b):
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_training_through_a_small_dram_tier_matches_the_full_table(tmp_path, opt_name):
+    # A device cache of 130 rows over a DRAM tier of 200: rows are evicted
+    # from the device every step and spill from DRAM to disk every few steps.
+    opt = OPTIMIZERS[opt_name]
+    batches = list(zipf_batches(N, B, F, 12, seed=0))
+    cfg = jaxcache.CacheConfig(N, D, capacity=130, policy="lru", optimizer=opt)
+    table = tiered(cfg, tmp_path, 200, seed=1)
+    reference, ref_train = make_reference(np.asarray(table.rows), opt, F)
+    cached, train = make_cached(jaxcache.EmbeddingCache(cfg, table=table), F)
+    for ids, y in batches:
+        assert abs(float(train(ids, y)) - float(ref_train(ids, y))) <= 1e-6
+    stats = table.stats()
+    assert stats.dram.evicted_dirty > 200 and stats.disk.rows_read > 200
+    rows, state = cached.embed.export()
+    assert _max_diff(rows, reference.embed.table[...]) <= 1e-6
+    ref_state = reference.embed.opt_state.get_value()
+    for name in state:
+        assert _max_diff(state[name], ref_state[name]) <= 1e-6, name
+    for a, b in zip(dense_params(cached), dense_params(reference), strict=True):
+        assert _max_diff(a, b) <= 1e-6
+
+
+def _train_pipelined(directory, lookahead, batches):
+    cfg = jaxcache.CacheConfig(
+        20000, D, capacity=130 * (lookahead + 1) + 10, policy="lru", optimizer=jaxcache.adagrad(0.2)
+    )
+    table = tiered(cfg, directory, 300, seed=1)
+    model, train = make_cached(jaxcache.EmbeddingCache(cfg, table=table), F)
+    with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=lookahead) as pipeline:
+        losses = [np.asarray(train.with_lookup(b["ids"], b["y"])) for b in pipeline]
+    rows, state = model.embed.export()
+    return table, model, losses, rows, state
+
+
+def test_pipelined_is_bit_identical_to_unpipelined(tmp_path):
+    batches = [{"ids": i, "y": y} for i, y in zipf_batches(20000, B, F, 16, seed=0)]
+    base = _train_pipelined(tmp_path / "0", 0, batches)
+    for lookahead in (1, 3):
+        table, model, losses, rows, state = _train_pipelined(
+            tmp_path / f"{lookahead}", lookahead, batches
+        )
+        assert table.stats().dram.evicted_dirty > 100
+        np.testing.assert_array_equal(rows, base[3])
+        np.testing.assert_array_equal(state["accumulator"], base[4]["accumulator"])
+        np.testing.assert_array_equal(np.array(losses), np.array(base[2]))
+        for a, b in zip(dense_params(model), dense_params(base[1]), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------------ checkpoints and memory
+def _run(*args):
+    argv = [sys.executable, "-m", "tests.tiered_run", *map(str, args)]
+    return subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _finish(process):
+    out, err = process.communicate(timeout=300)
+    return process.returncode, out, err
+
+
+def test_kill_between_checkpoints_then_restore_is_exact(tmp_path):
+    """A run killed (SIGKILL) two steps after its checkpoint at step 4, its disk
+    tier and DRAM tier lost with it, resumes from that checkpoint in a new
+    process and ends bit for bit where an uninterrupted run ends."""
+    whole = _run(
+        "train",
+        "--table-dir",
+        tmp_path / "t1",
+        "--checkpoint-dir",
+        tmp_path / "c1",
+        "--dump",
+        tmp_path / "whole.npz",
+    )
+    killed = _run(
+        "train",
+        "--table-dir",
+        tmp_path / "t2",
+        "--checkpoint-dir",
+        tmp_path / "c2",
+        "--kill-after",
+        6,
+    )
+    code, _, err = _finish(whole)
+    assert code == 0, err
+    code, out, err = _finish(killed)
+    assert code == -signal.SIGKILL, (code, err)
+    assert "killed after step 6" in out
+    resumed = _run(
+        "train",
+        "--table-dir",
+        tmp_path / "t2",
+        "--checkpoint-dir",
+        tmp_path / "c2",
+        "--dump",
+        tmp_path / "resumed.npz",
+    )
+    code, out, err = _finish(resumed)
+    assert code == 0, err
+    assert "restored step 4" in out
+    whole, resumed = np.load(tmp_path / "whole.npz"), np.load(tmp_path / "resumed.npz")
+    assert sorted(whole.files) == sorted(resumed.files) and len(whole["losses"]) == 12
+    for key in whole.files:
+        np.testing.assert_array_equal(resumed[key], whole[key], err_msg=key)
+
+
+def test_peak_memory_stays_within_the_budget(tmp_path):
+    # A table of 1M rows x 64 float32 + an accumulator (260 MB) over a DRAM
+    # budget of an eighth of it: the process grows by the budget plus a fixed
+    # amount (initial draws of a 65,536-row chunk, staging buffers), far less
+    # than the table.
+    code, out, err = _finish(_run("memory", "--table-dir", tmp_path, "--times", 8))
+    assert code == 0, err
+    figures = json.loads(out.strip().splitlines()[-1])
+    table_bytes = 1_000_000 * 260
+    assert table_bytes >= 8 * figures["budget"] * 0.99
+    assert figures["rows_read"] > 1000 and figures["evicted_dirty"] > 1000
+    growth = figures["peak"] - figures["baseline"]
+    assert growth <= figures["budget"] + (128 << 20), figures
+
+
+@pytest.mark.parametrize("into_tiered", [True, False])
+def test_checkpoints_move_rows_between_tiered_and_plain_tables(tmp_path, into_tiered):
+    cfg = jaxcache.CacheConfig(3000, D, capacity=130, policy="lru", optimizer=OPTIMIZERS["adam"])
+    batches = list(zipf_batches(3000, B, F, 6, seed=2))
+    source = tiered(cfg, tmp_path / "a", 150, seed=4) if into_tiered else jaxcache.HostTable(cfg)
+    model, train = make_cached(jaxcache.EmbeddingCache(cfg, table=source), F)
+    for ids, y in batches:
+        train(ids, y)
+    with jaxcache.Checkpointer(tmp_path / "ckpt") as checkpointer:
+        checkpointer.save(1, caches=[model.embed])
+        target = (
+            jaxcache.HostTable(cfg, seed=9) if into_tiered else tiered(cfg, tmp_path / "b", 150)
+        )
+        embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, table=target))
+        checkpointer.restore(caches=[embed])
+        saved = np.load(tmp_path / "ckpt" / "1" / "tables" / "embedding" / "rows.npy")
+    rows, state = model.embed.export()
+    np.testing.assert_array_equal(saved, rows)
+    restored_rows, restored_state = embed.export()
+    np.testing.assert_array_equal(restored_rows, rows)
+    for name in state:
+        np.testing.assert_array_equal(restored_state[name], state[name])
+
+
+# -------------------------------------------------------------------- sizing
+def test_replay_gives_the_dram_tiers_figures(tmp_path, capsys):
+    batches = list(zipf_batches(N, B, F, 12, seed=0))
+    cfg = jaxcache.CacheConfig(N, D, capacity=130, policy="lru", optimizer=OPTIMIZERS["adagrad"])
+    table = tiered(cfg, tmp_path, 200, seed=1)
+    cache = jaxcache.EmbeddingCache(cfg, table=table)
+    _, train = make_cached(cache, F)
+    for ids, y in batches:
+        train(ids, y)
+        cache.land_write_backs()  # each step's write-backs land before the next plan
+    stats = table.stats()
+    trace = np.stack([ids.reshape(-1) for ids, _ in batches])
+    np.save(tmp_path / "trace.npy", trace)
+    options = {"dram_budget": table.dram_budget, "row_bytes": table.record_bytes}
+    out = replay_dram_tier(trace, capacity=130, policy="lru", num_embeddings=N, shards=4, **options)
+    assert out["dram_rows"] == stats.dram.slots
+    assert (out["dram_lookups"], out["dram_hits"]) == (stats.dram.lookups, stats.dram.hits)
+    assert out["disk_rows_written"] == stats.dram.evicted_dirty > 0
+    assert out["disk_rows_read"] == stats.disk.rows_read > 0
+    # The command line adds the same figures to each result (16 shards by default).
+    argv = ["replay", str(tmp_path / "trace.npy"), "--capacity", "130", "--policy", "lru"]
+    argv += ["--num-embeddings", str(N), "--dram-budget", str(table.dram_budget)]
+    assert cli.main([*argv, "--row-bytes", str(table.record_bytes)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["capacity"] == 130 and 0 < printed["dram_hit_rate"] < 1
+    with pytest.raises(SystemExit):
+        cli.main(argv)  # --dram-budget without --row-bytes
+    assert "needs --row-bytes" in capsys.readouterr().err
