@@ -41,7 +41,7 @@ def test_resume_after_sigkill_is_bit_exact(tmp_path):
     """One process trains 16 steps; another is killed right after its checkpoint at
     step 8 and a third resumes from it: same losses, table, row state, dense
     parameters and optax state, bit for bit, with the pipeline on (look-ahead 2)."""
-    policies = ("lfu", "lru")
+    policies = ("adaptive", "lfu", "lru")
     runs = {}
     for policy in policies:
         common = ("--policy", policy, "--lookahead", "2")
@@ -153,10 +153,12 @@ def test_restore_continues_exactly_with_the_same_cache_state(tmp_path, policy):
     for pa, pb in zip(a.planner.planners, b.planner.planners, strict=True):
         for name in ("id_of_slot", "last_use", "slot_of_id"):
             np.testing.assert_array_equal(getattr(pa, name), getattr(pb, name))
-    if policy != "lru":
-        np.testing.assert_array_equal(
-            a.planner.policy_state()["counts"], b.planner.policy_state()["counts"]
-        )
+        state_a, state_b = pa.policy.state_dict(), pb.policy.state_dict()
+        assert sorted(state_a) == sorted(state_b)
+        for key in state_a:  # counts, and the adaptive policy's shadows and choice
+            np.testing.assert_array_equal(state_a[key], state_b[key], err_msg=key)
+        if policy == "adaptive":
+            np.testing.assert_array_equal(pa.policy.keys, pb.policy.keys)
     assert a.stats.as_dict() | {"compilations": 0} == b.stats.as_dict() | {"compilations": 0}
     assert a.stats.total.evictions > 50  # rows really moved
 

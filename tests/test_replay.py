@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 import jaxcache
 from jaxcache._src.cli import main
-from jaxcache._src.replay import plot_curve, replay, sweep
+from jaxcache._src.replay import REPLAY_POLICIES, plot_curve, replay, sweep
 
 KEYS = (
     "policy",
@@ -56,6 +57,17 @@ HAND_TRACE = np.array([0, 1, 0, 2, 1, 0, 2, 2, 0, 1])
 #   b3 [2 2]  miss 2 evicts s1=1 (3 < 4)              hits 0/1  fetch 1  back 1
 #   b4 [0 1]  hit 0; miss 1 evicts s1=2               hits 1/2  fetch 1  back 1
 #   total hits 5/9 distinct, 5/10 lookups; b1..b4 3/7.
+# belady (offline optimum), starts with the two rows needed first, s0=0 s1=1:
+#   b0 [0 1]  hit 0 1; next uses 0:b1 1:b2               hits 2/2  fetch 0  back 0
+#   b1 [0 2]  hit 0; miss 2 evicts 1 (the only other)   hits 1/2  fetch 1  back 1
+#   b2 [1 0]  hit 0; miss 1 evicts 2 (next b3)          hits 1/2  fetch 1  back 1
+#   b3 [2 2]  miss 2; 0 and 1 are both next used in b4,
+#             the tie goes to the lower id: evicts 0    hits 0/1  fetch 1  back 1
+#   b4 [0 1]  hit 1; miss 0 evicts 2 (never used again) hits 1/2  fetch 1  back 1
+#   total hits 5/9. Its steady rate is its own replay of b1..b4, started with
+#   the rows they need first (0 and 2): b1 hits 2/2; b2 hit 0, 1 evicts 2;
+#   b3 misses 2, which evicts 0 (0 and 1 next used in b4; lower id); b4 hit
+#   1: 4/7.
 HAND_EXPECTED = {
     "lru": dict(
         hits=3,
@@ -67,6 +79,19 @@ HAND_EXPECTED = {
         steady_unique_hit_rate=3 / 7,
         rows_warmed=0,
         rows_fetched=6,
+        rows_written_back=4,
+        evictions=4,
+    ),
+    "belady": dict(
+        hits=5,
+        distinct=9,
+        access_hits=5,
+        lookups=10,
+        unique_hit_rate=5 / 9,
+        access_hit_rate=5 / 10,
+        steady_unique_hit_rate=4 / 7,
+        rows_warmed=2,
+        rows_fetched=4,
         rows_written_back=4,
         evictions=4,
     ),
@@ -92,7 +117,7 @@ def zipf_trace(size: int = 20_000, num_embeddings: int = 2_000, seed: int = 0) -
     return rng.permutation(num_embeddings)[ranks]  # hot rows scattered over the table
 
 
-@pytest.mark.parametrize("policy", jaxcache.POLICIES)
+@pytest.mark.parametrize("policy", REPLAY_POLICIES)
 def test_result_has_documented_keys(policy):
     out = replay(HAND_TRACE, batch=2, capacity=2, policy=policy)
     assert tuple(out) == KEYS
@@ -117,7 +142,7 @@ def test_warmed_rows_never_used_are_evicted_clean():
     assert out["rows_written_back"] == 0
 
 
-@pytest.mark.parametrize("policy", jaxcache.POLICIES)
+@pytest.mark.parametrize("policy", REPLAY_POLICIES)
 @pytest.mark.parametrize("batch", [64, 48])
 def test_1d_trace_matches_2d_trace(policy, batch):
     trace = zipf_trace(size=3_200, num_embeddings=300)
@@ -145,6 +170,47 @@ def test_sweep_is_a_miss_ratio_curve():
     full = lru[-1]
     assert full["rows_fetched"] == np.unique(trace).size
     assert full["rows_written_back"] == full["evictions"] == 0
+
+
+def best_hits(batches, capacity):
+    """The most distinct-id hits any choice of victims can get (exhaustive), starting
+    from the best set of preloaded rows."""
+    ids = sorted(set(itertools.chain(*batches)))
+    states = {frozenset(s): 0 for s in itertools.combinations(ids, min(capacity, len(ids)))}
+    for batch in batches:
+        needed, after = set(batch), {}
+        for resident, hits in states.items():
+            others = sorted(resident - needed)
+            room = capacity - len(needed)
+            for kept in itertools.combinations(others, min(room, len(others))):
+                state = frozenset(needed | set(kept))
+                after[state] = max(after.get(state, -1), hits + len(needed & resident))
+        states = after
+    return max(states.values())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_belady_is_the_optimum(seed):
+    rng = np.random.default_rng(seed)
+    capacity = int(rng.integers(2, 4))
+    batches = [rng.integers(0, 6, int(rng.integers(1, capacity + 1))) for _ in range(7)]
+    sizes = [np.unique(b).size for b in batches]
+    batches = [b for b, size in zip(batches, sizes, strict=True) if size <= capacity]
+    trace = np.concatenate(batches)
+    # One batch per row of a 2-D trace needs equal lengths: pad with a repeat.
+    width = max(b.size for b in batches)
+    rows = np.stack([np.resize(b, width) for b in batches])
+    out = replay(rows, capacity=capacity, policy="belady", num_embeddings=6)
+    assert out["hits"] == best_hits([b.tolist() for b in batches], capacity)
+    for policy in jaxcache.POLICIES:
+        other = replay(
+            rows,
+            capacity=capacity,
+            policy=policy,
+            num_embeddings=6,
+            frequencies=np.bincount(trace, minlength=6),
+        )
+        assert other["hits"] <= out["hits"], policy
 
 
 @pytest.mark.parametrize("policy", jaxcache.POLICIES)
@@ -221,8 +287,10 @@ def test_cli_plot_writes_a_png(files, capsys):
 
 
 def test_plot_curve_labels_axes():
-    curve = sweep(HAND_TRACE, batch=2, capacities=[2, 3], policies=["lru", "lfu"])
+    curve = sweep(HAND_TRACE, batch=2, capacities=[2, 3], policies=["lru", "lfu", "belady"])
     fig = plot_curve(curve, title="hand trace")
+    ceiling = [line for line in fig.axes[1].lines if line.get_label() == "belady (optimum)"]
+    assert len(ceiling) == 1 and ceiling[0].get_linestyle() == "--"
     assert fig.get_suptitle() == "hand trace"
     large = sweep(np.arange(3000) % 7, batch=1500, capacities=[7], policies=["lru"])
     assert plot_curve(large).get_suptitle() == "Cache replay: 3,000 lookups in 2 batches"

@@ -20,7 +20,6 @@ import numpy as np
 
 from jaxcache._src import replay as replay_lib
 from jaxcache._src import tier_replay
-from jaxcache._src.config import POLICIES
 
 __all__ = ["main"]
 
@@ -84,9 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     replay_parser.add_argument(
         "--policy",
         type=_policies,
-        default=["lfu"],
+        default=["adaptive"],
         metavar="P[,P...]",
-        help=f"eviction policy, or a comma list to compare: {', '.join(POLICIES)} (default: lfu)",
+        help="eviction policy, or a comma list to compare: "
+        f"{', '.join(replay_lib.REPLAY_POLICIES)} (default: adaptive); belady is the offline "
+        "optimum, a ceiling for the others",
     )
     replay_parser.add_argument(
         "--num-embeddings",
@@ -97,7 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--frequencies",
         metavar="FILE.npy",
         help="int [num_embeddings] dataset counts that the frequency policy ranks and warms by "
-        "(default: counted over the whole trace); they also seed lfu",
+        "(default: counted over the whole trace); they are also the prior of adaptive (warmed "
+        "by them too) and seed lfu",
     )
     replay_parser.add_argument(
         "--plot", metavar="OUT.png", help="also draw hit rate and miss ratio against capacity"
@@ -271,10 +273,10 @@ def _capacities(text: str) -> list[int | float]:
 def _policies(text: str) -> list[str]:
     names = [part.strip() for part in text.split(",")]
     for name in names:
-        if name not in POLICIES:
+        if name not in replay_lib.REPLAY_POLICIES:
             raise argparse.ArgumentTypeError(
-                f"unknown policy {name!r}; use one of {', '.join(POLICIES)}, or a comma list "
-                "such as lru,frequency"
+                f"unknown policy {name!r}; use one of "
+                f"{', '.join(replay_lib.REPLAY_POLICIES)}, or a comma list such as lru,belady"
             )
     return names
 

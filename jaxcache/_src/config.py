@@ -12,7 +12,7 @@ from jaxcache._src import optimizers
 __all__ = ["POLICIES", "CacheConfig"]
 
 #: Names of the eviction policies ``CacheConfig(policy=...)`` accepts.
-POLICIES = ("frequency", "lfu", "lru")
+POLICIES = ("adaptive", "frequency", "lfu", "lru")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,7 @@ class CacheConfig:
     num_embeddings: int
     features: int
     capacity: int | float
-    policy: str = "lfu"
+    policy: str = "adaptive"
     optimizer: optimizers.SparseOptimizer = optimizers.SGD(0.01)  # noqa: RUF009 (frozen)
     dtype: str = "float32"
     padding_id: int | None = None

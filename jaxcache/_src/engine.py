@@ -85,9 +85,11 @@ class EmbeddingCache:
       config: the table's static configuration.
       table: the host table (default: a new one initialised with ``seed``).
       frequencies: ``int [N]`` dataset access counts: the priority of the
-        ``"frequency"`` policy, the seed of ``"lfu"``, and the rows to warm.
+        ``"frequency"`` policy, the prior of ``"adaptive"``, the seed of
+        ``"lfu"``, and the rows to warm.
       warm: preload the hottest rows (by ``frequencies``) before the first
-        step; defaults to ``True`` for the ``"frequency"`` policy.
+        step; defaults to ``True`` for the ``"frequency"`` policy, and for
+        ``"adaptive"`` when ``frequencies`` are given.
       seed: seed of a new host table.
       mesh: device mesh the rows are sharded over (default: one device).
         Every id has a home device whose slots alone hold its row
@@ -209,7 +211,7 @@ class EmbeddingCache:
         self._plan_lock = threading.Lock()  # one planner user at a time
         self._applied = -1  # index of the last plan whose rows reached the device
         if warm is None:
-            warm = config.policy == "frequency"
+            warm = self.planner.planners[0].policy.warms
         if warm:
             if frequencies is None:
                 raise ValueError("warm=True needs frequencies= to know the hottest rows.")

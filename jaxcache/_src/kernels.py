@@ -24,6 +24,10 @@ call, so calls for different slices or partitions run on different threads.
 ``copy_rows`` moves a step's rows between the host table and the staging
 buffers or read-outs: NumPy's fancy indexing of 2-D arrays goes element by
 element.
+
+``adaptive_keys``, ``adaptive_record`` and ``shadow_step`` are the per-id
+passes of the ``"adaptive"`` policy (see ``policies.AdaptivePolicy``): its
+keys, its counts, and the small shadow caches it learns from.
 """
 
 from __future__ import annotations
@@ -32,9 +36,12 @@ import math
 
 import numba
 import numpy as np
+from numba.cpython.unsafe.numbers import leading_zeros
 
 __all__ = [
     "IdIndex",
+    "adaptive_keys",
+    "adaptive_record",
     "as_index_array",
     "copy_rows",
     "distinct_ranks",
@@ -47,6 +54,8 @@ __all__ = [
     "real_positions",
     "resolve_first",
     "restore_misses",
+    "sample_ids",
+    "shadow_step",
     "split_by_home",
     "victim_candidates",
 ]
@@ -537,3 +546,261 @@ def copy_rows(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np.n
             f"row {dst_at[bad]} of {len(dst)} (from row {src_at[bad]} of {len(src)}) is out "
             "of range; nothing was copied."
         )
+
+
+# ------------------------------------------------------------ adaptive policy
+@numba.njit(**_JIT)
+def log2_fixed(count, table):
+    """``log2(count)`` in 1/256ths, rounded down on 8 bits of mantissa
+    (``count >= 1``): ``256 * e + table[f]`` where ``2^e <= count < 2^(e+1)``
+    and ``f`` are the 8 bits after the leading one (``floor(256 * (count /
+    2^e - 1))``). Integer arithmetic, the same in every implementation."""
+    e = 63 - leading_zeros(count)
+    f = ((count << 8) >> e) if e <= 55 else (count >> (e - 8))
+    return 256 * e + table[f - 256]
+
+
+@numba.njit(**_JIT)
+def _sampled(i, bits):
+    """Whether id ``i`` is in the shadow caches' sample: the top ``bits`` bits
+    of its Fibonacci hash are zero (one id in ``2^bits``)."""
+    if bits == 0:
+        return True
+    return ((i * _GOLDEN) >> (64 - bits)) & ((1 << bits) - 1) == 0
+
+
+@numba.njit(**_JIT)
+def sample_ids(n, bits):
+    """The ids in ``[0, n)`` that are in the shadow caches' sample, in order."""
+    k = 0
+    for i in range(n):
+        k += _sampled(i, bits)
+    out = np.empty(k, np.int64)
+    k = 0
+    for i in range(n):
+        if _sampled(i, bits):
+            out[k] = i
+            k += 1
+    return out
+
+
+@numba.njit(**_JIT)
+def _key(t, weight, bonus, table):
+    """The adaptive key of a row last used by batch ``t``: ``256 * t + bonus *
+    log2_fixed(weight)``, or ``weight`` alone for ``bonus < 0`` (by count)."""
+    if bonus < 0:
+        return weight
+    return 256 * t + bonus * log2_fixed(weight, table)
+
+
+@numba.njit(**_JIT)
+def adaptive_keys(slots, ids, last_use, counts, slot_prior, keys, bonus, offset, table):
+    """``keys[s] = _key(last_use[s], weight, bonus) + offset`` for the rows
+    ``ids`` in ``slots``; a row's weight is its count or, when larger, its
+    prior (``slot_prior[s]``; empty: none), at least 1."""
+    for u in range(slots.size):
+        s = slots[u]
+        c = max(counts[ids[u]], 1)
+        if slot_prior.size:
+            c = max(c, slot_prior[s])
+        keys[s] = _key(last_use[s], c, bonus, table) + offset
+
+
+@numba.njit(**_JIT)
+def adaptive_record(slots, ids, looked_up, counts, slot_prior, keys, t, bonus, offset, table, bits):
+    """Adds batch ``t``'s lookups to ``counts``, sets the keys of its slots
+    (as ``adaptive_keys``) and returns its distinct ids that are in the
+    shadow sample, in the order of ``slots``."""
+    weight = np.empty(slots.size, np.int64)
+    for u in range(slots.size):  # the random reads of [N] alone: they overlap
+        c = counts[ids[u]] + looked_up[u]
+        counts[ids[u]] = c
+        weight[u] = c
+    sample = np.empty(slots.size, np.int64)
+    k = 0
+    for u in range(slots.size):
+        s = slots[u]
+        c = max(weight[u], slot_prior[s]) if slot_prior.size else weight[u]
+        keys[s] = _key(t, c, bonus, table) + offset
+        if _sampled(ids[u], bits):
+            sample[k] = ids[u]
+            k += 1
+    return sample[:k]
+
+
+@numba.njit(**_JIT)
+def _weight(i, counts, prior):
+    """The weight of id ``i``: its count or, when larger, its prior (``prior``
+    empty: none), at least 1."""
+    c = max(counts[i], 1)
+    if prior.size:
+        c = max(c, prior[i])
+    return c
+
+
+@numba.njit(**_JIT)
+def _heap_less(heap, a, b):
+    return heap[a, 0] < heap[b, 0] or (heap[a, 0] == heap[b, 0] and heap[a, 1] < heap[b, 1])
+
+
+@numba.njit(**_JIT)
+def _heap_swap(heap, a, b):
+    heap[a, 0], heap[b, 0] = heap[b, 0], heap[a, 0]
+    heap[a, 1], heap[b, 1] = heap[b, 1], heap[a, 1]
+
+
+@numba.njit(**_JIT)
+def _heap_down(heap, size, i):
+    while True:
+        low = i
+        for child in (2 * i + 1, 2 * i + 2):
+            if child < size and _heap_less(heap, child, low):
+                low = child
+        if low == i:
+            return
+        _heap_swap(heap, i, low)
+        i = low
+
+
+@numba.njit(**_JIT)
+def _heap_push(heap, size, key, slot):
+    i = size
+    heap[i, 0], heap[i, 1] = key, slot
+    while i > 0:
+        parent = (i - 1) // 2
+        if not _heap_less(heap, i, parent):
+            break
+        _heap_swap(heap, i, parent)
+        i = parent
+    return size + 1
+
+
+@numba.njit(**_JIT)
+def _heap_pop(heap, size):
+    size -= 1
+    _heap_swap(heap, 0, size)
+    _heap_down(heap, size, 0)
+    return size
+
+
+@numba.njit(**_JIT)
+def _home(i, bits, table_bits):
+    return ((i * _GOLDEN) >> (64 - bits - table_bits)) & ((1 << table_bits) - 1)
+
+
+@numba.njit(**_JIT)
+def _find(table, row, i, bits, table_bits):
+    """Position of id ``i`` in the open-addressing ``table`` (of slots of
+    ``row``, whose column 0 holds the ids), or ``-1``."""
+    mask = table.size - 1
+    h = _home(i, bits, table_bits)
+    while table[h] >= 0:
+        if row[table[h], 0] == i:
+            return h
+        h = (h + 1) & mask
+    return -1
+
+
+@numba.njit(**_JIT)
+def _insert(table, i, slot, bits, table_bits):
+    mask = table.size - 1
+    h = _home(i, bits, table_bits)
+    while table[h] >= 0:
+        h = (h + 1) & mask
+    table[h] = slot
+
+
+@numba.njit(**_JIT)
+def _delete(table, row, h, bits, table_bits):
+    """Empties position ``h``, shifting later entries of its run back."""
+    mask = table.size - 1
+    j = h
+    while True:
+        j = (j + 1) & mask
+        if table[j] < 0:
+            break
+        home = _home(row[table[j], 0], bits, table_bits)
+        # Entry j may fill the hole at h unless its home lies in (h, j] (cyclically).
+        if (h <= j and (home <= h or home > j)) or (h > j and home <= h and home > j):
+            table[h] = table[j]
+            h = j
+    table[h] = -1
+
+
+@numba.njit(**_JIT)
+def shadow_step(sample, t, counts, prior, bonuses, rows, heap, table, state, bits, log_table):
+    """Plans the sampled distinct ids of batch ``t`` through every shadow cache.
+
+    Shadow cache ``j`` holds ``S`` rows and ranks them by the adaptive key
+    with ``bonuses[j]`` (``_key``); like the planner it evicts the lowest
+    ``(key, slot)`` among the rows this batch does not use, and gives new
+    rows free slots in order first. A sampled id that finds no room is not
+    inserted.
+
+    Args:
+      sample: the batch's sampled distinct ids, sorted.
+      rows: ``int64 [K, S, 3]``: per slot its id (``-1`` free), key and last
+        batch (side by side: one cache line per row).
+      heap: ``int64 [K, S, 2]``: a binary min-heap of ``(key, slot)`` per
+        cache, one entry per row. Keys only grow, so an entry may hold an
+        older, lower key than its row: it is pushed back with the row's key
+        when it comes to the top, and a hit costs no heap work.
+      table: ``int32 [K, T]``: open-addressing map id -> slot (``-1`` empty).
+      state: ``int64 [K, 3]``: slots filled, heap size, hits of this batch.
+    """
+    size = rows.shape[1]
+    table_bits = 0
+    while (1 << table_bits) < table.shape[1]:
+        table_bits += 1
+    weight = np.empty(sample.size, np.int64)
+    for q in range(sample.size):
+        weight[q] = _weight(sample[q], counts, prior)
+    misses = np.empty(sample.size, np.int64)
+    held = np.empty(min(sample.size, size), np.int64)
+    for j in range(bonuses.size):
+        row, hp, tab, bonus = rows[j], heap[j], table[j], bonuses[j]
+        filled, heap_size = state[j, 0], state[j, 1]
+        hits = 0
+        m = 0
+        for q in range(sample.size):
+            at = _find(tab, row, sample[q], bits, table_bits)
+            if at < 0:
+                misses[m] = q
+                m += 1
+                continue
+            hits += 1
+            s = tab[at]
+            row[s, 1] = _key(t, weight[q], bonus, log_table)
+            row[s, 2] = t
+        h = 0
+        for r in range(m):
+            q = misses[r]
+            s = -1
+            if filled < size:
+                s = filled
+                filled += 1
+            else:
+                while heap_size > 0:
+                    top_key, top = hp[0, 0], hp[0, 1]
+                    heap_size = _heap_pop(hp, heap_size)
+                    if top_key != row[top, 1]:  # its key grew: back in at its place
+                        heap_size = _heap_push(hp, heap_size, row[top, 1], top)
+                    elif row[top, 2] == t:  # this batch's row: keep it
+                        held[h] = top
+                        h += 1
+                    else:
+                        s = top
+                        _delete(
+                            tab, row, _find(tab, row, row[s, 0], bits, table_bits), bits, table_bits
+                        )
+                        break
+            if s < 0:
+                continue  # every row is this batch's: no room
+            row[s, 0] = sample[q]
+            row[s, 1] = _key(t, weight[q], bonus, log_table)
+            row[s, 2] = t
+            _insert(tab, sample[q], s, bits, table_bits)
+            heap_size = _heap_push(hp, heap_size, row[s, 1], s)
+        for r in range(h):
+            heap_size = _heap_push(hp, heap_size, row[held[r], 1], held[r])
+        state[j, 0], state[j, 1], state[j, 2] = filled, heap_size, hits

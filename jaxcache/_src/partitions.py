@@ -453,7 +453,8 @@ class Partitions:
           ``{"id_of_slot": int64 [L C_l] (global ids), "last_use": int64
           [L C_l], "next_index": int, "policy": {"name": ..., per-id arrays
           in this process's share of the ids (``i % P == p``, as its host
-          table stores them)}}``.
+          table stores them), the policies' other arrays stacked ``[L,
+          ...]``}}``.
         """
         for planner in self.planners:
             planner.state_dict()  # refuses rows changed on device
@@ -466,7 +467,9 @@ class Partitions:
 
     def policy_state(self) -> dict[str, Any]:
         """What the policies learned: ``{"name": ..., per-id arrays}`` over this
-        process's ids (all ids in one process), in id order; copies.
+        process's ids (all ids in one process), in id order, and the
+        policies' other arrays (``Policy.per_id`` tells which are which), one
+        per partition stacked ``[L, ...]``; copies.
 
         Examples:
           >>> import numpy as np, jaxcache
@@ -478,8 +481,12 @@ class Partitions:
         """
         states = [planner.policy.state_dict() for planner in self.planners]
         policy: dict[str, Any] = {"name": states[0]["name"]}
-        for key in _per_id_keys(states[0]):
-            policy[key] = self._merge_per_id([np.array(s[key]) for s in states])
+        per_id = _per_id_keys(states[0], self.planners[0].policy.per_id)
+        for key, value in states[0].items():
+            if key in per_id:
+                policy[key] = self._merge_per_id([np.array(s[key]) for s in states])
+            elif isinstance(value, np.ndarray):  # per partition: exact on the same layout
+                policy[key] = np.stack([s[key] for s in states])
         return policy
 
     def _merge_per_id(self, parts: list[np.ndarray]) -> np.ndarray:
@@ -514,9 +521,9 @@ class Partitions:
         ids = np.asarray(state["id_of_slot"], np.int64)
         last_use = np.asarray(state["last_use"], np.int64)
         policy = dict(state.get("policy", {}))
+        keys = _per_id_keys(policy, self.planners[0].policy.per_id)
         if n == 1:
-            keys = _per_id_keys(policy)
-            policy = {k: self._per_id_part(v, 0) if k in keys else v for k, v in policy.items()}
+            policy = {k: self._policy_part(k in keys, v, 0, 0) for k, v in policy.items()}
             self.planners[0].load_state_dict({**state, "policy": policy})
             return
         check_state(
@@ -526,9 +533,9 @@ class Partitions:
             (self.layout.device_of(ids[ids >= 0]) == np.flatnonzero(ids >= 0) // cl).all()
         )
         parts = []
-        for device, planner in zip(self.devices, self.planners, strict=True):
+        for index, (device, planner) in enumerate(zip(self.devices, self.planners, strict=True)):
             part_policy = {
-                key: self._per_id_part(value, device) if key in _per_id_keys(policy) else value
+                key: self._policy_part(key in keys, value, device, index if same_layout else -1)
                 for key, value in policy.items()
             }
             if same_layout:
@@ -550,6 +557,25 @@ class Partitions:
             parts.append(part)
         for planner, part in zip(self.planners, parts, strict=True):
             planner.load_state_dict(part)
+
+    def _policy_part(self, per_id: bool, value: Any, device: int, index: int) -> Any:
+        """Partition ``device``'s part of a saved policy entry: its ids' entries
+        of a per-id array; of another array saved per partition (``[L, ...]``,
+        or the list of the processes' stacks), entry ``index`` of this
+        process's when the layout is the same (``index >= 0``), else nothing
+        (``None``: the policy starts that state afresh); other values as
+        they are."""
+        if per_id:
+            return self._per_id_part(value, device)
+        if isinstance(value, (list, tuple)):  # the processes' stacks, in order
+            if len(value) != self.layout.processes:
+                return None
+            value = np.asarray(value[self.layout.process])
+        if not isinstance(value, np.ndarray):
+            return value
+        if index < 0 or value.ndim == 0 or value.shape[0] != len(self.planners):
+            return None
+        return value[index]
 
     def _per_id_part(self, value: Any, device: int) -> np.ndarray:
         """``device``'s local ids' entries of a per-id array ``[N]``, or of
@@ -573,6 +599,7 @@ class Partitions:
         return out
 
 
-def _per_id_keys(policy_state: dict[str, Any]) -> tuple[str, ...]:
-    """The policy state's arrays with one entry per id."""
-    return tuple(key for key in ("counts",) if key in policy_state)
+def _per_id_keys(policy_state: dict[str, Any], per_id: tuple[str, ...]) -> tuple[str, ...]:
+    """The policy state's arrays with one entry per id: those the policy
+    declares (``per_id``), and the access counts of any counting policy."""
+    return tuple(key for key in policy_state if key in per_id or key == "counts")

@@ -8,25 +8,41 @@ sorting every slot on every step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxcache._src import validation
+from jaxcache._src import kernels, validation
+from jaxcache._src.config import POLICIES
+from jaxcache._src.frequency import hottest
 
 if TYPE_CHECKING:
     from jaxcache._src.planner import Planner
 
-__all__ = ["FrequencyPolicy", "LFUPolicy", "LRUPolicy", "Policy", "make_policy"]
+__all__ = [
+    "AdaptivePolicy",
+    "FrequencyPolicy",
+    "LFUPolicy",
+    "LRUPolicy",
+    "Policy",
+    "make_policy",
+]
 
 
 class Policy:
     """Base class: priority of resident rows, updated from each batch."""
 
     name = ""
-    #: ``record`` reads the lookups of each distinct row (``counts``).
+    #: Names of the ``state_dict`` arrays with one entry per id (leading axis
+    #: ``N``); the others describe slots or the policy as a whole.
+    per_id: tuple[str, ...] = ()
+    #: Whether ``record`` reads the lookups of each distinct slot (``counts``);
+    #: the planner counts them only for policies that do.
     needs_counts = False
+    #: Whether a cache starts with the hottest rows by dataset counts loaded.
+    warms = False
 
     def priorities(self, planner: Planner) -> np.ndarray:
         """``int64 [C]``: the priority of the row each slot holds (the
@@ -37,8 +53,9 @@ class Policy:
         """Rows ``ids`` were just placed in ``slots``."""
 
     def record(self, planner: Planner, unique_slots: np.ndarray, counts: np.ndarray | None) -> None:
-        """Learns from a planned batch: its distinct slots and, when the policy
-        ``needs_counts``, how many lookups each had (``int [U]``; else ``None``)."""
+        """Learns from a planned batch: its distinct slots ``int32 [U]`` and,
+        when ``needs_counts``, the lookups of each ``int [U]`` (padding
+        excluded); else ``counts`` is ``None``."""
 
     # -------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -68,6 +85,8 @@ class LRUPolicy(Policy):
 class _CountPolicy(Policy):
     """Priority is a count per id, mirrored per slot so ranking reads ``[C]``."""
 
+    per_id = ("counts",)
+
     def __init__(self, counts: np.ndarray, capacity: int) -> None:
         self.counts = counts
         self.slot_counts = np.zeros(capacity, np.int64)
@@ -82,15 +101,21 @@ class _CountPolicy(Policy):
         return {"name": self.name, "counts": self.counts}
 
     def load_state_dict(self, state):
-        counts = state.get("counts")
-        if counts is None or counts is self.counts:
-            return
-        if np.shape(counts) != self.counts.shape:
-            raise ValueError(
-                f"saved access counts have shape {np.shape(counts)} but the table has "
-                f"{self.counts.shape[0]} rows; restore into a table of the same size."
-            )
-        self.counts[...] = counts
+        _take_counts(self.counts, state)
+
+
+def _take_counts(counts: np.ndarray, state: Mapping[str, Any]) -> None:
+    """Copies the per-id ``counts`` saved in ``state`` (of any counting
+    policy), if any, into ``counts``."""
+    saved = state.get("counts")
+    if saved is None or saved is counts:
+        return
+    if np.shape(saved) != counts.shape:
+        raise ValueError(
+            f"saved access counts have shape {np.shape(saved)} but the table has "
+            f"{counts.shape[0]} rows; restore into a table of the same size."
+        )
+    counts[...] = saved
 
 
 class FrequencyPolicy(_CountPolicy):
@@ -101,6 +126,7 @@ class FrequencyPolicy(_CountPolicy):
     """
 
     name = "frequency"
+    warms = True
 
 
 class LFUPolicy(_CountPolicy):
@@ -119,6 +145,236 @@ class LFUPolicy(_CountPolicy):
         self.slot_counts[unique_slots] = self.counts[ids]
 
 
+# floor(256 * log2(1 + i / 256)): the mantissa part of kernels.log2_fixed.
+_LOG2_TABLE = np.array([math.floor(256 * math.log2(1 + i / 256)) for i in range(256)], np.int64)
+
+
+class AdaptivePolicy(Policy):
+    """Recency plus a learned weight of frequency, with admission control.
+
+    The priority of a row is the batch that last used it plus a bonus that
+    grows with the row's *weight*: its lookups so far, or its dataset count
+    (the prior, when given) if that is larger::
+
+        key = 256 * last_use + bonus * log2_fixed(weight)   # log2 in 1/256ths
+
+    A row keeps its place for ``bonus`` more batches each time its weight
+    doubles. ``bonus = 0`` is LRU; large bonuses rank by weight with recency
+    breaking ties; the last choice, ``-1``, ranks by weight alone (``key =
+    weight``: LFU, or the static frequency policy when the prior dominates).
+
+    Admission: a row seen once and unknown to the prior has weight 1 and no
+    bonus, so newcomers form the short-lived low end of the order and are
+    evicted first, oldest first, unless they come back; one-off ids churn
+    among themselves and never push out rows that proved themselves.
+    Popularity that goes stale fades: a bonus is a fixed lead in time, so a
+    row that is no longer looked up is overtaken by newer ones.
+
+    How much frequency deserves is learned online. One shadow cache per bonus
+    of ``BONUSES`` replays a fixed sample of the ids (one in ``2^bits`` by
+    hash, ``bits`` such that a shadow holds ``capacity / 2^bits`` rows, about
+    ``SHADOW_ROWS``) under the same batch rule and counts its hits; a
+    decaying sum of those hits picks the bonus of the cache. When the choice
+    changes, the resident rows are re-keyed under the new bonus and shifted up
+    by a common offset so that no key decreases (the planner's victim reserve
+    relies on it). With a prior, the shadows start warmed with their hottest
+    sampled ids, as the cache does.
+
+    State: ``counts`` ``int64 [N]`` (per id), the shadow caches
+    (``O(len(BONUSES) * SHADOW_ROWS)``), their scores and two scalars (the
+    choice and the offset). The keys ``int64 [C]`` follow from those and the
+    planner's ``last_use``; the prior is the constructor's.
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> cfg = jaxcache.CacheConfig(100, 1, capacity=4, policy="adaptive")
+      >>> planner = jaxcache.Planner(cfg)
+      >>> for ids in ([1, 2, 1, 2], [1, 2, 3], [4, 5]):  # 1 and 2 come back
+      ...     planner.release(planner.plan(np.array(ids)).index)
+      >>> plan = planner.plan(np.array([6]))  # a newcomer evicts a newcomer
+      >>> sorted(planner.resident_ids().tolist()), planner.policy.bonus
+      ([1, 2, 5, 6], 16)
+    """
+
+    name = "adaptive"
+    needs_counts = True
+    per_id = ("counts",)
+    #: Bonuses the shadow caches try, in batches per doubling of the weight
+    #: (``-1``: by weight alone).
+    BONUSES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 8192, -1)
+    #: Rows each shadow cache aims at (it holds all ``capacity`` when smaller).
+    SHADOW_ROWS = 1024
+    #: Each batch, the shadows' hit scores lose ``1 / 2^DECAY`` of their value.
+    DECAY = 5
+    #: A shadow replaces the chosen one when its score is higher by more than
+    #: ``1 / 2^MARGIN`` of the chosen one's.
+    MARGIN = 8
+    #: The bonus used before any evidence (an index into ``BONUSES``).
+    START = 5
+
+    def __init__(self, counts: np.ndarray, capacity: int, prior: np.ndarray | None = None) -> None:
+        self.counts = counts
+        self.prior = np.zeros(0, np.int64) if prior is None else prior
+        self.warms = prior is not None
+        self.keys = np.zeros(capacity, np.int64)
+        # The prior of each resident row: a batch's keys read [C], not [N].
+        self.slot_prior = np.zeros(capacity if self.warms else 0, np.int64)
+        self._inserted: list[tuple[int, np.ndarray]] = []  # (next plan index, slots)
+        self.bits = 0
+        while capacity >> (self.bits + 1) >= self.SHADOW_ROWS:
+            self.bits += 1
+        size = capacity >> self.bits
+        k = len(self.BONUSES)
+        self._bonuses = np.array(self.BONUSES, np.int64)
+        table = 4
+        while table < 2 * size:
+            table *= 2
+        self.shadow_rows = np.zeros((k, size, 3), np.int64)
+        self.shadow_rows[:, :, 0] = -1
+        self.shadow_heap = np.zeros((k, size, 2), np.int64)
+        self.shadow_table = np.full((k, table), -1, np.int32)
+        self.shadow_state = np.zeros((k, 3), np.int64)
+        self.scores = np.zeros(k, np.int64)
+        # [chosen bonus index, key offset]
+        self.scalars = np.array([self.START, 0], np.int64)
+        if self.warms:  # the shadows start as a warmed cache does
+            if self.bits:
+                ids = kernels.sample_ids(counts.size, self.bits)
+                hot = ids[hottest(self.prior[ids], size)]
+            else:
+                hot = hottest(self.prior, size)
+            self._shadow_step(np.sort(hot), -1)
+            self.shadow_state[:, 2] = 0
+
+    @property
+    def bonus(self) -> int:
+        """The bonus in use, in batches per doubling of a row's weight (``-1``:
+        by weight alone)."""
+        return self.BONUSES[self.scalars[0]]
+
+    def priorities(self, planner):
+        self._key_inserted(planner)
+        return self.keys
+
+    def on_insert(self, planner, slots, ids):
+        if self.warms:
+            self.slot_prior[slots] = self.prior[ids]
+        # Keyed when the keys are next read: the rows a plan inserts are keyed
+        # by its record right after, so they are never keyed twice.
+        self._inserted.append((planner.next_index, slots))
+
+    def _key_inserted(self, planner, skip: int | None = None) -> None:
+        """Keys the rows inserted since the keys were last read (except those
+        of plan ``skip - 1``, which ``record`` keys)."""
+        for index, slots in self._inserted:
+            if index != skip:
+                self._key(planner, slots)
+        self._inserted.clear()
+
+    def _key(self, planner, slots: np.ndarray) -> None:
+        kernels.adaptive_keys(
+            slots,
+            planner.id_of_slot[slots],
+            planner.last_use,
+            self.counts,
+            self.slot_prior,
+            self.keys,
+            self.bonus,
+            int(self.scalars[1]),
+            _LOG2_TABLE,
+        )
+
+    def record(self, planner, unique_slots, counts):
+        self._key_inserted(planner, skip=planner.next_index)
+        t = planner.next_index - 1
+        ids = planner.id_of_slot[unique_slots]
+        sample = kernels.adaptive_record(
+            unique_slots,
+            ids,
+            counts,
+            self.counts,
+            self.slot_prior,
+            self.keys,
+            t,
+            self.bonus,
+            int(self.scalars[1]),
+            _LOG2_TABLE,
+            self.bits,
+        )
+        sample.sort()
+        self._shadow_step(sample, t)
+        hits = self.shadow_state[:, 2]
+        self.scores -= self.scores >> self.DECAY
+        self.scores += hits << 16
+        chosen = int(self.scalars[0])
+        best = int(np.argmax(self.scores))
+        if self.scores[best] > self.scores[chosen] + (self.scores[chosen] >> self.MARGIN):
+            self._choose(planner, best)
+
+    def _shadow_step(self, sample: np.ndarray, t: int) -> None:
+        kernels.shadow_step(
+            sample,
+            t,
+            self.counts,
+            self.prior,
+            self._bonuses,
+            self.shadow_rows,
+            self.shadow_heap,
+            self.shadow_table,
+            self.shadow_state,
+            self.bits,
+            _LOG2_TABLE,
+        )
+
+    def _choose(self, planner, choice: int) -> None:
+        """Uses bonus ``BONUSES[choice]`` from now on, re-keying the resident rows."""
+        self._key_inserted(planner)
+        self.scalars[0] = choice
+        slots = np.flatnonzero(planner.id_of_slot >= 0)
+        old = self.keys[slots]
+        self._key(planner, slots)
+        if slots.size:
+            lift = max(0, int((old - self.keys[slots]).max()))
+            self.scalars[1] += lift
+            self.keys[slots] += lift
+
+    def state_dict(self):
+        return {
+            "name": self.name,
+            "counts": self.counts,
+            "scores": self.scores,
+            "scalars": self.scalars,
+            "shadow_rows": self.shadow_rows,
+            "shadow_heap": self.shadow_heap,
+            "shadow_table": self.shadow_table,
+            "shadow_state": self.shadow_state,
+        }
+
+    def load_state_dict(self, state):
+        _take_counts(self.counts, state)
+        if state.get("name") != self.name:
+            return
+        own = self.state_dict()
+        if all(
+            state.get(k) is not None and np.shape(state[k]) == np.shape(own[k])
+            for k in own
+            if k != "name"
+        ):
+            for key in (
+                "scores",
+                "scalars",
+                "shadow_rows",
+                "shadow_heap",
+                "shadow_table",
+                "shadow_state",
+            ):
+                if state[key] is not own[key]:
+                    own[key][...] = state[key]
+        elif np.shape(state.get("scalars")) == self.scalars.shape:
+            # Another capacity: the shadows start afresh, the choice carries over.
+            self.scalars[...] = state["scalars"]
+
+
 def make_policy(
     name: str, num_embeddings: int, capacity: int, frequencies: np.ndarray | None
 ) -> Policy:
@@ -134,6 +390,8 @@ def make_policy(
         if frequencies is not None:
             counts[:] = frequencies
         return LFUPolicy(counts, capacity)
+    if name == "adaptive":
+        return AdaptivePolicy(np.zeros(num_embeddings, np.int64), capacity, frequencies)
     if name == "frequency":
         if frequencies is None:
             raise ValueError(
@@ -141,4 +399,4 @@ def make_policy(
                 "(e.g. jaxcache.FrequencyCounter(N).update_all(batches).counts), or use 'lfu'."
             )
         return FrequencyPolicy(frequencies, capacity)
-    raise ValueError(f"unknown policy {name!r}; use 'frequency', 'lfu' or 'lru'.")
+    raise ValueError(f"unknown policy {name!r}; use one of {', '.join(POLICIES)}.")

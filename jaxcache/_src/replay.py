@@ -14,9 +14,11 @@ batch, ``N`` table rows.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numba
 import numpy as np
 
 from jaxcache._src import validation
@@ -27,7 +29,10 @@ from jaxcache._src.planner import CapacityError, Planner
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["plot_curve", "replay", "sweep"]
+__all__ = ["REPLAY_POLICIES", "plot_curve", "replay", "sweep"]
+
+#: What ``replay`` accepts: the cache's policies and Belady's offline optimum.
+REPLAY_POLICIES = (*POLICIES, "belady")
 
 Result = dict[str, Any]
 
@@ -36,7 +41,7 @@ def replay(
     trace: np.ndarray,
     *,
     capacity: int | float,
-    policy: str = "lfu",
+    policy: str = "adaptive",
     batch: int | None = None,
     num_embeddings: int | None = None,
     frequencies: np.ndarray | None = None,
@@ -49,14 +54,21 @@ def replay(
         ``batch`` the ids are re-split into batches of that size).
       capacity: rows on device, or a fraction of ``num_embeddings`` in
         ``(0, 1]``, as in :class:`jaxcache.CacheConfig`.
-      policy: ``"frequency"``, ``"lfu"`` or ``"lru"``.
+      policy: ``"adaptive"``, ``"frequency"``, ``"lfu"``, ``"lru"``, or
+        ``"belady"``: the offline optimum under the same rule (every row of a
+        batch resident while it runs), which evicts the row needed furthest in
+        the future and starts with the rows needed first loaded (its steady
+        rate: replayed over the steady batches alone, started the same way).
+        It needs the whole trace, so it is a ceiling to compare with, not a
+        policy to train with.
       batch: ids per batch; required for a 1-D trace.
       num_embeddings: ``N``; defaults to ``len(frequencies)`` when they are
         given, else to the largest id plus one.
       frequencies: ``int [N]`` dataset access counts. The ``"frequency"``
         policy ranks rows by them and is warmed with the hottest ones; when
         not given they are counted over the whole trace. Passed explicitly,
-        they also seed ``"lfu"``; ``"lru"`` ignores them.
+        they are also the prior of ``"adaptive"`` (which is then warmed the
+        same way) and seed ``"lfu"``; ``"lru"`` and ``"belady"`` ignore them.
 
     Returns:
       A flat, JSON-ready dict: ``policy``, ``capacity``
@@ -98,7 +110,7 @@ def sweep(
     trace: np.ndarray,
     *,
     capacities: Iterable[int | float],
-    policies: Iterable[str] = ("lfu",),
+    policies: Iterable[str] = ("adaptive",),
     batch: int | None = None,
     num_embeddings: int | None = None,
     frequencies: np.ndarray | None = None,
@@ -153,7 +165,8 @@ def plot_curve(
 
     Returns:
       The ``matplotlib.figure.Figure``: hit rates on the left (solid: all
-      batches, dashed: steady state), miss ratio on a log scale on the right.
+      batches, faint dashes: steady state), miss ratio on a log scale on the
+      right. Belady's results, when present, are the black dashed ceiling.
 
     Examples:
       >>> import numpy as np
@@ -176,7 +189,8 @@ def plot_curve(
         raise ValueError("results is empty; pass the dicts returned by sweep() or replay().")
     fig = Figure(figsize=(10, 4), layout="constrained")
     hit_ax, miss_ax = fig.subplots(1, 2)
-    for color, name in enumerate(dict.fromkeys(r["policy"] for r in results)):
+    names = list(dict.fromkeys(r["policy"] for r in results))
+    for color, name in enumerate(n for n in names if n != "belady"):
         curve = sorted((r for r in results if r["policy"] == name), key=lambda r: r["capacity"])
         x = [r["capacity"] for r in curve]
         style = {"color": f"C{color}", "marker": "o"}
@@ -185,10 +199,16 @@ def plot_curve(
             x, [r["steady_unique_hit_rate"] for r in curve], linestyle="--", alpha=0.6, **style
         )
         miss_ax.plot(x, [r["miss_ratio"] for r in curve], label=name, **style)
+    if "belady" in names:  # the ceiling: a dashed line, no markers
+        curve = sorted((r for r in results if r["policy"] == "belady"), key=lambda r: r["capacity"])
+        x = [r["capacity"] for r in curve]
+        style = {"color": "black", "linestyle": "--", "label": "belady (optimum)"}
+        hit_ax.plot(x, [r["unique_hit_rate"] for r in curve], **style)
+        miss_ax.plot(x, [r["miss_ratio"] for r in curve], **style)
     first = results[0]
     xlabel = f"capacity (rows of {first['num_embeddings']:,})"
     hit_ax.set(xlabel=xlabel, ylabel="hit rate (distinct ids)", ylim=(0, 1.02))
-    hit_ax.set_title("hit rate (dashed: after the first quarter)", fontsize="medium")
+    hit_ax.set_title("hit rate (faint dashes: after the first quarter)", fontsize="medium")
     miss_ax.set(xlabel=xlabel, ylabel="miss ratio (distinct ids)")
     miss_ax.set_title("miss ratio", fontsize="medium")
     misses = [r["miss_ratio"] for r in results]
@@ -221,54 +241,182 @@ def _run(
     frequencies: np.ndarray | None,
     counts: np.ndarray | None,
 ) -> Result:
-    """Replays the checked ``batches`` through a fresh planner."""
+    """Replays the checked ``batches`` through a fresh planner (or Belady's)."""
+    if policy == "belady":
+        # The steady rate's ceiling: the optimum over the steady batches alone,
+        # started with the rows they need first (any policy's state is some set
+        # of rows); the totals come from the whole trace.
+        per_batch, rows_warmed = _belady(batches, capacity)
+        steady, _ = _belady(batches[len(batches) // 4 :], capacity)
+        return _summary(policy, capacity, num_embeddings, per_batch, rows_warmed, steady)
     config = CacheConfig(
         num_embeddings=num_embeddings, features=1, capacity=capacity, policy=policy
     )
-    planner = Planner(config, frequencies=counts if policy == "frequency" else frequencies)
+    prior = counts if policy == "frequency" else frequencies
+    planner = Planner(config, frequencies=prior)
     rows_warmed = 0
-    if policy == "frequency":
+    if planner.policy.warms:
         # Warmed as EmbeddingCache does: the hottest rows that occur at all.
-        rows_warmed = planner.warm(hottest(counts, capacity))[0].size
-    steady_from = len(batches) // 4
-    lookups = distinct = hits = access_hits = fetched = written_back = evictions = 0
-    steady_distinct = steady_hits = 0
+        rows_warmed = planner.warm(hottest(prior, capacity))[0].size
+    per_batch = np.zeros((len(batches), len(_COUNTERS)), np.int64)
     for step, ids in enumerate(batches):
         try:
             plan = planner.plan(ids, train=True)
         except CapacityError as error:
             raise CapacityError(f"batch {step} of the trace: {error}") from None
         planner.release(plan.index)
-        lookups += plan.lookups
-        distinct += plan.distinct
-        hits += plan.hits
-        access_hits += plan.access_hits
-        fetched += plan.misses
-        written_back += plan.evict_ids.size
-        evictions += plan.evictions
-        if step >= steady_from:
-            steady_distinct += plan.distinct
-            steady_hits += plan.hits
+        per_batch[step] = (
+            plan.lookups,
+            plan.distinct,
+            plan.hits,
+            plan.access_hits,
+            plan.misses,
+            plan.evict_ids.size,
+            plan.evictions,
+        )
+    return _summary(policy, capacity, num_embeddings, per_batch, rows_warmed)
+
+
+# Per-batch counters of a replay, in this order.
+_COUNTERS = (
+    "lookups",
+    "distinct",
+    "hits",
+    "access_hits",
+    "rows_fetched",
+    "rows_written_back",
+    "evictions",
+)
+
+
+def _summary(
+    policy: str,
+    capacity: int,
+    num_embeddings: int,
+    per_batch: np.ndarray,
+    rows_warmed: int,
+    steady: np.ndarray | None = None,
+) -> Result:
+    """The result dict of a replay from its ``int [S, 7]`` per-batch counters
+    (and those of the batches after the first quarter, when replayed apart)."""
+    total = dict(zip(_COUNTERS, (int(v) for v in per_batch.sum(axis=0)), strict=True))
+    if steady is None:
+        steady = per_batch[len(per_batch) // 4 :]
+    steady = steady.sum(axis=0)
+    distinct, hits = total["distinct"], total["hits"]
     hit_rate = _ratio(hits, distinct)
     return {
         "policy": policy,
         "capacity": capacity,
         "capacity_fraction": capacity / num_embeddings,
         "num_embeddings": num_embeddings,
-        "batches": len(batches),
-        "lookups": lookups,
+        "batches": len(per_batch),
+        "lookups": total["lookups"],
         "distinct": distinct,
         "hits": hits,
-        "access_hits": access_hits,
+        "access_hits": total["access_hits"],
         "unique_hit_rate": hit_rate,
-        "access_hit_rate": _ratio(access_hits, lookups),
-        "steady_unique_hit_rate": _ratio(steady_hits, steady_distinct),
+        "access_hit_rate": _ratio(total["access_hits"], total["lookups"]),
+        "steady_unique_hit_rate": _ratio(int(steady[2]), int(steady[1])),
         "miss_ratio": 1.0 - hit_rate if distinct else 0.0,
         "rows_warmed": int(rows_warmed),
-        "rows_fetched": fetched,
-        "rows_written_back": written_back,
-        "evictions": evictions,
+        "rows_fetched": total["rows_fetched"],
+        "rows_written_back": total["rows_written_back"],
+        "evictions": total["evictions"],
     }
+
+
+def _belady(batches: list[np.ndarray], capacity: int) -> tuple[np.ndarray, int]:
+    """Belady's offline optimum under the batch rule: per-batch counters and
+    rows warmed.
+
+    Every distinct id of a batch is resident while it runs; a miss evicts the
+    resident row whose next use is furthest away (never used again first,
+    ties to the lower id), never one of the batch's own. The cache starts with
+    the ``capacity`` rows the trace needs first already loaded, for free as
+    warming is, so no policy can do better, warmed or not.
+    """
+    if any(np.unique(ids).size > capacity for ids in batches):
+        step = next(s for s, ids in enumerate(batches) if np.unique(ids).size > capacity)
+        distinct = np.unique(batches[step]).size
+        raise CapacityError(
+            f"batch {step} of the trace: the batch has {distinct} distinct ids but capacity "
+            f"is {capacity} rows; raise capacity to at least {distinct} or use smaller batches."
+        )
+    unique, looked_up, sizes = [], [], []
+    for ids in batches:
+        values, counts = np.unique(ids, return_counts=True)
+        unique.append(values)
+        looked_up.append(counts)
+        sizes.append(values.size)
+    ids = np.concatenate(unique).astype(np.int64)
+    step = np.repeat(np.arange(len(batches)), sizes)
+    # Each (batch, id)'s next use: the next batch of the same id.
+    order = np.lexsort((step, ids))
+    next_use = np.full(ids.size, _NEVER, np.int64)
+    same = ids[order[1:]] == ids[order[:-1]]
+    next_use[order[:-1][same]] = step[order[1:][same]]
+    first = order[np.r_[True, ~same]]  # the first use of every id
+    first = first[np.lexsort((ids[first], step[first]))][:capacity]
+    per_batch = _belady_loop(
+        ids,
+        np.concatenate(looked_up).astype(np.int64),
+        next_use,
+        np.array(sizes),
+        ids[first],
+        step[first],
+        capacity,
+        int(ids.max()) + 1,
+    )
+    return per_batch, first.size
+
+
+_NEVER = np.iinfo(np.int64).max
+
+
+@numba.njit(cache=True, nogil=True)
+def _belady_loop(ids, looked_up, next_use, sizes, warm_ids, warm_next, capacity, n):
+    """The compiled replay of ``_belady``; returns its ``int64 [S, 7]`` counters."""
+    key = np.full(n, -1, np.int64)  # next use of a resident id, -1 when not resident
+    dirty = np.zeros(n, np.bool_)
+    heap = [(0, 0)]  # (-next use, id): the furthest next use on top
+    heap.pop()
+    for j in range(warm_ids.size):
+        key[warm_ids[j]] = warm_next[j]
+        heapq.heappush(heap, (-warm_next[j], warm_ids[j]))
+    resident = warm_ids.size
+    out = np.zeros((sizes.size, 7), np.int64)
+    p = 0
+    for t in range(sizes.size):
+        end = p + sizes[t]
+        misses = 0
+        for j in range(p, end):
+            out[t, 0] += looked_up[j]
+            if key[ids[j]] >= 0:
+                out[t, 2] += 1
+                out[t, 3] += looked_up[j]
+            else:
+                misses += 1
+        evict = resident + misses - capacity
+        while evict > 0:
+            far, i = heapq.heappop(heap)
+            if key[i] != -far or -far == t:  # stale, or used by this batch
+                continue
+            key[i] = -1
+            out[t, 5] += dirty[i]
+            dirty[i] = False
+            out[t, 6] += 1
+            resident -= 1
+            evict -= 1
+        for j in range(p, end):
+            resident += key[ids[j]] < 0
+            key[ids[j]] = next_use[j]
+            dirty[ids[j]] = True
+            heapq.heappush(heap, (-next_use[j], ids[j]))
+        out[t, 1] = sizes[t]
+        out[t, 4] = misses
+        p = end
+    return out
 
 
 def _ratio(part: int, whole: int) -> float:
@@ -366,10 +514,10 @@ def _check_policies(names: Iterable[str]) -> list[str]:
     """Distinct policy names, in order; each must be a known policy."""
     names = [names] if isinstance(names, str) else list(dict.fromkeys(names))
     if not names:
-        raise ValueError(f"no policy given; name at least one of {', '.join(POLICIES)}.")
+        raise ValueError(f"no policy given; name at least one of {', '.join(REPLAY_POLICIES)}.")
     for name in names:
-        if name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r}; use one of {', '.join(POLICIES)}.")
+        if name not in REPLAY_POLICIES:
+            raise ValueError(f"unknown policy {name!r}; use one of {', '.join(REPLAY_POLICIES)}.")
     return names
 
 

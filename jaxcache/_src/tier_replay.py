@@ -97,6 +97,11 @@ def replay_dram_tier(
     n = replay_lib._table_size(trace, num_embeddings, frequencies)
     frequencies = replay_lib._check_frequencies(frequencies, n)
     policy = replay_lib._check_policies([policy])[0]
+    if policy == "belady":
+        raise ValueError(
+            "the DRAM tier is replayed behind a cache policy, and belady is an offline "
+            "ceiling, not one; leave belady out of --policy when giving --dram-budget."
+        )
     capacity = replay_lib._resolve_capacity(capacity, n)
     for name, value in (("dram_budget", dram_budget), ("row_bytes", row_bytes)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -122,8 +127,8 @@ def replay_dram_tier(
     def fetch(ids: np.ndarray, keep: bool) -> None:
         tier.read(ids.astype(np.int64), np.zeros(ids.size, np.int64), nothing, keep=keep)
 
-    if policy == "frequency":  # warmed, then read by the cache's first device state
-        planner.warm(hottest(counts, capacity))
+    if planner.policy.warms:  # warmed, then read by the cache's first device state
+        planner.warm(hottest(counts if policy == "frequency" else frequencies, capacity))
         fetch(planner.id_of_slot[planner.id_of_slot >= 0], keep=False)
     steady_from = len(batches) // 4
     steady = tier.stats()
