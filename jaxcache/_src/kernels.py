@@ -318,8 +318,10 @@ def split_by_home(flat, lo, hi, pad, num_embeddings, devices, keep, local, at, s
     (``id // devices``) of every real id whose residue ``r`` has ``keep[r]``
     into ``local`` and its position in ``flat`` into ``at``; ``starts[r]`` is
     where residue ``r``'s group begins (``starts[devices]`` where the last
-    ends). ``local`` and ``at`` need room for ``hi - lo`` entries. Every id
-    is range-checked, kept or not.
+    ends). ``local`` and ``at`` need room for ``hi - lo`` entries plus one,
+    the last, where the entries not kept are written over and over (no
+    branch on ``keep``: on random residues it mispredicts half the time).
+    Every id is range-checked, kept or not.
 
     Returns:
       The first position holding an id outside ``[0, num_embeddings)``
@@ -343,6 +345,12 @@ def split_by_home(flat, lo, hi, pad, num_embeddings, devices, keep, local, at, s
         counts[r + 1] += counts[r]
     for r in range(devices + 1):
         starts[r] = counts[r]
+    trash = local.size - 1
+    step = np.empty(devices, np.int64)
+    for r in range(devices):
+        step[r] = 1 if keep[r] else 0
+        if not keep[r]:
+            counts[r] = trash
     for p in range(lo, hi):
         i = flat[p]
         if i == pad:
@@ -353,27 +361,26 @@ def split_by_home(flat, lo, hi, pad, num_embeddings, devices, keep, local, at, s
         else:
             r = i % devices
             q = i // devices
-        if keep[r]:
-            c = counts[r]
-            local[c] = q
-            at[c] = p
-            counts[r] = c + 1
+        c = counts[r]
+        local[c] = q
+        at[c] = p
+        counts[r] = c + step[r]
     return -1
 
 
 @numba.njit(**_JIT)
-def distinct_ranks(local, lo, hi, table, ranks):
+def distinct_ranks(local, lo, hi, keys, values, ranks):
     """Ranks the distinct ids of ``local[lo:hi]`` in order of appearance,
     writing each entry's rank to ``ranks[j]``; returns how many there are.
 
     For the ids a source sends an owner of another process, which ranks them
-    the same way (``lookup_entries``). ``table`` is scratch: an open-addressing
-    hash table of at least twice ``hi - lo`` entries, a power of two, filled
-    with ``-1``; it is left filled with ``-1`` again.
+    the same way (``lookup_entries``). ``keys`` and ``values`` are scratch: an
+    open-addressing hash table of at least twice ``hi - lo`` entries, a power
+    of two, ``keys`` filled with ``-1``; they are left that way again.
     """
-    mask = table.size - 1
+    mask = keys.size - 1
     bits = 0
-    while (1 << bits) < table.size:
+    while (1 << bits) < keys.size:
         bits += 1
     shift = 64 - bits
     count = 0
@@ -381,21 +388,21 @@ def distinct_ranks(local, lo, hi, table, ranks):
         v = local[j]
         h = ((v * _GOLDEN) >> shift) & mask
         while True:
-            slot = table[h]
-            if slot < 0:
-                table[h] = j
+            key = keys[h]
+            if key == v:
+                ranks[j] = values[h]
+                break
+            if key < 0:
+                keys[h] = v
+                values[h] = count
                 ranks[j] = count
                 count += 1
                 break
-            if local[slot] == v:
-                ranks[j] = ranks[slot]
-                break
             h = (h + 1) & mask
     for j in range(lo, hi):  # clear what was set
-        v = local[j]
-        h = ((v * _GOLDEN) >> shift) & mask
-        while table[h] >= 0:
-            table[h] = -1
+        h = ((local[j] * _GOLDEN) >> shift) & mask
+        while keys[h] >= 0:
+            keys[h] = -1
             h = (h + 1) & mask
     return count
 

@@ -48,8 +48,9 @@ class Split(NamedTuple):
     """A batch's real ids grouped by source slice, then by residue (home).
 
     Source ``s``'s entries of residue ``r`` are ``[s S + starts[s, r],
-    s S + starts[s, r + 1])`` of each array (``S`` the slice length); the
-    sources of other processes keep only the residues homed here.
+    s S + starts[s, r + 1])`` of each array (``S`` the slice length, plus
+    one slot of scratch per source); the sources of other processes keep
+    only the residues homed here.
 
     Attributes:
       local: ``int64``: each entry's local id (``id // n``).
@@ -66,7 +67,7 @@ class Split(NamedTuple):
 
     @property
     def share(self) -> int:
-        """``S``, the length of a source's slice of the flattened batch."""
+        """``S + 1``: the room of a source's entries (its slice and one scratch slot)."""
         return self.local.size // self.starts.shape[0]
 
     def chunks(self, residue: int) -> tuple[np.ndarray, np.ndarray]:
@@ -357,12 +358,13 @@ class Partitions:
         def rank(item) -> None:
             row, source = item
             most = int(max(starts[source, r + 1] - starts[source, r] for r in range(n)))
-            table = np.full(1 << max(4, (2 * most).bit_length()), -1, np.int64)
+            keys = np.full(1 << max(4, (2 * most).bit_length()), -1, np.int64)
+            values = np.empty(keys.size, np.int32)
             for device in foreign:
                 r = layout.residue(device)
                 lo, hi = source * share + starts[source, r], source * share + starts[source, r + 1]
                 sent_out[row, device] = kernels.distinct_ranks(
-                    split.local, lo, hi, table, split.ranks
+                    split.local, lo, hi, keys, values, split.ranks
                 )
 
         self.threads.map(rank, list(enumerate(self.devices)))
@@ -374,8 +376,9 @@ class Partitions:
         cfg, n = self.config, self.layout.devices
         share = flat.size // n
         pad = _NO_PAD if cfg.padding_id is None else cfg.padding_id
-        local = np.empty(flat.size, np.int64)
-        at = np.empty(flat.size, np.int32)
+        room = share + 1  # each source's slice, and a slot for the ids not kept
+        local = np.empty(n * room, np.int64)
+        at = np.empty(n * room, np.int32)
         starts = np.empty((n, n + 1), np.int64)
         # A source of this process needs every residue ranked; another
         # process's source only the residues homed here.
@@ -386,24 +389,16 @@ class Partitions:
         def split(source: int) -> int:
             lo, hi = source * share, (source + 1) * share
             keep = everything if source in self.layout.own else mine
+            out = slice(source * room, (source + 1) * room)
             return kernels.split_by_home(
-                flat,
-                lo,
-                hi,
-                pad,
-                cfg.num_embeddings,
-                n,
-                keep,
-                local[lo:hi],
-                at[lo:hi],
-                starts[source],
+                flat, lo, hi, pad, cfg.num_embeddings, n, keep, local[out], at[out], starts[source]
             )
 
         bad = [p for p in self.threads.map(split, range(n)) if p >= 0]
         if bad:  # check_ids words the error; the kernel found where
             validation.check_ids(array, cfg.num_embeddings, cfg.padding_id, "ids")
             raise ValueError(f"ids hold {flat[bad[0]]}, outside [0, {cfg.num_embeddings}).")
-        return Split(local, at, starts, np.empty(flat.size, np.int32))
+        return Split(local, at, starts, np.empty(n * room, np.int32))
 
     def _raise_refusals(self, checked: list[Any], max_distinct: int | None) -> None:
         """Raises the error of a partition that refused the batch, or when the

@@ -207,13 +207,15 @@ def build_route(
             slots = step.plans[0].unique_slots[out_inverse[late]]
             out_inverse[late] = n * k + np.searchsorted(overflow, slots)
     else:
-        share = split.share
+        size = flat.size // n  # a source's slice of the batch
         base = layout.device_of(np.arange(n)) * k  # by residue
 
         def fill_source(source: int) -> None:
-            lo = source * share
-            out_inverse[lo : lo + share] = received  # padding, unless a real id's
-            kernels.fill_inverse(split.at, split.ranks, lo, split.starts[source], base, out_inverse)
+            out_inverse[source * size : (source + 1) * size] = received  # unless a real id's
+            entries = source * split.share
+            kernels.fill_inverse(
+                split.at, split.ranks, entries, split.starts[source], base, out_inverse
+            )
 
         threads.map(fill_source, layout.own)
         if overflow.size:  # one process (see EmbeddingCache): every source is here
