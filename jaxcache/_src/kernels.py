@@ -51,12 +51,14 @@ __all__ = [
     "lookup_entries",
     "mark_new",
     "owner_route",
+    "place_rows",
     "real_positions",
     "resolve_first",
     "restore_misses",
     "sample_ids",
     "shadow_step",
     "split_by_home",
+    "touch_rows",
     "victim_candidates",
 ]
 
@@ -229,6 +231,42 @@ def lookup_entries(
         sent[s] = k
         base += chunk_hi[s] - chunk_lo[s]
     return h, m
+
+
+@numba.njit(**_JIT)
+def place_rows(victims, miss_ids, slot_of_id, id_of_slot, dirty, evicted_ids, evicted_slots):
+    """Puts misses ``miss_ids`` into slots ``victims``, in one pass.
+
+    Each victim's old row leaves the directory; those that were dirty are
+    listed in ``evicted_ids`` / ``evicted_slots`` (for write-back). The new
+    rows are clean. Returns ``(evictions, dirty evictions)``.
+    """
+    evictions = 0
+    written = 0
+    for j in range(victims.size):
+        v = victims[j]
+        old = id_of_slot[v]
+        if old >= 0:
+            evictions += 1
+            slot_of_id[old] = -1
+            if dirty[v]:
+                evicted_ids[written] = old
+                evicted_slots[written] = v
+                written += 1
+        i = miss_ids[j]
+        id_of_slot[v] = i
+        slot_of_id[i] = v
+        dirty[v] = False
+    return evictions, written
+
+
+@numba.njit(**_JIT)
+def touch_rows(slots, last_use, index, dirty, train):
+    """The plan ``index`` uses ``slots``: their recency, and dirty if it trains."""
+    for s in slots:
+        last_use[s] = index
+        if train:
+            dirty[s] = True
 
 
 @numba.njit(**_JIT)

@@ -561,15 +561,13 @@ class Planner:
         index = self.next_index
         self.next_index += 1
         victims = self._choose_victims(miss_ids.size)
-        old_ids = self.id_of_slot[victims]
-        occupied = old_ids >= 0
-        evicted_slots = victims[occupied]
-        evicted_ids = old_ids[occupied]
-        write_back = self.dirty[evicted_slots]
-        self.slot_of_id[evicted_ids] = -1
-        self.slot_of_id[miss_ids] = victims  # replaces the misses' codes
-        self.id_of_slot[victims] = miss_ids
-        self.dirty[victims] = False
+        evict_ids = np.empty(victims.size, np.int64)
+        evict_slots = np.empty(victims.size, np.int32)
+        # Old rows out (the dirty ones listed), new rows in: the misses'
+        # directory codes are replaced by their slots.
+        evictions, written = kernels.place_rows(
+            victims, miss_ids, self.slot_of_id, self.id_of_slot, self.dirty, evict_ids, evict_slots
+        )
         self.policy.on_insert(self, victims, miss_ids)
 
         # Distinct slots: the hits' (in order of appearance), then the new
@@ -584,10 +582,8 @@ class Planner:
         else:
             inverse = checked.first
             kernels.resolve_first(inverse, checked.bounds, checked.sent, h)
-        self.last_use[unique_slots] = index
+        kernels.touch_rows(unique_slots, self.last_use, index, self.dirty, train)
         self._in_flight[index] = unique_slots
-        if train:
-            self.dirty[unique_slots] = True
         self.policy.record(self, unique_slots, checked.counts if self.policy.needs_counts else None)
         return Plan(
             index=index,
@@ -595,12 +591,12 @@ class Planner:
             inverse=inverse,
             fetch_ids=miss_ids.astype(np.int64),
             fetch_slots=victims.astype(np.int32),
-            evict_ids=evicted_ids[write_back],
-            evict_slots=evicted_slots[write_back].astype(np.int32),
+            evict_ids=evict_ids[:written],
+            evict_slots=evict_slots[:written],
             lookups=checked.lookups,
             hits=int(h),
             access_hits=int(checked.lookups - checked.missed),
-            evictions=int(evicted_ids.size),
+            evictions=int(evictions),
         )
 
     def _no_room(self, hit_unique: np.ndarray, misses: int, available: int) -> CapacityError:
