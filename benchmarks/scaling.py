@@ -12,11 +12,7 @@ One run measures, on a Criteo-shaped table of about 4M rows x 16 (LFU,
    device partition. ``partition_cpu_8_over_1``: CPU per partition at 8
    devices over that at 1.
 2. **Threads**: 8 devices, staging wall time with 1, 2 and 4 host threads,
-   the caches staged in turn batch by batch. ``threads_2_over_1``. Beside
-   it, the machine's own ceiling for such work: a compiled loop of random
-   reads into a 16 MB table (the size of the 8 partitions' directories),
-   the same reads on 1 thread and on 2 (``random_reads_2_over_1``; staging
-   is bound by memory like it, not by arithmetic).
+   the caches staged in turn batch by batch. ``threads_2_over_1``.
 3. **Processes**: the staging CPU of one process of 2 processes x 4 devices
    against 1 process x 8 devices. Process 0's share is staged here by a
    stager of that layout (its planners, its share of the host table), with
@@ -45,10 +41,7 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import threading
-
 import jax
-import numba
 import numpy as np
 from jax.sharding import Mesh
 
@@ -147,39 +140,6 @@ def thread_scaling(args: argparse.Namespace) -> float:
     return float(np.median(runners[2].wall)) / one
 
 
-@numba.njit(nogil=True)
-def _random_reads(table: np.ndarray, at: np.ndarray) -> int:
-    total = 0
-    for i in at:
-        total += table[i]
-    return total
-
-
-def random_reads() -> float:
-    """Wall time of two streams of random reads into one 16 MB table on 2
-    threads, over the same two streams one after the other on 1 thread."""
-    rng = np.random.default_rng(0)
-    table = np.ones(4_000_000, np.int32)
-    streams = [rng.integers(0, table.size, 10_000_000) for _ in range(2)]
-    _random_reads(table, streams[0][:10])
-    ratios = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for at in streams:
-            _random_reads(table, at)
-        one = time.perf_counter() - start
-        threads = [threading.Thread(target=_random_reads, args=(table, at)) for at in streams]
-        start = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        ratios.append((time.perf_counter() - start) / one)
-    ratio = float(np.median(ratios))
-    print(f"   random reads (the machine's ceiling for such work): 2 threads {ratio:.3f}")
-    return ratio
-
-
 def _host_stager(cfg: jaxcache.CacheConfig, layout: Layout) -> Stager:
     """A stager of ``layout``'s process with no device (for inference batches)."""
     shard = (layout.process, layout.processes)
@@ -246,12 +206,10 @@ def main() -> None:
     )
     partition = weak_scaling(args)
     threads = thread_scaling(args)
-    ceiling = random_reads()
     processes = process_scaling(args)
     ids_per_s = heavy_batch(args)
     print(f"partition_cpu_8_over_1={partition:.3f}")
     print(f"threads_2_over_1={threads:.3f}")
-    print(f"random_reads_2_over_1={ceiling:.3f}")
     print(f"per_process_2_over_1={processes:.3f}")
     print(f"stage_ids_per_s={ids_per_s:.1f}")
 
