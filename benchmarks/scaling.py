@@ -86,7 +86,7 @@ class Runner:
 
     def step(self, ids: np.ndarray, timed: bool) -> None:
         cache = self.cache
-        cache.planner.release_all()
+        cache.lifecycle.release_all()
         wall, cpu = time.perf_counter(), time.thread_time()
         host = cache.stage_host(ids, defer=True)
         cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall

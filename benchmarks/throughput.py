@@ -268,7 +268,7 @@ def run_blocking(
         if i == warmup:
             window = _Window(cache)
         t0 = time.perf_counter()
-        cache.planner.release(cache.planner.next_index - 1)  # every earlier step has run
+        cache.lifecycle.release_all()  # every earlier step has run
         staged = cache.stage(batch["sparse"])
         t1 = time.perf_counter()
         embed.set_state(cache.apply(embed.get_state(), staged))
@@ -366,7 +366,7 @@ def _stage_all(
     ``Lookup.positions``, so pooling reads every position of the bags."""
     lookups = []
     for batch in batches:
-        cache.planner.release(cache.planner.next_index - 1)
+        cache.lifecycle.release_all()
         lookup = cache.stage(batch["sparse"]).lookup
         lookups.append(dataclasses.replace(lookup, positions=None) if all_positions else lookup)
     inputs = jax.device_put([(b["dense"], b["label"]) for b in batches])

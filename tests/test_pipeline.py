@@ -361,6 +361,16 @@ def test_host_callback_form_is_refused_on_one_cpu_core(monkeypatch):
     assert np.isfinite(step(model, optimizer, batches[0]["ids"], batches[0]["y"]))
 
 
+def test_host_callbacks_outlive_a_temporary_cache():
+    # The callbacks hold the stager and the plans, not the cache: asking a
+    # cache made in the same expression for them must not fail later.
+    callbacks = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8)).callbacks
+    import gc
+
+    gc.collect()
+    assert callbacks.size(10) == 10
+
+
 def test_host_callback_reads_a_deferred_row_that_a_later_plan_evicts_again():
     # The callback form releases a batch when its step is dispatched; the step's
     # callbacks run later. Here, by hand: batch 2 fetches A and B, which batch 1

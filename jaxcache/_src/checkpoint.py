@@ -255,8 +255,7 @@ class Checkpointer:
         for holder in holders.values():
             # Saving means every step so far has run: release, then flush, so
             # no row is left marked as possibly changing.
-            planner = holder.cache.planner
-            planner.release(planner.next_index - 1)
+            holder.cache.lifecycle.release_all()
             holder.cache.flush(holder.get_state())
         items: dict[str, Any] = {}
         for item, node in (("model", model), ("optimizer", optimizer)):
@@ -483,12 +482,11 @@ def _find_tables(model: nnx.Module | None, caches: Iterable[CacheHolder]) -> dic
 
 
 def _check_nothing_in_flight(name: str, cache: EmbeddingCache) -> None:
-    planner = cache.planner
-    ahead = planner.next_index - 1 - planner.released
-    if ahead > 1:
+    ahead = cache.lifecycle.in_flight()
+    if len(ahead) > 1:
         raise RuntimeError(
-            f"table {name!r} has {ahead} batches planned that the training loop may not have "
-            f"stepped (plans {planner.released + 1}..{planner.next_index - 1}); checkpoint "
+            f"table {name!r} has {len(ahead)} batches planned that the training loop may not "
+            f"have stepped (plans {ahead[0]}..{ahead[-1]}); checkpoint "
             "between steps with nothing staged ahead: let the jaxcache.prefetch pipeline "
             "finish its source (iterate it over the batches up to this step) instead of "
             "leaving it early."

@@ -22,8 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import threading
-import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -37,6 +35,7 @@ from jaxcache._src.config import CacheConfig
 from jaxcache._src.device_ops import CacheState, Lookup
 from jaxcache._src.host_callback import HostCallbacks
 from jaxcache._src.host_table import HostTable
+from jaxcache._src.lifecycle import Lifecycle
 from jaxcache._src.partitions import Partitions
 from jaxcache._src.placement import Layout, process_shard
 from jaxcache._src.stager import Deferred, HostStaged, Stager, bucket_size
@@ -206,10 +205,8 @@ class EmbeddingCache:
             if processes > 1
             else None,
         )
-        # The host-callback form (a weak proxy: no cycle keeps the cache alive).
-        self.callbacks = HostCallbacks(weakref.proxy(self))
-        self._plan_lock = threading.Lock()  # one planner user at a time
-        self._applied = -1  # index of the last plan whose rows reached the device
+        self.lifecycle = Lifecycle(self.planner, self.write_backs)
+        self.callbacks = HostCallbacks(self.stager, self.lifecycle, platform)
         if warm is None:
             warm = self.planner.planners[0].policy.warms
         if warm:
@@ -243,19 +240,13 @@ class EmbeddingCache:
         return self.config.name
 
     # ----------------------------------------------------------------- state
-    def _stale(self) -> bool:
-        """Rows changed on device that the host table does not hold yet."""
-        planner = self.planner
-        stale = any((p.dirty & (p.last_use <= p.released)).any() for p in planner.planners)
-        return stale or bool(self.write_backs.busy()) or self._applied < planner.next_index - 1
-
     def init_state(self) -> CacheState:
         """Device state holding the host rows of every resident id.
 
         Call it at the start (or after ``flush``): resident rows are copied
         from the host table, free slots hold zeros.
         """
-        if self._stale():
+        if self.lifecycle.stale():
             raise RuntimeError(
                 "the cache has rows changed on device; call flush(state) before building a "
                 "new device state from the host table."
@@ -291,7 +282,7 @@ class EmbeddingCache:
         Returns:
           ``(state, lookup)``: the new device state and the ``Lookup``.
         """
-        self.planner.release_all()
+        self.lifecycle.release_all()
         staged = self.stage(ids, train=train)
         return self.apply(state, staged), staged.lookup
 
@@ -339,9 +330,7 @@ class EmbeddingCache:
         Returns:
           A ``HostStaged``.
         """
-        self._check_batch(np.shape(ids))
-        with self._plan_lock:
-            return self.stager.stage(ids, train=train, size=size, released=released, defer=defer)
+        return self.stager.stage(ids, train=train, size=size, released=released, defer=defer)
 
     def to_device(self, host: HostStaged) -> Staged:
         """Starts the transfer of a host-staged batch (``device_put``, asynchronous;
@@ -396,7 +385,7 @@ class EmbeddingCache:
           >>> jaxcache.lookup_rows(cache.init_state().rows, lookup).shape
           (2, 3, 4)
         """
-        self._check_batch(shape)
+        self.stager.check_batch(shape)
         n, cl, own = self.devices, self.local_capacity, self._blocks
         rows = shape[0] // n * own if len(shape) else 0  # this process's rows of the batch
         route = routing.HostRoute(
@@ -408,14 +397,6 @@ class EmbeddingCache:
             overflowed=0,
         )
         return self._device_lookup(route)
-
-    def _check_batch(self, shape: tuple[int, ...]) -> None:
-        if len(shape) and shape[0] % self.devices:
-            raise ValueError(
-                f"ids of shape {tuple(shape)} do not split over the {self.devices} devices of "
-                f"axis {self.axis!r}; the batch size (leading axis) must be a multiple of "
-                f"{self.devices}."
-            )
 
     def _fetch_deferred(self, host: HostStaged) -> None:
         """Copies the deferred rows of ``host`` into its fetch rows: from the
@@ -437,11 +418,6 @@ class EmbeddingCache:
                 else:
                     _copy_read_out(host, at[mine], *source, read_out[mine])
 
-    def applied(self, index: int) -> None:
-        """Plan ``index``'s rows reached the device (the host-callback form
-        swaps them in inside its step)."""
-        self._applied = max(self._applied, index)
-
     def apply(self, state: CacheState, staged: Staged) -> CacheState:
         """Device half of a step: the donated swap that brings ``staged`` rows in.
 
@@ -449,7 +425,7 @@ class EmbeddingCache:
         owns the device state. The victims' rows it reads out are queued for
         write-back.
         """
-        self._applied = max(self._applied, staged.plan.index)
+        self.lifecycle.mark_applied(staged.plan.index)
         if staged.moves is None:
             return state
         with self.stats.timers.time("swap"):
@@ -487,8 +463,9 @@ class EmbeddingCache:
             rows, and reading them would overwrite the host table.
         """
         planner = self.planner
-        first, last = self._applied + 1, planner.next_index - 1
-        if first <= last:
+        unapplied = self.lifecycle.unapplied()
+        if unapplied:
+            first, last = unapplied[0], unapplied[-1]
             plans = f"plan {first} was" if first == last else f"plans {first}..{last} were"
             raise RuntimeError(
                 f"{plans} staged but not applied to this device state; apply every staged "
@@ -551,7 +528,7 @@ class EmbeddingCache:
           >>> saved["planner"]["next_index"], saved["stats"]["total"]["misses"]
           (1, 2)
         """
-        self._check_idle()
+        self.lifecycle.check_idle("saving or restoring the cache")
         stats, stager = self.stats, self.stager
         return {
             "planner": self.planner.state_dict(),
@@ -589,9 +566,9 @@ class EmbeddingCache:
           >>> other.planner.resident_ids().tolist(), other.stats.total.misses
           ([1, 2], 2)
         """
-        self._check_idle()
+        self.lifecycle.check_idle("saving or restoring the cache")
         self.planner.load_state_dict(state["planner"])
-        self._applied = self.planner.next_index - 1  # restored rows are on the device
+        self.lifecycle.restored()  # the rows come back on the device
         buckets = state.get("buckets")
         stager = self.stager
         if buckets is not None:
@@ -608,19 +585,6 @@ class EmbeddingCache:
             self.stats.steps = int(saved["steps"])
             self.stats.write_back_waits = int(saved["write_back_waits"])
             self.stats.deferred_fetches = int(saved.get("deferred_fetches", 0))
-
-    def busy(self) -> list[int]:
-        """Plans whose evicted rows have not landed in the host table yet."""
-        return self.write_backs.busy()
-
-    def _check_idle(self) -> None:
-        busy = self.write_backs.busy()
-        offered = self.callbacks.pending()
-        if busy or offered:
-            raise RuntimeError(
-                f"batches are in flight (plans {busy}, {offered} offered); close the "
-                "pipeline and call flush(state) before saving or restoring the cache."
-            )
 
 
 def _write_back(

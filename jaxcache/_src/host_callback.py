@@ -10,18 +10,14 @@ step, and a second callback lands its evicted rows (``write_back``).
 
 from __future__ import annotations
 
-import collections
 import os
-import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from jaxcache._src.host_table import pad_rows, take_rows
-from jaxcache._src.stager import HostStaged
-
-if TYPE_CHECKING:
-    from jaxcache._src.engine import EmbeddingCache
+from jaxcache._src.lifecycle import Lifecycle
+from jaxcache._src.stager import HostStaged, Stager
 
 __all__ = ["HostCallbacks"]
 
@@ -30,18 +26,15 @@ class HostCallbacks:
     """The host side of one cache's host-callback form (``EmbeddingCache.callbacks``).
 
     Args:
-      cache: the cache (held through a weak proxy by the cache itself).
+      stager: the cache's stager (plans, routes and gathers the batches).
+      lifecycle: the cache's plans (offers, what reached the device).
+      platform: the platform of the cache's devices.
     """
 
-    def __init__(self, cache: EmbeddingCache) -> None:
-        self._cache = cache
-        self._queue: collections.deque[HostStaged] = collections.deque()
-        self._lock = threading.Lock()
-
-    def pending(self) -> int:
-        """Batches offered that no step has consumed yet."""
-        with self._lock:
-            return len(self._queue)
+    def __init__(self, stager: Stager, lifecycle: Lifecycle, platform: str) -> None:
+        self._stager = stager
+        self._lifecycle = lifecycle
+        self._platform = platform
 
     def check(self) -> None:
         """Refuses the host-callback form where the step can hang in it.
@@ -56,7 +49,7 @@ class HostCallbacks:
           RuntimeError: a CPU backend and fewer than two cores for this
             process.
         """
-        if self._cache.mesh.devices.flat[0].platform != "cpu":
+        if self._platform != "cpu":
             return
         if hasattr(os, "sched_getaffinity"):
             cores = len(os.sched_getaffinity(0))
@@ -75,32 +68,28 @@ class HostCallbacks:
     def size(self, num_ids: int) -> int:
         """Rows per list for a batch of ``num_ids``
         ids: ``CacheConfig.callback_rows``, or the number of ids."""
-        rows = self._cache.config.callback_rows
+        rows = self._stager.config.callback_rows
         return num_ids if rows is None else min(rows, num_ids)
 
     def per_destination(self, size: int, num_ids: int) -> int:
         """``K`` of a route padded to ``size`` rows, for a batch of ``num_ids``
         ids: a device needs no more rows from one owner than the batch's
         distinct ids or its own ids, so nothing overflows."""
-        return self._cache.stager.callback_per_destination(size, num_ids)
+        return self._stager.callback_per_destination(size, num_ids)
 
     def offer(self, staged: HostStaged) -> None:
-        """Queues a batch staged ahead for the host-callback form (in plan order)."""
-        with self._lock:
-            self._queue.append(staged)
+        """Queues a batch staged ahead for a step (in plan order)."""
+        self._lifecycle.offer(staged)
 
     def take(self) -> list[HostStaged]:
         """Removes and returns the offered batches no step has consumed."""
-        with self._lock:
-            offers = list(self._queue)
-            self._queue.clear()
-        return offers
+        return self._lifecycle.take_offers()
 
     def stage(self, ids: np.ndarray, *, train: bool = True):
         """Host side of ``CachedEmbed.lookup_ids``, run by ``io_callback`` in the step.
 
         Serves the batch a pipeline offered (it must be these ids), or stages
-        it on the spot, through the same ``stage_host`` as every other form.
+        it on the spot, through the same stager as every other form.
         Every list is padded to ``size(ids.size)`` rows so the
         callback has one fixed output shape.
 
@@ -111,10 +100,10 @@ class HostCallbacks:
         """
         ids = np.asarray(ids)
         size = self.size(ids.size)
-        with self._lock:
-            host = self._queue.popleft() if self._queue else None
+        stager, lifecycle = self._stager, self._lifecycle
+        host = lifecycle.take_offer()
         if host is not None:
-            self._cache.applied(host.plan.index)
+            lifecycle.mark_applied(host.plan.index)
             if host.ids.shape != ids.shape or not np.array_equal(host.ids, ids):
                 raise RuntimeError(
                     "the step looked up ids that differ from the batch the pipeline prepared; "
@@ -126,25 +115,25 @@ class HostCallbacks:
                 # this batch was released may have evicted them again: their
                 # write-backs hold later values and land in later steps.
                 late = host.deferred
-                pending, _ = self._cache.write_backs.pending(late.ids, before=host.plan.index)
+                pending, _ = stager.ledger.pending(late.ids, before=host.plan.index)
                 if (pending >= 0).any():
                     raise RuntimeError(
                         f"batch {host.plan.index} fetches rows an earlier step has not written "
                         "back; run a step for every batch the pipeline yields, in order."
                     )
-                with self._cache.stats.timers.time("gather"):
-                    self._cache.table.gather_into(late.ids, *host.moves[2:], late.at)
+                with stager.stats.timers.time("gather"):
+                    stager.table.gather_into(late.ids, *host.moves[2:], late.at)
         else:
-            self._cache.planner.release_all()
-            host = self._cache.stage_host(ids, train=train, size=size)
-            self._cache.applied(host.plan.index)
+            lifecycle.release_all()
+            host = stager.stage(ids, train=train, size=size)
+            lifecycle.mark_applied(host.plan.index)
         return (np.int32(host.plan.index), *host.route[:5], *self._global_moves(host, size))
 
     def _global_moves(self, host: HostStaged, size: int) -> tuple[Any, ...]:
         """``host.moves`` as global slot lists padded to ``size``, for ``swap``
         (the host-callback form: one process, one fixed shape)."""
-        cache = self._cache
-        cfg, cl = cache.config, cache.local_capacity
+        stager = self._stager
+        cfg, cl, layout = stager.config, stager.local_capacity, stager.layout
         shapes = cfg.optimizer.state_spec(cfg.features)
         if host.moves is None:
             empty = np.zeros(0, np.int64)
@@ -153,9 +142,8 @@ class HostCallbacks:
             opt = {k: np.zeros((0, *spec.shape), spec.dtype) for k, spec in shapes.items()}
         else:
             evict_blocks, fetch_blocks, rows, opt = host.moves
-            blocks = cache.layout.per_process
-            per = evict_blocks.size // blocks
-            offset = (cache.layout.own[0] + np.arange(evict_blocks.size) // per) * cl
+            per = evict_blocks.size // layout.per_process
+            offset = (layout.own[0] + np.arange(evict_blocks.size) // per) * cl
             evict = (evict_blocks + offset)[evict_blocks < cl]
             at = np.flatnonzero(fetch_blocks < cl)
             fetch = (fetch_blocks + offset)[at]
@@ -168,6 +156,6 @@ class HostCallbacks:
 
     def write_back(self, index: np.ndarray, rows: np.ndarray, opt: dict) -> None:
         """Lands the rows evicted by plan ``index`` (run by ``io_callback`` in the step)."""
-        self._cache.write_backs.land_one(
+        self._stager.ledger.land_one(
             int(index), np.asarray(rows), {k: np.asarray(v) for k, v in opt.items()}
         )

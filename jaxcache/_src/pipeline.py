@@ -292,7 +292,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
             return batch, {}
         staged: dict[str, Staged] = {}
         for key, cache in self._caches.items():
-            cache.planner.release(cache.planner.next_index - 1)
+            cache.lifecycle.release_all()
             staged[key] = cache.stage(_ids(batch, key), train=self.train)
         return batch, staged
 
@@ -316,7 +316,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         # The loop asks for the next batch: the last one's step is dispatched.
         with self._released:
             for key, s in self._handed_out.items():
-                self._caches[key].planner.release(s.plan.index)
+                self._caches[key].lifecycle.release(s.plan.index)
             self._handed_out = {}
             self._released.notify_all()
 

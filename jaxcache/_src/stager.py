@@ -14,6 +14,7 @@ rows moved per device, ``C_l`` slots per device.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -132,6 +133,7 @@ class Stager:
         self.threads = threads
         self.agreement = agreement or Agreement()
         self.local_capacity = partitions.local_capacity
+        self.lock = threading.Lock()  # one planner user at a time
         self.fetch_bucket = 0  # P
         self.route_buckets = (0, 0, 0)  # K, V, O in use
         self.bag_bucket = 0  # real ids per device in a batch of bags
@@ -152,27 +154,38 @@ class Stager:
         """Plans, routes and gathers one batch (see ``EmbeddingCache.stage_host``)."""
         timers = self.stats.timers
         ids = np.asarray(ids)
-        with timers.time("plan"):
-            step = self.partitions.plan(ids, train=train, released=released, max_distinct=size)
-            sizes = self._sizes(step, ids, size)
-            route = self._route(step, ids, sizes)
-        moves = deferred = None
-        if sizes.moves:
-            moves, deferred = self._moves(step, defer, sizes.moves)
-        self.stats.record(
-            StepStats(
-                lookups=step.total("lookups"),
-                distinct=step.distinct,
-                hits=step.total("hits"),
-                misses=step.misses,
-                access_hits=step.total("access_hits"),
-                evictions=step.total("evictions"),
-                rows_to_device=step.misses,
-                rows_to_host=step.rows_to_host,
-                overflow=route.overflowed,
+        self.check_batch(ids.shape)
+        with self.lock:
+            with timers.time("plan"):
+                step = self.partitions.plan(ids, train=train, released=released, max_distinct=size)
+                sizes = self._sizes(step, ids, size)
+                route = self._route(step, ids, sizes)
+            moves = deferred = None
+            if sizes.moves:
+                moves, deferred = self._moves(step, defer, sizes.moves)
+            self.stats.record(
+                StepStats(
+                    lookups=step.total("lookups"),
+                    distinct=step.distinct,
+                    hits=step.total("hits"),
+                    misses=step.misses,
+                    access_hits=step.total("access_hits"),
+                    evictions=step.total("evictions"),
+                    rows_to_device=step.misses,
+                    rows_to_host=step.rows_to_host,
+                    overflow=route.overflowed,
+                )
             )
-        )
-        return HostStaged(step, ids, moves, route, deferred)
+            return HostStaged(step, ids, moves, route, deferred)
+
+    def check_batch(self, shape: tuple[int, ...]) -> None:
+        """Refuses ids whose batch (leading) axis does not split over the devices."""
+        n = self.layout.devices
+        if len(shape) and shape[0] % n:
+            raise ValueError(
+                f"ids of shape {tuple(shape)} do not split over the {n} devices of the mesh "
+                f"axis; the batch size (leading axis) must be a multiple of {n}."
+            )
 
     # ----------------------------------------------------------------- sizes
     def _sizes(self, step: StepPlan, ids: np.ndarray, size: int | None) -> _Sizes:

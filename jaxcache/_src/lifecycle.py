@@ -1,0 +1,119 @@
+"""Where each plan of a cache stands: planned, offered, applied, released, landed.
+
+A plan is made by the stager, may be offered to a host-callback step, is
+applied when its swap reaches the device, is released when its step has
+been dispatched (its rows may be evicted again), and its evicted rows land
+in the host table later (the write-back ledger). ``Lifecycle`` answers the
+questions callers ask of that: release everything, what is in flight, and
+refuse an action unless the cache is idle.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+from jaxcache._src.partitions import Partitions
+from jaxcache._src.stager import HostStaged
+from jaxcache._src.write_back import WriteBacks
+
+__all__ = ["Lifecycle"]
+
+
+class Lifecycle:
+    """The plans of one cache, from planning until their rows are home.
+
+    Args:
+      partitions: the planners (which plans were made and released).
+      write_backs: the ledger (which evicted rows have not landed).
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8))
+      >>> host = cache.stage_host(np.array([1, 2]))
+      >>> cache.lifecycle.in_flight(), cache.lifecycle.unapplied()
+      (range(0, 1), range(0, 1))
+      >>> cache.lifecycle.release_all()
+      >>> cache.lifecycle.in_flight()
+      range(1, 1)
+    """
+
+    def __init__(self, partitions: Partitions, write_backs: WriteBacks) -> None:
+        self.partitions = partitions
+        self.write_backs = write_backs
+        self.applied = -1  # the last plan whose rows reached the device
+        self._offers: collections.deque[HostStaged] = collections.deque()
+        self._offer_lock = threading.Lock()
+
+    @property
+    def next_index(self) -> int:
+        """Index the next plan gets."""
+        return self.partitions.next_index
+
+    def release(self, index: int) -> None:
+        """Plans up to ``index`` are finished: their rows may be evicted."""
+        self.partitions.release(index)
+
+    def release_all(self) -> None:
+        """Every plan made so far is finished (its step has been dispatched)."""
+        self.partitions.release_all()
+
+    def in_flight(self) -> range:
+        """Plans made and not released."""
+        return self.partitions.in_flight
+
+    def mark_applied(self, index: int) -> None:
+        """Plan ``index``'s rows reached the device."""
+        self.applied = max(self.applied, int(index))
+
+    def restored(self) -> None:
+        """A checkpoint put every planned row on the device: all applied."""
+        self.applied = self.next_index - 1
+
+    def unapplied(self) -> range:
+        """Plans made whose rows have not reached the device yet."""
+        return range(self.applied + 1, self.next_index)
+
+    def stale(self) -> bool:
+        """Whether rows changed on device that the host table does not hold:
+        dirty rows of finished plans, unlanded write-backs or unapplied plans."""
+        dirty = any((p.dirty & (p.last_use <= p.released)).any() for p in self.partitions.planners)
+        return dirty or bool(self.write_backs.busy()) or bool(self.unapplied())
+
+    # ------------------------------------------------------------------ offers
+    def offer(self, staged: HostStaged) -> None:
+        """Queues a batch staged ahead for a host-callback step (in plan order)."""
+        with self._offer_lock:
+            self._offers.append(staged)
+
+    def take_offer(self) -> HostStaged | None:
+        """The oldest offered batch, or ``None``."""
+        with self._offer_lock:
+            return self._offers.popleft() if self._offers else None
+
+    def take_offers(self) -> list[HostStaged]:
+        """Removes and returns every offered batch no step has consumed."""
+        with self._offer_lock:
+            offers = list(self._offers)
+            self._offers.clear()
+        return offers
+
+    def offered(self) -> int:
+        """Batches offered that no step has consumed."""
+        with self._offer_lock:
+            return len(self._offers)
+
+    # -------------------------------------------------------------------- idle
+    def check_idle(self, action: str) -> None:
+        """Refuses ``action`` while write-backs or offered batches are pending.
+
+        Raises:
+          RuntimeError: something is in flight; the message names it.
+        """
+        busy = self.write_backs.busy()
+        offered = self.offered()
+        if busy or offered:
+            raise RuntimeError(
+                f"batches are in flight (plans {busy}, {offered} offered); close the pipeline "
+                f"and call flush(state) before {action}."
+            )
