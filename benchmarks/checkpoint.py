@@ -91,7 +91,7 @@ def build(directory: str, rows: int, features: int, capacity: int, seed: int):
         rows, features, capacity=capacity, policy="lfu", optimizer=jaxcache.rowwise_adagrad(0.1)
     )
     table = jaxcache.HostTable(
-        config, directory=directory, init=jaxcache.uniform_init(0.05), seed=seed
+        config, directory=directory, init=jaxcache.host.uniform_init(0.05), seed=seed
     )
     return jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(config, table=table))
 

@@ -16,7 +16,7 @@ policy wins:
   RecBole 1.2.1 wheel (``pip download --no-deps recbole==1.2.1``), read
   through ``jaxcache.datasets.movielens_from_recbole``.
 
-Each at three capacities. Every run is a replay (``jaxcache.sweep``) with the
+Each at three capacities. Every run is a replay (``jaxcache.sizing.sweep``) with the
 steady hit rate of ``jaxcache replay``: distinct ids resident over distinct
 ids, after the first quarter of the batches. The dataset counts (counted over
 the whole trace, as a frequency profile of the training data is) go to the
@@ -70,7 +70,7 @@ def _zipf_ranks(rng: np.random.Generator, n: int, size: int, alpha: float) -> np
 
 def zipf(steps: int = 400, batch: int = 128, scale: float = 0.01, seed: int = 0):
     """The synthetic Criteo-like stream: ``([S, B * 26] ids, N)``."""
-    data = jaxcache.SyntheticCriteo(scale=scale, batch_size=batch, seed=seed)
+    data = jaxcache.synthetic.SyntheticCriteo(scale=scale, batch_size=batch, seed=seed)
     trace = np.stack([b["sparse"].reshape(-1) for b in data.batches(steps)])
     return trace, data.num_embeddings
 
@@ -209,8 +209,8 @@ def hot_set(batches: list[np.ndarray], capacity: int, counts: np.ndarray) -> np.
     batch, the other rows going through an LRU buffer of that room."""
     room = max(np.unique(b).size for b in batches)
     hot = np.zeros(counts.size, bool)
-    hot[jaxcache.hottest(counts, capacity - room)] = True
-    buffer = jaxcache.Planner(jaxcache.CacheConfig(counts.size, 1, room, policy="lru"))
+    hot[jaxcache.planning.hottest(counts, capacity - room)] = True
+    buffer = jaxcache.planning.Planner(jaxcache.CacheConfig(counts.size, 1, room, policy="lru"))
     hits = np.zeros(len(batches), np.int64)
     for t, ids in enumerate(batches):
         unique = np.unique(ids)
@@ -242,11 +242,13 @@ def run_trace(trace: np.ndarray, n: int, fractions: tuple[float, ...]) -> list[d
         ("lru", None),
         ("belady", None),
     ):
-        for r in jaxcache.sweep(
+        for r in jaxcache.sizing.sweep(
             trace, capacities=capacities, policies=[policy], num_embeddings=n, frequencies=prior
         ):
             rates[policy, r["capacity"]] = r["steady_unique_hit_rate"]
-    for r in jaxcache.sweep(trace, capacities=capacities, policies=["adaptive"], num_embeddings=n):
+    for r in jaxcache.sizing.sweep(
+        trace, capacities=capacities, policies=["adaptive"], num_embeddings=n
+    ):
         rates["adaptive (no counts)", r["capacity"]] = r["steady_unique_hit_rate"]
     batches = list(trace)
     sizes = np.array([np.unique(b).size for b in batches])
@@ -290,14 +292,16 @@ def planner_speed(policies: tuple[str, ...], rounds: int, steps: int) -> dict[st
     other processes on a shared machine disturb far less than the wall
     clock. Medians over all timed plans.
     """
-    data = jaxcache.SyntheticCriteo(scale=0.1, batch_size=1024, multi_hot=True, bag_size=16)
+    data = jaxcache.synthetic.SyntheticCriteo(
+        scale=0.1, batch_size=1024, multi_hot=True, bag_size=16
+    )
     batches = [data.batch(i)["sparse"] for i in range(20 + steps)]
     profile = data.count_frequencies(20)
     ids_per_batch = int((batches[0] != data.padding_id).sum())
     times: dict[str, list[float]] = {p: [] for p in policies}
     for _ in range(rounds):
         planners = {
-            policy: jaxcache.Planner(
+            policy: jaxcache.planning.Planner(
                 jaxcache.CacheConfig(
                     data.num_embeddings, 16, 0.05, policy=policy, padding_id=data.padding_id
                 ),

@@ -59,7 +59,9 @@ PER_DEVICE = 2048  # samples per device and step
 CAPACITY = 40_000  # rows per device
 
 
-def _config(data: jaxcache.SyntheticCriteo, capacity: int | float) -> jaxcache.CacheConfig:
+def _config(
+    data: jaxcache.synthetic.SyntheticCriteo, capacity: int | float
+) -> jaxcache.CacheConfig:
     return jaxcache.CacheConfig(
         data.num_embeddings,
         16,
@@ -105,7 +107,9 @@ def weak_scaling(args: argparse.Namespace) -> float:
     )
     per_partition = {}
     for devices in (1, 2, 4, 8):
-        data = jaxcache.SyntheticCriteo(scale=SCALE, batch_size=PER_DEVICE * devices, seed=0)
+        data = jaxcache.synthetic.SyntheticCriteo(
+            scale=SCALE, batch_size=PER_DEVICE * devices, seed=0
+        )
         runner = Runner(_cache(_config(data, CAPACITY * devices), devices, threads=1))
         for index in range(args.warmup + args.steps):
             runner.step(data.batch(index)["sparse"], index >= args.warmup)
@@ -123,7 +127,7 @@ def thread_scaling(args: argparse.Namespace) -> float:
     devices = 8
     counts = (1, 2, 4)
     print(f"2. threads: {devices} devices, staging wall time, caches staged in turn")
-    data = jaxcache.SyntheticCriteo(scale=SCALE, batch_size=PER_DEVICE * devices, seed=0)
+    data = jaxcache.synthetic.SyntheticCriteo(scale=SCALE, batch_size=PER_DEVICE * devices, seed=0)
     cfg = _config(data, CAPACITY * devices)
     runners = {t: Runner(_cache(cfg, devices, threads=t)) for t in counts}
     for index in range(args.warmup + args.steps):
@@ -153,7 +157,7 @@ def _host_stager(cfg: jaxcache.CacheConfig, layout: Layout) -> Stager:
 def process_scaling(args: argparse.Namespace) -> float:
     devices = 8
     print(f"3. processes: {devices} devices, staging CPU of one process, no device")
-    data = jaxcache.SyntheticCriteo(scale=SCALE, batch_size=PER_DEVICE * devices, seed=0)
+    data = jaxcache.synthetic.SyntheticCriteo(scale=SCALE, batch_size=PER_DEVICE * devices, seed=0)
     cfg = _config(data, CAPACITY * devices)
     stagers = {processes: _host_stager(cfg, Layout(devices, processes, 0)) for processes in (1, 2)}
     cpu: dict[int, list[float]] = {p: [] for p in stagers}
@@ -177,7 +181,9 @@ def process_scaling(args: argparse.Namespace) -> float:
 
 
 def heavy_batch(args: argparse.Namespace) -> float:
-    data = jaxcache.SyntheticCriteo(scale=0.1, batch_size=512, multi_hot=True, bag_size=16)
+    data = jaxcache.synthetic.SyntheticCriteo(
+        scale=0.1, batch_size=512, multi_hot=True, bag_size=16
+    )
     runner = Runner(_cache(_config(data, 0.02), 1, threads=1))
     batches = [data.batch(index)["sparse"] for index in range(args.warmup + args.steps)]
     for index, ids in enumerate(batches):

@@ -66,11 +66,13 @@ def lookup_comparison(args) -> float:
     @jax.jit
     def routed(state, lookup):
         def loss(delta):
-            return jnp.sum(jaxcache.lookup_rows(state.rows, lookup.with_delta(delta)) * weights)
+            return jnp.sum(
+                jaxcache.device.lookup_rows(state.rows, lookup.with_delta(delta)) * weights
+            )
 
         delta = jnp.zeros((devices, lookup.received, d), jnp.float32)
         grads = jax.grad(loss)(delta)
-        return jaxcache.apply_sparse(state, lookup, grads, cfg.optimizer)
+        return jaxcache.device.apply_sparse(state, lookup, grads, cfg.optimizer)
 
     rows = jax.device_put(np.asarray(state.rows), NamedSharding(mesh, P("rows")))
     slots = jax.device_put(ids.astype(np.int32), NamedSharding(mesh, P("rows")))
@@ -85,7 +87,7 @@ def lookup_comparison(args) -> float:
 
     @jax.jit
     def routed_forward(state, lookup):
-        return jnp.sum(jaxcache.lookup_rows(state.rows, lookup) * weights)
+        return jnp.sum(jaxcache.device.lookup_rows(state.rows, lookup) * weights)
 
     @jax.jit
     def automatic_forward(rows, slots):

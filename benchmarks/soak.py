@@ -9,7 +9,7 @@ float32, so a NumPy replay of the ids is an exact reference. Batches go
 through ``jaxcache.prefetch``; every ``--check-every`` steps the pipeline
 segment ends and the soak checks:
 
-* the planner's invariants (``jaxcache.check_invariants``) and that the
+* the planner's invariants (``jaxcache.testing.check_invariants``) and that the
   device rows of resident ids equal the host table's;
 * that no dirty row was lost: after ``flush`` the host table equals the
   replay, bit for bit;
@@ -91,7 +91,7 @@ def check(embed: jaxcache.nnx.CachedEmbed, replay: np.ndarray) -> None:
     """Flushes, then checks the invariants and the table against the replay."""
     cache = embed.cache
     embed.flush()
-    jaxcache.check_invariants(cache)
+    jaxcache.testing.check_invariants(cache)
     rows = cache.table.rows
     expected = np.broadcast_to(replay[:, None], rows.shape)
     if not np.array_equal(rows, expected):
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     parser.add_argument("--check-every", type=int, default=5_000)
     parser.add_argument("--capacity", type=int, default=Soak.capacity)
     parser.add_argument("--lookahead", type=int, default=Soak.lookahead)
-    parser.add_argument("--policy", choices=jaxcache.POLICIES[1:], default=Soak.policy)
+    parser.add_argument("--policy", choices=jaxcache.planning.POLICIES[1:], default=Soak.policy)
     args = parser.parse_args(argv)
     soak = Soak(capacity=args.capacity, lookahead=args.lookahead, policy=args.policy)
     print(

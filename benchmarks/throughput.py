@@ -94,7 +94,7 @@ class Setup:
     """One benchmark configuration: data, model sizes and cache fractions."""
 
     name: str
-    data: jaxcache.SyntheticCriteo
+    data: jaxcache.synthetic.SyntheticCriteo
     features: int
     bottom: tuple[int, ...]
     top: tuple[int, ...]
@@ -222,7 +222,7 @@ class _Window:
         self.seconds = dict(cache.stats.timers.seconds)
         self.counts = dict(cache.stats.timers.counts)
         self.waits = cache.stats.write_back_waits
-        self.compilations = jaxcache.compilations()
+        self.compilations = jaxcache.testing.compilations()
 
     def close(self, timing: Timing) -> Timing:
         stats = self.cache.stats
@@ -238,7 +238,7 @@ class _Window:
             1, stats.total.distinct - self.distinct
         )
         timing.write_back_waits = stats.write_back_waits - self.waits
-        timing.compilations = jaxcache.compilations() - self.compilations
+        timing.compilations = jaxcache.testing.compilations() - self.compilations
         return timing
 
 
@@ -453,12 +453,12 @@ def run_naive(
     bucket = 0
     for i, batch in enumerate(batches):
         if i == warmup:
-            compilations = jaxcache.compilations()
+            compilations = jaxcache.testing.compilations()
         t0 = time.perf_counter()
         ids = batch["sparse"].reshape(-1)
         valid = ids >= 0
         unique, inverse = np.unique(ids[valid], return_inverse=True)
-        bucket = jaxcache.bucket_size(unique.size, 64, bucket)
+        bucket = jaxcache.device.bucket_size(unique.size, 64, bucket)
         padded = np.full(bucket, rows.shape[0], np.int32)
         padded[: unique.size] = unique
         positions = np.full(ids.shape, bucket, np.int32)
@@ -483,7 +483,7 @@ def run_naive(
             update.append(t3 - t2)
     # The host row update takes the swap's column; the loop is this same loop.
     timing.parts = {"staging": staging, "swap": update, "device": device}
-    timing.compilations = jaxcache.compilations() - compilations
+    timing.compilations = jaxcache.testing.compilations() - compilations
     return timing
 
 
@@ -879,7 +879,9 @@ def planner_throughput(setup: Setup, args: argparse.Namespace) -> None:
     data = dataclasses.replace(setup.data, batch_size=args.planner_batch)
     batches = [data.batch(i)["sparse"] for i in range(args.warmup + args.steps)]
     cfg = setup.config(0.05, args.policy)
-    planner = jaxcache.Planner(cfg, frequencies=data.count_frequencies(args.profile_batches))
+    planner = jaxcache.planning.Planner(
+        cfg, frequencies=data.count_frequencies(args.profile_batches)
+    )
     times = []
     for i, ids in enumerate(batches):
         t0 = time.perf_counter()
@@ -995,7 +997,7 @@ def main() -> None:
         "(about 2.5 minutes)",
     )
     parser.add_argument("--scale", type=float, default=None, help="SyntheticCriteo scale")
-    parser.add_argument("--policy", default="frequency", choices=jaxcache.POLICIES)
+    parser.add_argument("--policy", default="frequency", choices=jaxcache.planning.POLICIES)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.lookahead < 0:
@@ -1010,14 +1012,16 @@ def main() -> None:
     quick = args.quick
     dlrm = Setup(
         "dlrm",
-        jaxcache.SyntheticCriteo(scale=args.scale, batch_size=512 if quick else 2048, seed=0),
+        jaxcache.synthetic.SyntheticCriteo(
+            scale=args.scale, batch_size=512 if quick else 2048, seed=0
+        ),
         features=16,
         bottom=(512, 256, 64),
         top=(512, 256),
     )
     heavy = Setup(
         "embedding-heavy",
-        jaxcache.SyntheticCriteo(
+        jaxcache.synthetic.SyntheticCriteo(
             scale=args.scale, batch_size=128 if quick else 512, multi_hot=True, bag_size=16
         ),
         features=16,

@@ -115,7 +115,7 @@ def parse_args(
         "--cache-fraction", type=float, default=0.02, help="rows on device / table rows"
     )
     parser.add_argument(
-        "--policy", default="frequency", choices=jaxcache.POLICIES, help="eviction policy"
+        "--policy", default="frequency", choices=jaxcache.planning.POLICIES, help="eviction policy"
     )
     parser.add_argument(
         "--optimizer",
@@ -310,7 +310,7 @@ def load_data(args: argparse.Namespace) -> Data:
     profile = args.profile_batches > 0 and not args.full_table
     if args.data == "criteo":
         return _criteo(args, profile)
-    data = jaxcache.SyntheticCriteo(
+    data = jaxcache.synthetic.SyntheticCriteo(
         scale=args.scale,
         batch_size=args.batch_size,
         seed=args.seed,
@@ -338,7 +338,7 @@ def _criteo(args: argparse.Namespace, profile: bool) -> Data:
         config: str | jd.CriteoConfig = "kaggle"
     else:
         # The synthetic stream's scaled cardinalities: the same table for the same --scale.
-        sizes = jaxcache.SyntheticCriteo(scale=args.scale).cardinalities
+        sizes = jaxcache.synthetic.SyntheticCriteo(scale=args.scale).cardinalities
         config = jd.CriteoConfig(name=f"kaggle_scale{args.scale:g}", vocab_sizes=sizes)
     try:
         builder = jd.prepare(
@@ -466,7 +466,7 @@ class Started(NamedTuple):
 
 def start() -> Started:
     """Marks the start of a run (for ``wall_seconds`` and ``compilations``)."""
-    return Started(time.perf_counter(), jaxcache.compilations())
+    return Started(time.perf_counter(), jaxcache.testing.compilations())
 
 
 def train(
@@ -491,7 +491,7 @@ def train(
     losses = []
     start = time.perf_counter()
     warm_start = start
-    compilations_warm = jaxcache.compilations()
+    compilations_warm = jaxcache.testing.compilations()
     pipeline = jaxcache.prefetch(
         data.train, {"sparse": embed}, lookahead=args.lookahead, callback=args.host_callback
     )
@@ -511,7 +511,7 @@ def train(
                     # The first step compiles; throughput is measured after it.
                     losses[0].block_until_ready()
                     warm_start = time.perf_counter()
-                    compilations_warm = jaxcache.compilations()
+                    compilations_warm = jaxcache.testing.compilations()
                 if index % 50 == 49 or index == args.steps - 1:
                     progress.set_postfix(
                         loss=f"{float(losses[-1]):.4f}",
@@ -527,7 +527,7 @@ def train(
         "losses": losses,
         "seconds": end - start,
         "steps_per_s": (steps - 1) / (end - warm_start) if steps > 1 else 0.0,
-        "compilations_after_first_step": jaxcache.compilations() - compilations_warm,
+        "compilations_after_first_step": jaxcache.testing.compilations() - compilations_warm,
         # The cache's counters now, before the evaluation looks rows up too.
         "totals": dict(vars(stats.total)),
         # Mean ms per occurrence of each phase of the cache's work. With a
@@ -550,7 +550,7 @@ def evaluate(data: Data, predict: Callable[[Batch], Any]) -> dict[str, Any]:
     y = np.concatenate(labels)
     p = np.clip(np.concatenate(probabilities).astype(np.float64), 1e-7, 1 - 1e-7)
     return {
-        "auc": jaxcache.roc_auc(y, p),
+        "auc": jaxcache.synthetic.roc_auc(y, p),
         "eval_loss": float(-np.mean(y * np.log(p) + (1 - y) * np.log1p(-p))),
         "eval_samples": int(y.size),
     }
@@ -605,7 +605,7 @@ def report(
         "cache_fraction": cache.config.capacity / cache.config.num_embeddings,
         "lookups": totals["lookups"],
         "distinct_per_step": totals["distinct"] / steps,
-        "compilations": jaxcache.compilations() - started.compilations,
+        "compilations": jaxcache.testing.compilations() - started.compilations,
         "compilations_after_first_step": run["compilations_after_first_step"],
         "full_table": args.full_table,
         "lookahead": args.lookahead,

@@ -18,7 +18,7 @@ step runs three programs on the devices of one mesh axis, ``data``.
 3. **Row update** (``jax.jit``): the embedding gradients go back through the
    lookup's transpose to the rows' owners, which sum the contributions of all
    devices per row and run the sparse row optimizer once per row
-   (``jaxcache.apply_sparse``).
+   (``jaxcache.device.apply_sparse``).
 
 The lookup stays out of the pmapped step because the cache belongs to the
 mesh, not to a replica: a row lives on one device, each device's samples
@@ -110,7 +110,7 @@ class DataParallelDLRM:
             return jax.nn.sigmoid(logits(params, dense, rows))
 
         def embed_rows(rows, lookup):
-            return jaxcache.embed(rows, lookup, table=cache.name, combiner=embed.combiner)
+            return jaxcache.device.embed(rows, lookup, table=cache.name, combiner=embed.combiner)
 
         @jax.jit
         def look_up(rows, lookup):
@@ -124,7 +124,7 @@ class DataParallelDLRM:
             zeros = jnp.zeros((n, lookup.received, features), jnp.float32)
             _, transpose = jax.vjp(lambda d: embed_rows(state.rows, lookup.with_delta(d)), zeros)
             (row_grads,) = transpose(grads.reshape(-1, *grads.shape[2:]))
-            return jaxcache.apply_sparse(state, lookup, row_grads, cache.config.optimizer)
+            return jaxcache.device.apply_sparse(state, lookup, row_grads, cache.config.optimizer)
 
         self._dense_step = jax.pmap(dense_step, _common.AXIS, donate_argnums=(0, 1))
         self._predict = jax.pmap(predict, _common.AXIS)

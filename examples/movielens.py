@@ -151,7 +151,7 @@ def build_model(args, num_rows: dict[str, int], mean: float, *, full: bool):
             optimizer=jaxcache.adam(args.learning_rate),
             name=name,
         )
-        table = jaxcache.HostTable(config, init=jaxcache.normal_init(0.05), seed=args.seed)
+        table = jaxcache.HostTable(config, init=jaxcache.host.normal_init(0.05), seed=args.seed)
         cache = (
             jaxcache.EmbeddingCache.full_table(config, table=table)
             if full

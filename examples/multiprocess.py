@@ -6,7 +6,7 @@ between processes by ``all_to_all`` inside ``shard_map`` (gloo collectives on
 CPU, NCCL on GPU). Every id has a home device; each process reads the global
 batch once to pick out the ids homed on its devices, plans only those (its
 devices' partitions: their directories and policies live nowhere else),
-stores only their host rows (``jaxcache.process_shard``), and fetches and
+stores only their host rows (``jaxcache.host.process_shard``), and fetches and
 writes back only its devices' rows. The processes exchange a few integers
 per step (the padded sizes of the step's arrays) and nothing else.
 
@@ -109,7 +109,9 @@ def run(args: argparse.Namespace) -> dict:
     import jaxcache
 
     mesh = Mesh(np.array(jax.devices()), ("rows",))
-    data = jaxcache.SyntheticCriteo(scale=args.scale, batch_size=args.batch_size, seed=args.seed)
+    data = jaxcache.synthetic.SyntheticCriteo(
+        scale=args.scale, batch_size=args.batch_size, seed=args.seed
+    )
     cfg = jaxcache.CacheConfig(
         data.num_embeddings,
         16,
@@ -118,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
         optimizer=jaxcache.rowwise_adagrad(0.05),
     )
     # This process's share of the host rows: ids i with i % count == index.
-    table = jaxcache.HostTable(cfg, seed=args.seed, shard=jaxcache.process_shard(mesh))
+    table = jaxcache.HostTable(cfg, seed=args.seed, shard=jaxcache.host.process_shard(mesh))
     cache = jaxcache.EmbeddingCache(cfg, table=table, mesh=mesh)
     from flax import nnx
 

@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--kill-at", type=int, help="kill this process (SIGKILL) right after this checkpoint"
     )
-    parser.add_argument("--policy", choices=jaxcache.POLICIES, default="lfu")
+    parser.add_argument("--policy", choices=jaxcache.planning.POLICIES, default="lfu")
     parser.add_argument("--optimizer", choices=("adagrad", "adam"), default="adagrad")
     parser.add_argument("--lookahead", type=int, default=2, help="batches staged ahead")
     parser.add_argument("--scale", type=float, default=0.0005, help="fraction of Criteo's rows")
@@ -62,7 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build(args: argparse.Namespace):
     """The data stream, the cached embedding, the DLRM and its training step."""
-    data = jaxcache.SyntheticCriteo(scale=args.scale, batch_size=args.batch_size, seed=args.seed)
+    data = jaxcache.synthetic.SyntheticCriteo(
+        scale=args.scale, batch_size=args.batch_size, seed=args.seed
+    )
     row_optimizer = (
         jaxcache.rowwise_adagrad(0.05) if args.optimizer == "adagrad" else jaxcache.adam(0.01)
     )
@@ -84,7 +86,9 @@ def build(args: argparse.Namespace):
     return data, embed, model, optimizer, train_step
 
 
-def build_model(embed: nnx.Module, data: jaxcache.SyntheticCriteo, features: int, seed: int):
+def build_model(
+    embed: nnx.Module, data: jaxcache.synthetic.SyntheticCriteo, features: int, seed: int
+):
     """A small DLRM around ``embed`` (the serving example builds the same one)."""
     return jaxcache.models.DLRM(
         embed,
@@ -136,7 +140,7 @@ def train(args: argparse.Namespace) -> dict:
     }
 
 
-def model_options(args: argparse.Namespace, data: jaxcache.SyntheticCriteo) -> dict:
+def model_options(args: argparse.Namespace, data: jaxcache.synthetic.SyntheticCriteo) -> dict:
     """What it takes to build the same model again (saved with each checkpoint)."""
     return {
         "scale": args.scale,

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     checkpointer = jaxcache.Checkpointer(directory, read_only=True)
     info = checkpointer.info(args.step)
     options = info.extra["model"]
-    data = jaxcache.SyntheticCriteo(
+    data = jaxcache.synthetic.SyntheticCriteo(
         scale=options["scale"], batch_size=args.batch_size, seed=options["seed"]
     )
     config = jaxcache.serving_config(
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
         **summary,
         "batch_size": args.batch_size,
         "requests_per_s": args.batches * args.batch_size / seconds,
-        "auc": jaxcache.roc_auc(np.concatenate(labels), np.concatenate(scores)),
+        "auc": jaxcache.synthetic.roc_auc(np.concatenate(labels), np.concatenate(scores)),
         "device_rows": config.capacity,
         "table_rows": config.num_embeddings,
         "device_bytes_per_row": config.row_bytes,

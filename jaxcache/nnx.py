@@ -1,6 +1,6 @@
-"""Flax NNX integration: ``CachedEmbed``, the fused sparse ``value_and_grad``, ``jit_step``."""
+"""Flax NNX integration: ``CachedEmbed``, the sparse ``value_and_grad``, ``jit_step``, guards."""
 
-from jaxcache._src.guards import update_if_finite
+from jaxcache._src.guards import FiniteCheck, raise_if_nonfinite, update_if_finite
 from jaxcache._src.nnx_module import (
     CachedEmbed,
     CacheOptState,
@@ -13,7 +13,9 @@ __all__ = [
     "CacheOptState",
     "CacheRows",
     "CachedEmbed",
+    "FiniteCheck",
     "jit_step",
+    "raise_if_nonfinite",
     "update_if_finite",
     "value_and_grad",
 ]

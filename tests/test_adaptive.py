@@ -126,11 +126,11 @@ def test_policy_matches_the_model(capacity, seed, lags, rows, with_prior, reserv
     prior = rng.integers(0, 30, n) if with_prior else None
     cfg = jaxcache.CacheConfig(n, 1, capacity, policy="adaptive")
     with shadow_rows(rows):
-        planner = jaxcache.Planner(cfg, frequencies=prior, reserve=reserve)
+        planner = jaxcache.planning.Planner(cfg, frequencies=prior, reserve=reserve)
         model = Model(capacity, prior, rows)
     dict_planner = DictPlanner(n, capacity, model.key, None)
     if with_prior:  # warmed as a cache is, in the order of the hottest
-        ids, slots = planner.warm(jaxcache.hottest(prior, capacity))
+        ids, slots = planner.warm(jaxcache.planning.hottest(prior, capacity))
         for i, s in zip(ids.tolist(), slots.tolist(), strict=True):
             dict_planner.ids[s] = i
     # Phases of a popular set, a drifting one and one-off ids: the bonus moves.
@@ -165,7 +165,7 @@ def test_one_off_ids_do_not_flush_the_hot_rows():
     warm_up = [hot] * 4
     scan = [np.arange(100 + 4 * k, 104 + 4 * k) for k in range(20)]
     for policy, kept in (("adaptive", 8), ("lru", 0)):
-        planner = jaxcache.Planner(jaxcache.CacheConfig(1000, 1, 12, policy=policy))
+        planner = jaxcache.planning.Planner(jaxcache.CacheConfig(1000, 1, 12, policy=policy))
         for ids in warm_up + scan:
             planner.release(planner.plan(ids).index)
         assert np.isin(hot, planner.resident_ids()).sum() == kept, policy
@@ -180,7 +180,7 @@ def test_learns_recency_on_a_moving_working_set_and_frequency_on_a_fixed_one():
     popular = [np.minimum(rng.zipf(1.2, 200), n) - 1 for _ in range(300)]
     chosen = {}
     for name, trace in (("moving", moving), ("popular", popular)):
-        planner = jaxcache.Planner(jaxcache.CacheConfig(n, 1, capacity))
+        planner = jaxcache.planning.Planner(jaxcache.CacheConfig(n, 1, capacity))
         for ids in trace:
             planner.release(planner.plan(ids).index)
         chosen[name] = planner.policy.bonus
@@ -191,7 +191,7 @@ def test_learns_recency_on_a_moving_working_set_and_frequency_on_a_fixed_one():
 def test_keys_never_decrease_while_a_row_stays():
     # Across changes of the bonus too: the planner's victim reserve relies on it.
     rng = np.random.default_rng(1)
-    planner = jaxcache.Planner(jaxcache.CacheConfig(3000, 1, 200))
+    planner = jaxcache.planning.Planner(jaxcache.CacheConfig(3000, 1, 200))
     changes = 0
     before_ids, before_keys = planner.id_of_slot.copy(), planner.policy.keys.copy()
     for t in range(400):
@@ -209,19 +209,19 @@ def test_keys_never_decrease_while_a_row_stays():
 def test_state_dict_restores_onto_another_capacity_and_policy():
     rng = np.random.default_rng(2)
     cfg = jaxcache.CacheConfig(500, 1, 64)
-    planner = jaxcache.Planner(cfg)
+    planner = jaxcache.planning.Planner(cfg)
     for _ in range(30):
         planner.release(planner.plan(rng.integers(0, 500, 40), train=False).index)
     state = planner.state_dict()
     assert planner.policy.per_id == ("counts",)
     assert set(state["policy"]) >= {"name", "counts", "scalars"}
-    smaller = jaxcache.Planner(jaxcache.CacheConfig(500, 1, 48))
+    smaller = jaxcache.planning.Planner(jaxcache.CacheConfig(500, 1, 48))
     smaller.load_state_dict(state)
     np.testing.assert_array_equal(smaller.policy.counts, planner.policy.counts)
     assert smaller.policy.bonus == planner.policy.bonus
     smaller.plan(rng.integers(0, 500, 40))
     # Counts of a counting policy carry over to the adaptive one, and back.
-    lfu = jaxcache.Planner(jaxcache.CacheConfig(500, 1, 64, policy="lfu"))
+    lfu = jaxcache.planning.Planner(jaxcache.CacheConfig(500, 1, 64, policy="lfu"))
     lfu.load_state_dict(state)
     np.testing.assert_array_equal(lfu.policy.counts, planner.policy.counts)
 
@@ -229,4 +229,4 @@ def test_state_dict_restores_onto_another_capacity_and_policy():
 @pytest.mark.parametrize("bad", [np.ones(3), -np.ones(500)])
 def test_bad_frequencies_are_refused(bad):
     with pytest.raises((TypeError, ValueError), match="frequencies"):
-        jaxcache.Planner(jaxcache.CacheConfig(500, 1, 64), frequencies=bad)
+        jaxcache.planning.Planner(jaxcache.CacheConfig(500, 1, 64), frequencies=bad)

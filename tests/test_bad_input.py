@@ -180,4 +180,6 @@ def test_host_table_shards_are_checked():
     with pytest.raises(ValueError, match=r"holds shard \(0, 2\) .* stores shard \(0, 1\)"):
         jaxcache.EmbeddingCache(cfg, table=half)
     with pytest.raises(ValueError, match="axis='data' is not an axis"):
-        jaxcache.process_shard(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("rows",)), "data")
+        jaxcache.host.process_shard(
+            jax.sharding.Mesh(np.array(jax.devices()[:1]), ("rows",)), "data"
+        )

@@ -134,7 +134,7 @@ def _assert_same_values(a, b):
         np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.parametrize("policy", jaxcache.POLICIES)
+@pytest.mark.parametrize("policy", jaxcache.planning.POLICIES)
 def test_restore_continues_exactly_with_the_same_cache_state(tmp_path, policy):
     """Unpipelined, the cache's choices are deterministic: the restored cache makes
     the same ones as the one that kept going (slots, recency, counts, statistics)."""
@@ -145,7 +145,7 @@ def test_restore_continues_exactly_with_the_same_cache_state(tmp_path, policy):
     checkpointer.save(10, model=original[0], optimizer=original[1], extra={"note": "x"})
     restored = _model(_cache(policy, seed=9), seed=3)  # other initial values
     info = checkpointer.restore(model=restored[0], optimizer=restored[1])
-    assert info == jaxcache.CheckpointInfo(10, 10, {"note": "x"}, ("embedding",))
+    assert info == jaxcache.checkpoint.CheckpointInfo(10, 10, {"note": "x"}, ("embedding",))
     losses = _train(*original, second)
     assert _train(*restored, second) == losses
     _assert_same_values(original, restored)
@@ -203,7 +203,7 @@ def test_restore_onto_another_capacity_warms_the_hottest_rows(tmp_path, capacity
     else:  # all of them, then the hottest others
         assert np.isin(before, resident).all() and resident.size > before.size
     assert cache.stats.steps == 0  # another cache: its own statistics
-    jaxcache.check_invariants(cache)
+    jaxcache.testing.check_invariants(cache)
     assert _train(*restored, batches[8:]) == _train(*original, batches[8:])
     _assert_same_values(original, restored)
 

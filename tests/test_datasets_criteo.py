@@ -164,10 +164,10 @@ def test_the_kaggle_vocabulary_is_the_default(tmp_path, lines):
     data = jd.criteo_batches(
         tmp_path / "manual", tmp_path / "data", batch_size=16, shuffle=False, frequencies=False
     )
-    assert data.cardinalities == jaxcache.CRITEO_KAGGLE_CARDINALITIES
+    assert data.cardinalities == jaxcache.synthetic.CRITEO_KAGGLE_CARDINALITIES
     assert data.num_embeddings == 33_762_577 and data.frequencies is None
     first = next(data.batches)["sparse"]
-    want = reference(lines[:16], jaxcache.CRITEO_KAGGLE_CARDINALITIES)["sparse"]
+    want = reference(lines[:16], jaxcache.synthetic.CRITEO_KAGGLE_CARDINALITIES)["sparse"]
     np.testing.assert_array_equal(first, want + data.offsets)
 
 

@@ -79,7 +79,7 @@ def synthetic(tmp_path_factory):
 
 
 def test_synthetic_builder_stores_the_stream(synthetic):
-    stream = jaxcache.SyntheticCriteo(scale=0.001, batch_size=256)
+    stream = jaxcache.synthetic.SyntheticCriteo(scale=0.001, batch_size=256)
     data = jd.criteo_batches(builder=synthetic, batch_size=256, shuffle=False)
     assert data.cardinalities == stream.cardinalities
     assert data.num_embeddings == stream.num_embeddings
@@ -106,7 +106,9 @@ def test_multi_hot_synthetic_keeps_padding(tmp_path):
     )
     builder = jd.prepare(jd.SyntheticCriteoBuilder(config=config, data_dir=tmp_path))
     data = jd.criteo_batches(builder=builder, batch_size=64, shuffle=False)
-    want = jaxcache.SyntheticCriteo(scale=0.001, batch_size=4096, multi_hot=True, bag_size=4)
+    want = jaxcache.synthetic.SyntheticCriteo(
+        scale=0.001, batch_size=4096, multi_hot=True, bag_size=4
+    )
     batch = next(data.batches)
     assert batch["sparse"].shape == (64, 26, 4) and data.padding_id == -1
     np.testing.assert_array_equal(batch["sparse"], want.batch(0)["sparse"][:64])

@@ -46,7 +46,7 @@ def assert_same_training(cached, reference, losses):
         assert abs(a - b) <= 1e-6
 
 
-@pytest.mark.parametrize("policy", jaxcache.POLICIES)
+@pytest.mark.parametrize("policy", jaxcache.planning.POLICIES)
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 def test_heavy_churn_matches_full_table(opt_name, policy):
     # Capacity barely above one batch's distinct ids (B * F = 128): rows are

@@ -58,7 +58,7 @@ def test_guarded_steps_match_plain_steps_when_finite():
             for i, b in enumerate(pipeline):
                 if guarded:
                     loss, check = _guarded_step(model, optimizer, b["ids"], b["y"])
-                    jaxcache.raise_if_nonfinite(check, step=i)
+                    jaxcache.nnx.raise_if_nonfinite(check, step=i)
                 else:
                     loss = _plain_step(model, optimizer, b["ids"], b["y"])
                 losses.append(float(loss))
@@ -75,7 +75,7 @@ def test_a_nonfinite_step_is_skipped_and_named(poison):
     batches = _batches(6, seed=1)
     for i, b in enumerate(batches[:3]):
         _, check = _guarded_step(model, optimizer, model.embed.prepare(b["ids"]), b["y"])
-        jaxcache.raise_if_nonfinite(check, step=i)
+        jaxcache.nnx.raise_if_nonfinite(check, step=i)
     bad = dict(batches[3])
     if poison == "labels":
         bad["y"] = np.full_like(bad["y"], np.nan)
@@ -91,7 +91,7 @@ def test_a_nonfinite_step_is_skipped_and_named(poison):
     lookup = model.embed.prepare(bad["ids"])
     _, check = _guarded_step(model, optimizer, lookup, bad["y"])
     with pytest.raises(jaxcache.NonFiniteError, match="step 3: non-finite") as info:
-        jaxcache.raise_if_nonfinite(check, step=3)
+        jaxcache.nnx.raise_if_nonfinite(check, step=3)
     assert info.value.step == 3 and info.value.tables == ["embedding"]
     assert "table 'embedding'" in str(info.value) and "as they were" in str(info.value)
     after = _snapshot(model, optimizer)
@@ -100,4 +100,4 @@ def test_a_nonfinite_step_is_skipped_and_named(poison):
     if poison == "labels":  # training goes on from the unchanged state
         b = batches[4]
         _, check = _guarded_step(model, optimizer, model.embed.prepare(b["ids"]), b["y"])
-        jaxcache.raise_if_nonfinite(check, step=4)
+        jaxcache.nnx.raise_if_nonfinite(check, step=4)

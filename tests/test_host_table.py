@@ -12,7 +12,7 @@ import jaxcache
 
 def test_embed_init_has_flax_distribution():
     shape = (40000, 16)
-    ours = jaxcache.embed_init()(np.random.default_rng(0), shape)
+    ours = jaxcache.host.embed_init()(np.random.default_rng(0), shape)
     flax_init = linen.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
     theirs = np.asarray(flax_init(jax.random.key(0), shape))
     # Same spread and the same tails (an untruncated normal: ~4.6% beyond 2 sigma).

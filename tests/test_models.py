@@ -10,7 +10,7 @@ from flax import nnx
 import jaxcache
 from jaxcache._src import models
 
-DATA = jaxcache.SyntheticCriteo(scale=0.0003, batch_size=32, seed=5)
+DATA = jaxcache.synthetic.SyntheticCriteo(scale=0.0003, batch_size=32, seed=5)
 
 
 def _model(seed: int = 0):

@@ -34,7 +34,7 @@ def _train(policy, capacity, lookahead, batches, opt=None):
     return cache, model, losses, rows, state
 
 
-@pytest.mark.parametrize("policy", jaxcache.POLICIES)
+@pytest.mark.parametrize("policy", jaxcache.planning.POLICIES)
 def test_pipelined_is_bit_identical_to_unpipelined(policy):
     batches = _batches(20)
     runs = {k: _train(policy, 130 * (k + 1) + 10, k, batches) for k in (0, 1, 2, 4)}
@@ -247,9 +247,9 @@ def test_no_recompilation_with_the_pipeline():
     with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=2) as pipeline:
         for step, b in enumerate(pipeline):
             if step == 60:
-                warm = jaxcache.compilations()
+                warm = jaxcache.testing.compilations()
             train.with_lookup(b["ids"], b["y"])
-    assert jaxcache.compilations() == warm
+    assert jaxcache.testing.compilations() == warm
     timers = cache.stats.timers
     assert timers.counts["plan"] == 300 and timers.counts["wait"] == 301  # + end of data
 

@@ -192,7 +192,7 @@ def _check_fits_after(planner, ids, sizes):
 
 def test_padding_ids_map_to_minus_one_and_are_not_counted():
     cfg = jaxcache.CacheConfig(10, 2, 4, policy="lru", padding_id=-1)
-    planner = jaxcache.Planner(cfg)
+    planner = jaxcache.planning.Planner(cfg)
     plan = planner.plan(np.array([[3, -1, 3], [-1, -1, 5]]))
     assert plan.inverse.tolist() == [[0, -1, 0], [-1, -1, 1]]
     assert plan.lookups == 3
@@ -201,7 +201,7 @@ def test_padding_ids_map_to_minus_one_and_are_not_counted():
 
 def test_only_dirty_victims_are_written_back():
     cfg = jaxcache.CacheConfig(10, 2, 2, policy="lru")
-    planner = jaxcache.Planner(cfg)
+    planner = jaxcache.planning.Planner(cfg)
     planner.plan(np.array([0]), train=True)  # 0 becomes dirty
     planner.release(0)
     planner.plan(np.array([1]), train=False)  # 1 stays clean
@@ -222,11 +222,11 @@ def test_frequency_policy_evicts_the_rarest_row():
     assert 3 not in cache.planner.resident_ids().tolist()
 
 
-@pytest.mark.parametrize("policy", jaxcache.POLICIES)
+@pytest.mark.parametrize("policy", jaxcache.planning.POLICIES)
 def test_warm_then_repeat_batch_is_all_hits(policy):
     freq = np.arange(20)[::-1].copy()
     cfg = jaxcache.CacheConfig(20, 2, 8, policy=policy)
-    planner = jaxcache.Planner(cfg, frequencies=None if policy == "lru" else freq)
+    planner = jaxcache.planning.Planner(cfg, frequencies=None if policy == "lru" else freq)
     planner.plan(np.array([1, 2, 3, 2]))
     planner.release(0)
     plan = planner.plan(np.array([3, 1, 2]))

@@ -202,7 +202,7 @@ def test_belady_is_the_optimum(seed):
     rows = np.stack([np.resize(b, width) for b in batches])
     out = replay(rows, capacity=capacity, policy="belady", num_embeddings=6)
     assert out["hits"] == best_hits([b.tolist() for b in batches], capacity)
-    for policy in jaxcache.POLICIES:
+    for policy in jaxcache.planning.POLICIES:
         other = replay(
             rows,
             capacity=capacity,
@@ -213,7 +213,7 @@ def test_belady_is_the_optimum(seed):
         assert other["hits"] <= out["hits"], policy
 
 
-@pytest.mark.parametrize("policy", jaxcache.POLICIES)
+@pytest.mark.parametrize("policy", jaxcache.planning.POLICIES)
 def test_only_used_rows_are_written_back(policy):
     out = replay(zipf_trace(), batch=400, capacity=0.3, policy=policy)
     assert 0 < out["rows_written_back"] <= out["evictions"]

@@ -14,7 +14,7 @@ from flax import nnx
 import jaxcache
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DATA = jaxcache.SyntheticCriteo(scale=0.0003, batch_size=32, seed=2)
+DATA = jaxcache.synthetic.SyntheticCriteo(scale=0.0003, batch_size=32, seed=2)
 
 
 def _dlrm(cache):

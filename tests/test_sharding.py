@@ -70,7 +70,7 @@ def _assert_matches(model, losses, reference, ref_losses, tol=1e-5):
 @pytest.mark.parametrize("devices", [1, 2, 4, 8])
 def test_sharded_training_matches_full_table(devices):
     reference, ref_losses = _reference()
-    for policy in jaxcache.POLICIES:
+    for policy in jaxcache.planning.POLICIES:
         # Heavy churn: the cache holds barely more than the look-ahead window.
         cache, model, losses, _ = _train(devices, policy, capacity=400, lookahead=2)
         assert cache.devices == devices and cache.stats.total.evictions > 60, policy
@@ -83,7 +83,7 @@ def test_sharded_training_matches_full_table(devices):
 def test_training_is_bit_identical_for_any_number_of_host_threads(lookahead):
     # Heavy churn on 4 devices: each device's share planned, routed, gathered
     # and written back on 1, 2 or 4 host threads.
-    for policy in jaxcache.POLICIES:
+    for policy in jaxcache.planning.POLICIES:
         runs = []
         for threads in (1, 2, 4):
             cache, model, losses, _ = _train(4, policy, 400, lookahead, threads=threads)

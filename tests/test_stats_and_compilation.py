@@ -18,10 +18,10 @@ def test_no_recompilation_after_warm_up():
     misses = []
     for step, (ids, y) in enumerate(batches):
         if step == 60:
-            warm = jaxcache.compilations()
+            warm = jaxcache.testing.compilations()
         train(ids, y).block_until_ready()
         misses.append(cache.stats.last.misses)
-    assert jaxcache.compilations() == warm
+    assert jaxcache.testing.compilations() == warm
     assert len(set(misses[60:])) > 10  # miss counts really varied
 
 
@@ -81,7 +81,7 @@ def test_swap_donates_the_cache():
     assert not state.rows.is_deleted()
 
 
-@pytest.mark.parametrize("policy", jaxcache.POLICIES)
+@pytest.mark.parametrize("policy", jaxcache.planning.POLICIES)
 def test_export_is_in_id_order(policy):
     n = 500
     rows = np.arange(n * 2, dtype=np.float32).reshape(n, 2)

@@ -10,7 +10,7 @@ SCALE = 0.002
 
 @pytest.mark.parametrize("multi_hot", [False, True])
 def test_same_seed_same_batches_other_seed_differs(multi_hot):
-    make = lambda seed: jaxcache.SyntheticCriteo(  # noqa: E731
+    make = lambda seed: jaxcache.synthetic.SyntheticCriteo(  # noqa: E731
         scale=SCALE, batch_size=64, seed=seed, multi_hot=multi_hot
     )
     a, b, c = make(0).batch(5), make(0).batch(5), make(1).batch(5)
@@ -23,7 +23,7 @@ def test_same_seed_same_batches_other_seed_differs(multi_hot):
 
 
 def test_shapes_and_dtypes():
-    data = jaxcache.SyntheticCriteo(scale=SCALE, batch_size=32)
+    data = jaxcache.synthetic.SyntheticCriteo(scale=SCALE, batch_size=32)
     batch = data.batch(0)
     assert batch["dense"].dtype == np.float32 and batch["dense"].shape == (32, 13)
     assert batch["sparse"].dtype == np.int64 and batch["sparse"].shape == (32, 26)
@@ -33,10 +33,10 @@ def test_shapes_and_dtypes():
 
 
 def test_cardinalities_follow_criteo():
-    full = jaxcache.SyntheticCriteo(scale=1.0)
-    assert full.cardinalities == jaxcache.CRITEO_KAGGLE_CARDINALITIES
+    full = jaxcache.synthetic.SyntheticCriteo(scale=1.0)
+    assert full.cardinalities == jaxcache.synthetic.CRITEO_KAGGLE_CARDINALITIES
     assert full.num_embeddings == 33_762_577
-    small = jaxcache.SyntheticCriteo(scale=1e-6)
+    small = jaxcache.synthetic.SyntheticCriteo(scale=1e-6)
     assert min(small.cardinalities) >= 3
     assert small.feature_offsets[0] == 0
     np.testing.assert_array_equal(np.diff(small.feature_offsets), small.cardinalities[:-1])
@@ -44,7 +44,7 @@ def test_cardinalities_follow_criteo():
 
 @pytest.mark.parametrize("multi_hot", [False, True])
 def test_ids_stay_in_their_feature_range(multi_hot):
-    data = jaxcache.SyntheticCriteo(scale=SCALE, batch_size=512, multi_hot=multi_hot)
+    data = jaxcache.synthetic.SyntheticCriteo(scale=SCALE, batch_size=512, multi_hot=multi_hot)
     ids = data.batch(0)["sparse"]
     offsets = data.feature_offsets
     sizes = np.asarray(data.cardinalities)
@@ -64,13 +64,13 @@ def test_ids_stay_in_their_feature_range(multi_hot):
 
 
 def test_bag_sizes_are_capped():
-    data = jaxcache.SyntheticCriteo(scale=SCALE, multi_hot=True, bag_size=4)
-    assert data.bag_sizes == tuple(min(s, 4) for s in jaxcache.DCNV2_BAG_SIZES)
+    data = jaxcache.synthetic.SyntheticCriteo(scale=SCALE, multi_hot=True, bag_size=4)
+    assert data.bag_sizes == tuple(min(s, 4) for s in jaxcache.synthetic.DCNV2_BAG_SIZES)
     assert data.ids_shape == (data.batch_size, 26, 4)
 
 
 def test_hottest_one_percent_of_ids_take_a_large_share():
-    data = jaxcache.SyntheticCriteo(scale=0.01, batch_size=1024)
+    data = jaxcache.synthetic.SyntheticCriteo(scale=0.01, batch_size=1024)
     counts = data.count_frequencies(10)
     assert counts.sum() == 10 * 1024 * 26
     top = np.sort(counts)[::-1][: data.num_embeddings // 100]
@@ -83,7 +83,7 @@ def test_hottest_one_percent_of_ids_take_a_large_share():
 
 
 def test_count_frequencies_matches_the_batches():
-    data = jaxcache.SyntheticCriteo(scale=SCALE, batch_size=64, multi_hot=True)
+    data = jaxcache.synthetic.SyntheticCriteo(scale=SCALE, batch_size=64, multi_hot=True)
     counts = data.count_frequencies(3, start=2)
     expected = np.zeros(data.num_embeddings, np.int64)
     for batch in data.batches(3, start=2):
@@ -93,30 +93,30 @@ def test_count_frequencies_matches_the_batches():
 
 
 def test_labels_are_learnable():
-    data = jaxcache.SyntheticCriteo(scale=SCALE, batch_size=4096)
+    data = jaxcache.synthetic.SyntheticCriteo(scale=SCALE, batch_size=4096)
     batch = data.batch(0)
     assert 0.05 < batch["label"].mean() < 0.95
     # The hidden model's own logits rank clicks well: there is signal to learn.
-    assert jaxcache.roc_auc(batch["label"], data.logits(batch)) > 0.75
+    assert jaxcache.synthetic.roc_auc(batch["label"], data.logits(batch)) > 0.75
 
 
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="scale"):
-        jaxcache.SyntheticCriteo(scale=2.0)
+        jaxcache.synthetic.SyntheticCriteo(scale=2.0)
     with pytest.raises(ValueError, match="alpha"):
-        jaxcache.SyntheticCriteo(alpha=1.0)
+        jaxcache.synthetic.SyntheticCriteo(alpha=1.0)
     with pytest.raises(ValueError, match="padding_id"):
-        jaxcache.SyntheticCriteo(padding_id=0)
+        jaxcache.synthetic.SyntheticCriteo(padding_id=0)
     with pytest.raises(ValueError, match="index"):
-        jaxcache.SyntheticCriteo(scale=SCALE).batch(-1)
+        jaxcache.synthetic.SyntheticCriteo(scale=SCALE).batch(-1)
 
 
 def test_roc_auc_handles_ties_and_single_class():
     y = np.array([0, 1, 0, 1, 1])
-    assert jaxcache.roc_auc(y, np.zeros(5)) == 0.5
-    assert jaxcache.roc_auc(y, np.array([0.0, 1, 0, 1, 1])) == 1.0
-    assert jaxcache.roc_auc(y, -np.array([0.0, 1, 0, 1, 1])) == 0.0
+    assert jaxcache.synthetic.roc_auc(y, np.zeros(5)) == 0.5
+    assert jaxcache.synthetic.roc_auc(y, np.array([0.0, 1, 0, 1, 1])) == 1.0
+    assert jaxcache.synthetic.roc_auc(y, -np.array([0.0, 1, 0, 1, 1])) == 0.0
     with pytest.raises(ValueError, match="both classes"):
-        jaxcache.roc_auc(np.ones(3), np.arange(3.0))
+        jaxcache.synthetic.roc_auc(np.ones(3), np.arange(3.0))
     with pytest.raises(ValueError, match=r"binary .*, got 2 at index 1; threshold them"):
-        jaxcache.roc_auc(np.array([0, 2, 1]), np.arange(3.0))
+        jaxcache.synthetic.roc_auc(np.array([0, 2, 1]), np.arange(3.0))

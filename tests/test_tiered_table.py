@@ -143,7 +143,7 @@ def test_budget_is_checked_and_defaults_to_a_share_of_memory(tmp_path):
         jaxcache.TieredTable(cfg, tmp_path / "b", dram_budget=100_000)
     with pytest.raises(ValueError, match="must be a positive number of bytes"):
         jaxcache.TieredTable(cfg, tmp_path / "c", dram_budget=0.5)
-    assert 0 < jaxcache.default_dram_budget()
+    assert 0 < jaxcache.host.default_dram_budget()
     with pytest.raises(IndexError, match="outside this table's"):
         small.gather([10_000])
     with pytest.raises(TypeError, match="rows must be"):

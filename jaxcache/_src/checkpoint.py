@@ -73,7 +73,8 @@ class CheckpointInfo(NamedTuple):
 
     Examples:
       >>> import jaxcache
-      >>> info = jaxcache.CheckpointInfo(step=20, batches_consumed=20, extra={}, tables=("t",))
+      >>> from jaxcache.checkpoint import CheckpointInfo
+      >>> info = CheckpointInfo(step=20, batches_consumed=20, extra={}, tables=("t",))
       >>> info.batches_consumed
       20
     """
@@ -204,7 +205,7 @@ class Checkpointer:
           model: an NNX model; its ``CachedEmbed`` tables are saved with it.
           optimizer: the dense optimizer (``nnx.Optimizer``).
           caches: more tables: anything with ``cache``, ``get_state`` and
-            ``set_state`` (``jaxcache.CacheHolder``) outside ``model``.
+            ``set_state`` (``jaxcache.pipeline.CacheHolder``) outside ``model``.
           batches_consumed: batches the training loop has consumed (default:
             ``step``); resume the data from this index.
           extra: JSON-serialisable extras (losses, seeds, configuration).
@@ -310,7 +311,7 @@ class Checkpointer:
           model: the NNX model to restore (built like the saved one); its
             ``CachedEmbed`` tables are restored with it.
           optimizer: the dense optimizer to restore.
-          caches: more tables (``jaxcache.CacheHolder``) outside ``model``.
+          caches: more tables (``jaxcache.pipeline.CacheHolder``) outside ``model``.
 
         Returns:
           The ``CheckpointInfo``; resume the data at ``batches_consumed``.
@@ -468,7 +469,7 @@ def _find_tables(model: nnx.Module | None, caches: Iterable[CacheHolder]) -> dic
         if not all(hasattr(holder, a) for a in ("cache", "get_state", "set_state")):
             raise TypeError(
                 f"caches holds a {type(holder).__name__}, not a cached table; pass the "
-                "jaxcache.nnx.CachedEmbed (or any jaxcache.CacheHolder) of each table."
+                "jaxcache.nnx.CachedEmbed (or any jaxcache.pipeline.CacheHolder) of each table."
             )
         name = holder.cache.name
         if not _TABLE_NAME.fullmatch(name):

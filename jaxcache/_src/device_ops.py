@@ -149,7 +149,7 @@ def lookup_rows(rows: jax.Array, lookup: Lookup) -> jax.Array:
       >>> rows = np.arange(20.0, dtype=np.float32).reshape(10, 2)
       >>> cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, rows=rows))
       >>> state, lookup = cache.prepare(cache.init_state(), np.array([[7, 2], [2, -1]]))
-      >>> jaxcache.lookup_rows(state.rows, lookup).tolist()
+      >>> jaxcache.device.lookup_rows(state.rows, lookup).tolist()
       [[[14.0, 15.0], [4.0, 5.0]], [[4.0, 5.0], [0.0, 0.0]]]
     """
     spec = PartitionSpec(lookup.axis)
@@ -198,8 +198,8 @@ def pool(
       >>> rows = np.arange(20.0, dtype=np.float32).reshape(10, 2)
       >>> cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, rows=rows))
       >>> state, lookup = cache.prepare(cache.init_state(), np.array([[7, 2], [2, -1]]))
-      >>> emb = jaxcache.lookup_rows(state.rows, lookup)
-      >>> jaxcache.pool(emb, lookup, "mean").tolist()
+      >>> emb = jaxcache.device.lookup_rows(state.rows, lookup)
+      >>> jaxcache.device.pool(emb, lookup, "mean").tolist()
       [[9.0, 10.0], [4.0, 5.0]]
     """
     real = (lookup.inverse < lookup.received).astype(embeddings.dtype)
@@ -279,7 +279,7 @@ def swap(
     Examples:
       >>> import jax.numpy as jnp, jaxcache
       >>> state = jaxcache.CacheState(jnp.arange(6.0).reshape(3, 2), {})
-      >>> state, out, _ = jaxcache.swap(state, jnp.array([1, 3]), jnp.array([1, 3]),
+      >>> state, out, _ = jaxcache.device.swap(state, jnp.array([1, 3]), jnp.array([1, 3]),
       ...                               jnp.array([[9.0, 9.0], [7.0, 7.0]]), {})
       >>> out.tolist(), state.rows.tolist()  # slot 3 is padding: read 0, write dropped
       ([[2.0, 3.0], [0.0, 0.0]], [[0.0, 1.0], [9.0, 9.0], [4.0, 5.0]])
@@ -382,7 +382,7 @@ def apply_sparse(
       ...     cfg, rows=np.zeros((10, 2), np.float32)))
       >>> state, lookup = cache.prepare(cache.init_state(), np.array([3, 3]))
       >>> grads = jnp.ones((1, lookup.received, 2))
-      >>> state = jaxcache.apply_sparse(state, lookup, grads, cfg.optimizer)
+      >>> state = jaxcache.device.apply_sparse(state, lookup, grads, cfg.optimizer)
       >>> rows, _ = cache.export(state)
       >>> rows[3].tolist(), rows[4].tolist()
       ([-0.5, -0.5], [0.0, 0.0])
@@ -438,7 +438,7 @@ def embed(
       >>> rows = np.arange(20.0, dtype=np.float32).reshape(10, 2)
       >>> cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, rows=rows))
       >>> state, lookup = cache.prepare(cache.init_state(), np.array([[7, 2, -1]]))
-      >>> jaxcache.embed(state.rows, lookup, table="t", combiner="sum").tolist()
+      >>> jaxcache.device.embed(state.rows, lookup, table="t", combiner="sum").tolist()
       [[18.0, 20.0]]
     """
     if lookup.table != table:

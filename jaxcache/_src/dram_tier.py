@@ -72,7 +72,7 @@ class TierStats:
       evicted_dirty: of those, rows written to the disk (changed since read).
 
     Examples:
-      >>> from jaxcache._src.dram_tier import TierStats
+      >>> from jaxcache.stats import TierStats
       >>> TierStats(lookups=10, hits=7).hit_rate
       0.7
     """

@@ -118,7 +118,7 @@ class EmbeddingCache:
       >>> cache = jaxcache.EmbeddingCache(cfg)
       >>> state = cache.init_state()
       >>> state, lookup = cache.prepare(state, np.array([[3, 5], [5, 7]]))
-      >>> jaxcache.lookup_rows(state.rows, lookup).shape
+      >>> jaxcache.device.lookup_rows(state.rows, lookup).shape
       (2, 2, 4)
       >>> cache.stats.last.misses, cache.stats.last.lookups
       (3, 4)
@@ -156,7 +156,7 @@ class EmbeddingCache:
             raise ValueError(
                 f"the host table holds shard {table.shard} of the ids but this process stores "
                 f"shard {self.shard} of a mesh over {processes} process(es); build it with "
-                "HostTable(config, shard=jaxcache.process_shard(mesh, axis))."
+                "HostTable(config, shard=jaxcache.host.process_shard(mesh, axis))."
             )
         if config.capacity % devices:
             rounded = -(-config.capacity // devices) * devices
@@ -382,7 +382,7 @@ class EmbeddingCache:
           >>> import jaxcache
           >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8))
           >>> lookup = cache.empty_lookup((2, 3))
-          >>> jaxcache.lookup_rows(cache.init_state().rows, lookup).shape
+          >>> jaxcache.device.lookup_rows(cache.init_state().rows, lookup).shape
           (2, 3, 4)
         """
         self.stager.check_batch(shape)

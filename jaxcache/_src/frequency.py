@@ -23,7 +23,7 @@ def hottest(counts: np.ndarray, k: int) -> np.ndarray:
 
     Examples:
       >>> import numpy as np, jaxcache
-      >>> jaxcache.hottest(np.array([3, 0, 9, 3], np.uint32), 3).tolist()
+      >>> jaxcache.planning.hottest(np.array([3, 0, 9, 3], np.uint32), 3).tolist()
       [2, 0, 3]
     """
     counts = np.asarray(counts).astype(np.int64)  # negating unsigned counts would wrap

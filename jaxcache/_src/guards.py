@@ -57,7 +57,8 @@ class FiniteCheck(NamedTuple):
 
     Examples:
       >>> import jax.numpy as jnp, jaxcache
-      >>> check = jaxcache.FiniteCheck(jnp.array(True), jnp.array(True), {"t": jnp.array(False)})
+      >>> from jaxcache.nnx import FiniteCheck
+      >>> check = FiniteCheck(jnp.array(True), jnp.array(True), {"t": jnp.array(False)})
       >>> bool(check.tables["t"])
       False
     """
@@ -149,7 +150,7 @@ def update_if_finite(
       >>> lookup = embed.prepare(np.array([[1, 2]]))
       >>> loss, check = step(embed, optimizer, lookup, np.float32(np.nan))
       >>> try:
-      ...     jaxcache.raise_if_nonfinite(check, step=0)
+      ...     jaxcache.nnx.raise_if_nonfinite(check, step=0)
       ... except jaxcache.NonFiniteError as error:
       ...     print(str(error).split(";")[0])
       step 0: non-finite values in the loss and the rows or row gradients of table 'embedding'
@@ -188,8 +189,8 @@ def raise_if_nonfinite(check: FiniteCheck, *, step: int) -> None:
 
     Examples:
       >>> import jax.numpy as jnp, jaxcache
-      >>> ok = jaxcache.FiniteCheck(jnp.array(True), jnp.array(True), {})
-      >>> jaxcache.raise_if_nonfinite(ok, step=7)  # nothing happens
+      >>> ok = jaxcache.nnx.FiniteCheck(jnp.array(True), jnp.array(True), {})
+      >>> jaxcache.nnx.raise_if_nonfinite(ok, step=7)  # nothing happens
     """
     flags = jax.device_get(check)
     tables = [name for name, ok in flags.tables.items() if not ok]
@@ -224,10 +225,10 @@ def check_invariants(cache: EmbeddingCache) -> None:
       >>> import numpy as np, jaxcache
       >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8))
       >>> state, _ = cache.prepare(cache.init_state(), np.array([3, 5, 3]))
-      >>> jaxcache.check_invariants(cache)
+      >>> jaxcache.testing.check_invariants(cache)
       >>> cache.planner.planners[0].slot_of_id[7] = 0  # corrupt the directory
       >>> try:
-      ...     jaxcache.check_invariants(cache)
+      ...     jaxcache.testing.check_invariants(cache)
       ... except AssertionError as error:
       ...     print(error)
       table 'embedding': 3 ids map to a slot but 2 slots hold an id

@@ -36,7 +36,7 @@ def normal_init(stddev: float = 0.01) -> Initializer:
 
     Examples:
       >>> import numpy as np, jaxcache
-      >>> jaxcache.normal_init(0.1)(np.random.default_rng(0), (2, 3)).shape
+      >>> jaxcache.host.normal_init(0.1)(np.random.default_rng(0), (2, 3)).shape
       (2, 3)
     """
 
@@ -57,7 +57,7 @@ def uniform_init(scale: float = 0.05) -> Initializer:
 
     Examples:
       >>> import numpy as np, jaxcache
-      >>> x = jaxcache.uniform_init(0.5)(np.random.default_rng(0), (100, 4))
+      >>> x = jaxcache.host.uniform_init(0.5)(np.random.default_rng(0), (100, 4))
       >>> bool(np.abs(x).max() <= 0.5)
       True
     """
@@ -80,7 +80,7 @@ def embed_init() -> Initializer:
 
     Examples:
       >>> import numpy as np, jaxcache
-      >>> x = jaxcache.embed_init()(np.random.default_rng(0), (20000, 16))
+      >>> x = jaxcache.host.embed_init()(np.random.default_rng(0), (20000, 16))
       >>> round(float(x.var() * 16), 1)
       1.0
     """
@@ -260,7 +260,7 @@ def _check_shard(shard: tuple[int, int] | None) -> tuple[int, int]:
     if count < 1 or not 0 <= index < count:
         raise ValueError(
             f"shard={shard!r} is not (index, count) with 0 <= index < count; pass "
-            "jaxcache.process_shard(mesh) or leave it out for the whole table."
+            "jaxcache.host.process_shard(mesh) or leave it out for the whole table."
         )
     return index, count
 

@@ -343,7 +343,7 @@ class Holder:
     """Owns a Linen model's variables between steps, for ``jaxcache.prefetch``.
 
     The pipeline needs an object holding a cache's device state that it can
-    read and replace (a ``jaxcache.CacheHolder``); a Linen module holds none,
+    read and replace (a ``jaxcache.pipeline.CacheHolder``); a Linen module holds none,
     so this one holds the variables. It finds the table's state by the
     cache's name, wherever its ``CachedEmbed`` sits in the model, and
     ``set_state`` replaces ``variables`` with a copy holding the new state.

@@ -27,9 +27,9 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
 
     Examples:
       >>> import numpy as np, jaxcache
-      >>> jaxcache.roc_auc(np.array([0, 0, 1, 1]), np.array([0.1, 0.4, 0.35, 0.8]))
+      >>> jaxcache.synthetic.roc_auc(np.array([0, 0, 1, 1]), np.array([0.1, 0.4, 0.35, 0.8]))
       0.75
-      >>> jaxcache.roc_auc(np.array([0, 1, 0, 1]), np.array([0.5, 0.5, 0.2, 0.9]))
+      >>> jaxcache.synthetic.roc_auc(np.array([0, 1, 0, 1]), np.array([0.5, 0.5, 0.2, 0.9]))
       0.875
     """
     labels = np.asarray(labels).reshape(-1)

@@ -109,7 +109,7 @@ class SGD(SparseOptimizer):
 
     Examples:
       >>> import jaxcache
-      >>> jaxcache.SGD(0.1) == jaxcache.sgd(0.1)
+      >>> jaxcache.optimizers.SGD(0.1) == jaxcache.sgd(0.1)
       True
     """
 
@@ -126,7 +126,7 @@ class Adagrad(SparseOptimizer):
 
     Examples:
       >>> import jax.numpy as jnp, jaxcache
-      >>> opt = jaxcache.Adagrad(1.0, initial_accumulator_value=0.0, eps=0.0)
+      >>> opt = jaxcache.optimizers.Adagrad(1.0, initial_accumulator_value=0.0, eps=0.0)
       >>> rows, state = opt.update(jnp.zeros((1, 2)), jnp.array([[2.0, -4.0]]),
       ...                          {"accumulator": jnp.zeros((1, 2))})
       >>> rows.tolist(), state["accumulator"].tolist()
@@ -159,7 +159,7 @@ class RowwiseAdagrad(SparseOptimizer):
 
     Examples:
       >>> import jax.numpy as jnp, jaxcache
-      >>> opt = jaxcache.RowwiseAdagrad(1.0, eps=0.0)
+      >>> opt = jaxcache.optimizers.RowwiseAdagrad(1.0, eps=0.0)
       >>> rows, state = opt.update(jnp.zeros((1, 2)), jnp.array([[3.0, 4.0]]),
       ...                          {"accumulator": jnp.zeros(1)})
       >>> state["accumulator"].tolist()  # mean of the squared gradient
@@ -193,7 +193,7 @@ class Adam(SparseOptimizer):
 
     Examples:
       >>> import jax.numpy as jnp, jaxcache
-      >>> opt = jaxcache.Adam(0.1)
+      >>> opt = jaxcache.optimizers.Adam(0.1)
       >>> state = {"mu": jnp.zeros((1, 2)), "nu": jnp.zeros((1, 2)),
       ...          "count": jnp.zeros(1, jnp.int32)}
       >>> rows, state = opt.update(jnp.zeros((1, 2)), jnp.array([[1.0, -1.0]]), state)

@@ -171,7 +171,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
       >>> embed = jaxcache.nnx.CachedEmbed(
       ...     jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=16)))
       >>> batches = [{"ids": np.array([[i, i + 1]])} for i in range(4)]
-      >>> with jaxcache.Prefetcher(batches, {"ids": embed}, lookahead=1) as pipeline:
+      >>> with jaxcache.pipeline.Prefetcher(batches, {"ids": embed}, lookahead=1) as pipeline:
       ...     first = next(pipeline)
       >>> type(first["ids"]).__name__, embed.cache.stats.steps >= 1
       ('Lookup', True)

@@ -41,7 +41,7 @@ def process_shard(mesh: Mesh, axis: str = "rows") -> tuple[int, int]:
     Examples:
       >>> import jax, numpy as np, jaxcache
       >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("rows",))
-      >>> jaxcache.process_shard(mesh)
+      >>> jaxcache.host.process_shard(mesh)
       (0, 1)
     """
     if axis not in mesh.shape:

@@ -37,7 +37,7 @@ class CapacityError(ValueError):
 
     Examples:
       >>> import numpy as np, jaxcache
-      >>> planner = jaxcache.Planner(jaxcache.CacheConfig(100, 2, capacity=3))
+      >>> planner = jaxcache.planning.Planner(jaxcache.CacheConfig(100, 2, capacity=3))
       >>> try:
       ...     planner.plan(np.arange(5))
       ... except jaxcache.CapacityError as error:
@@ -75,7 +75,7 @@ class Plan(NamedTuple):
 
     Examples:
       >>> import numpy as np, jaxcache
-      >>> planner = jaxcache.Planner(jaxcache.CacheConfig(100, 2, capacity=4))
+      >>> planner = jaxcache.planning.Planner(jaxcache.CacheConfig(100, 2, capacity=4))
       >>> plan = planner.plan(np.array([[8, 3], [3, 3]]))
       >>> plan.distinct, plan.misses, plan.lookups, plan.inverse.tolist()
       (2, 2, 4, [[0, 1], [1, 1]])
@@ -183,7 +183,7 @@ class Planner:
     Examples:
       >>> import numpy as np, jaxcache
       >>> cfg = jaxcache.CacheConfig(num_embeddings=10, features=2, capacity=3, policy="lru")
-      >>> planner = jaxcache.Planner(cfg)
+      >>> planner = jaxcache.planning.Planner(cfg)
       >>> plan = planner.plan(np.array([7, 2, 7]))
       >>> plan.fetch_ids.tolist(), plan.inverse.tolist()
       ([7, 2], [0, 1, 0])
@@ -255,7 +255,8 @@ class Planner:
 
         Examples:
           >>> import numpy as np, jaxcache
-          >>> planner = jaxcache.Planner(jaxcache.CacheConfig(10, 2, capacity=3, policy="lru"))
+          >>> cfg = jaxcache.CacheConfig(10, 2, capacity=3, policy="lru")
+          >>> planner = jaxcache.planning.Planner(cfg)
           >>> _ = planner.plan(np.array([4, 7]), train=False)
           >>> state = planner.state_dict()
           >>> state["id_of_slot"].tolist(), state["next_index"], state["policy"]
@@ -298,9 +299,9 @@ class Planner:
 
         Examples:
           >>> import numpy as np, jaxcache
-          >>> planner = jaxcache.Planner(jaxcache.CacheConfig(10, 2, capacity=3))
+          >>> planner = jaxcache.planning.Planner(jaxcache.CacheConfig(10, 2, capacity=3))
           >>> _ = planner.plan(np.array([4, 7, 7, 2]), train=False)
-          >>> smaller = jaxcache.Planner(jaxcache.CacheConfig(10, 2, capacity=1))
+          >>> smaller = jaxcache.planning.Planner(jaxcache.CacheConfig(10, 2, capacity=1))
           >>> smaller.load_state_dict(planner.state_dict())
           >>> smaller.resident_ids().tolist(), smaller.next_index  # the hottest row
           ([7], 1)

@@ -188,7 +188,7 @@ class AdaptivePolicy(Policy):
     Examples:
       >>> import numpy as np, jaxcache
       >>> cfg = jaxcache.CacheConfig(100, 1, capacity=4, policy="adaptive")
-      >>> planner = jaxcache.Planner(cfg)
+      >>> planner = jaxcache.planning.Planner(cfg)
       >>> for ids in ([1, 2, 1, 2], [1, 2, 3], [4, 5]):  # 1 and 2 come back
       ...     planner.release(planner.plan(np.array(ids)).index)
       >>> plan = planner.plan(np.array([6]))  # a newcomer evicts a newcomer

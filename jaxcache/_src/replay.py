@@ -2,7 +2,7 @@
 
 A trace is the ids a training run would look up, in order: 1-D (split into
 consecutive batches of ``batch`` ids) or 2-D ``[steps, ids]`` (one batch per
-row). Each batch is planned by the real :class:`jaxcache.Planner` as a
+row). Each batch is planned by the real :class:`jaxcache.planning.Planner` as a
 training step (the rows it uses become dirty), and released at once since
 nothing is in flight. The counters say how much would cross the bus at a
 given capacity and policy; :func:`sweep` gives a miss-ratio curve over
@@ -126,7 +126,7 @@ def sweep(
 
     Examples:
       >>> import numpy as np
-      >>> from jaxcache import sweep
+      >>> from jaxcache.sizing import sweep
       >>> trace = np.random.default_rng(0).zipf(1.3, size=4000) % 500
       >>> curve = sweep(trace, batch=100, capacities=[0.2, 0.5, 1.0], policies=["lru"],
       ...               num_embeddings=500)
@@ -170,7 +170,7 @@ def plot_curve(
 
     Examples:
       >>> import numpy as np
-      >>> from jaxcache import plot_curve, sweep
+      >>> from jaxcache.sizing import plot_curve, sweep
       >>> trace = np.random.default_rng(0).integers(0, 50, size=600)
       >>> curve = sweep(trace, batch=20, capacities=[20, 30, 40], policies=["lru", "lfu"],
       ...               num_embeddings=50)

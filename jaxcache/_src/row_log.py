@@ -97,7 +97,7 @@ class DiskStats:
         (not counted in ``bytes_written``).
 
     Examples:
-      >>> from jaxcache._src.row_log import DiskStats
+      >>> from jaxcache.stats import DiskStats
       >>> DiskStats(row_bytes_written=100, bytes_written=130).write_amplification
       1.3
     """

@@ -40,7 +40,7 @@ def bucket_size(n: int, minimum: int, previous: int = 0) -> int:
     does not flip between two compiled shapes.
 
     Examples:
-      >>> from jaxcache import bucket_size
+      >>> from jaxcache.device import bucket_size
       >>> bucket_size(200, 64), bucket_size(200, 64, previous=512), bucket_size(200, 64, 1024)
       (256, 512, 256)
     """

@@ -33,9 +33,9 @@ def compilations() -> int:
     Examples:
       >>> import jax, jax.numpy as jnp, jaxcache
       >>> x = jnp.ones(7)
-      >>> before = jaxcache.compilations()
+      >>> before = jaxcache.testing.compilations()
       >>> _ = jax.jit(lambda x: x * 3)(x)
-      >>> jaxcache.compilations() - before
+      >>> jaxcache.testing.compilations() - before
       1
     """
     global _listening
@@ -63,7 +63,7 @@ class StepStats:
 
     Examples:
       >>> import jaxcache
-      >>> step = jaxcache.StepStats(lookups=8, distinct=4, hits=3, access_hits=7)
+      >>> step = jaxcache.stats.StepStats(lookups=8, distinct=4, hits=3, access_hits=7)
       >>> step.hit_rate, step.access_hit_rate
       (0.75, 0.875)
     """
@@ -107,7 +107,7 @@ class PhaseTimers:
 
     Examples:
       >>> import jaxcache
-      >>> timers = jaxcache.PhaseTimers()
+      >>> timers = jaxcache.stats.PhaseTimers()
       >>> with timers.time("plan"):
       ...     pass
       >>> timers.counts["plan"], timers.seconds["plan"] >= 0
@@ -153,7 +153,7 @@ class CacheStats:
     Examples:
       >>> import jaxcache
       >>> stats = jaxcache.CacheStats(row_bytes=64)
-      >>> stats.record(jaxcache.StepStats(lookups=10, distinct=4, hits=3, misses=1,
+      >>> stats.record(jaxcache.stats.StepStats(lookups=10, distinct=4, hits=3, misses=1,
       ...                                 rows_to_device=1))
       >>> stats.total.hit_rate, stats.bytes_to_device
       (0.75, 64)

@@ -101,7 +101,7 @@ class SyntheticCriteo:
 
     Examples:
       >>> import jaxcache
-      >>> data = jaxcache.SyntheticCriteo(scale=0.001, batch_size=4)
+      >>> data = jaxcache.synthetic.SyntheticCriteo(scale=0.001, batch_size=4)
       >>> data.num_embeddings, data.cardinalities[:3]
       (33803, (3, 3, 10132))
       >>> batch = data.batch(0)
@@ -251,7 +251,7 @@ class SyntheticCriteo:
 
         Examples:
           >>> import numpy as np, jaxcache
-          >>> data = jaxcache.SyntheticCriteo(scale=0.001)
+          >>> data = jaxcache.synthetic.SyntheticCriteo(scale=0.001)
           >>> w = data.id_weights(np.array([0, 1, -1]))
           >>> bool(abs(w[0]) <= 0.6 and w[0] != w[1] and w[2] == 0)
           True
@@ -268,7 +268,7 @@ class SyntheticCriteo:
 
         Examples:
           >>> import jaxcache
-          >>> data = jaxcache.SyntheticCriteo(scale=0.001, batch_size=8)
+          >>> data = jaxcache.synthetic.SyntheticCriteo(scale=0.001, batch_size=8)
           >>> data.logits(data.batch(0)).shape
           (8,)
         """
@@ -291,7 +291,7 @@ class SyntheticCriteo:
 
         Examples:
           >>> import jaxcache
-          >>> data = jaxcache.SyntheticCriteo(scale=0.001, batch_size=2,
+          >>> data = jaxcache.synthetic.SyntheticCriteo(scale=0.001, batch_size=2,
           ...                                           multi_hot=True, bag_size=4)
           >>> data.batch(3)["sparse"][0, :3].tolist() == data.batch(3)["sparse"][0, :3].tolist()
           True
@@ -315,7 +315,7 @@ class SyntheticCriteo:
 
         Examples:
           >>> import jaxcache
-          >>> data = jaxcache.SyntheticCriteo(scale=0.001, batch_size=2)
+          >>> data = jaxcache.synthetic.SyntheticCriteo(scale=0.001, batch_size=2)
           >>> [b["label"].shape for b in data.batches(2, held_out=True)]
           [(2,), (2,)]
         """
@@ -338,7 +338,7 @@ class SyntheticCriteo:
 
         Examples:
           >>> import jaxcache
-          >>> data = jaxcache.SyntheticCriteo(scale=0.001, batch_size=64)
+          >>> data = jaxcache.synthetic.SyntheticCriteo(scale=0.001, batch_size=64)
           >>> counts = data.count_frequencies(3)
           >>> counts.shape, int(counts.sum())
           ((33803,), 4992)

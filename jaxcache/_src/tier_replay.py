@@ -85,7 +85,7 @@ def replay_dram_tier(
 
     Examples:
       >>> import numpy as np
-      >>> from jaxcache._src.tier_replay import replay_dram_tier
+      >>> from jaxcache.sizing import replay_dram_tier
       >>> trace = np.random.default_rng(0).zipf(1.2, size=(40, 64)) % 2000
       >>> out = replay_dram_tier(trace, capacity=200, dram_budget=12 * 2000 + 500 * 100,
       ...                        row_bytes=100, policy="lru", num_embeddings=2000)

@@ -59,7 +59,7 @@ def default_dram_budget() -> int:
 
     Examples:
       >>> import jaxcache
-      >>> jaxcache.default_dram_budget() > 0
+      >>> jaxcache.host.default_dram_budget() > 0
       True
     """
     return int(DRAM_FRACTION * _available_memory())

@@ -7,7 +7,7 @@ TensorFlow), many rows per record:
   ``day_N``) from local files, hashed ids reduced modulo a vocabulary;
 - ``MovieLensBuilder``: MovieLens 100K/1M ratings from the GroupLens zips,
   split by time (default) or at random;
-- ``SyntheticCriteoBuilder``: the synthetic ``jaxcache.SyntheticCriteo``
+- ``SyntheticCriteoBuilder``: the synthetic ``jaxcache.synthetic.SyntheticCriteo``
   stream, no files needed.
 
 ``prepare`` builds one, ``Loader`` streams fixed-size batches of a split,

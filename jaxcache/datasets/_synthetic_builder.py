@@ -1,4 +1,4 @@
-"""``jaxcache.SyntheticCriteo`` written as a TFDS dataset (no source files needed)."""
+"""``jaxcache.synthetic.SyntheticCriteo`` written as a TFDS dataset (no source files needed)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class SyntheticCriteoConfig(tfds.core.BuilderConfig):
 
 
 class SyntheticCriteoBuilder(ChunkedBuilder):
-    """The synthetic Criteo-like stream of ``jaxcache.SyntheticCriteo`` as a TFDS dataset.
+    """The synthetic Criteo-like stream of ``jaxcache.synthetic.SyntheticCriteo`` as a TFDS dataset.
 
     Split ``"train"`` holds the first ``num_rows`` rows of the training
     stream, ``"test"`` the first ``num_test_rows`` of the held-out stream,
@@ -86,7 +86,7 @@ class SyntheticCriteoBuilder(ChunkedBuilder):
       >>> source = builder.as_data_source("train")
       >>> len(source), source[2]["sparse"].shape
       (3, (2, 26))
-      >>> stream = jaxcache.SyntheticCriteo(scale=0.001, batch_size=4)
+      >>> stream = jaxcache.synthetic.SyntheticCriteo(scale=0.001, batch_size=4)
       >>> ids = jd.to_shared_table(source[1]["sparse"], stream.cardinalities)
       >>> bool((ids == stream.batch(1)["sparse"]).all())
       True
@@ -95,7 +95,7 @@ class SyntheticCriteoBuilder(ChunkedBuilder):
     name = "synthetic_criteo"
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES: ClassVar[dict[str, str]] = {
-        "1.0.0": "Chunked records of jaxcache.SyntheticCriteo."
+        "1.0.0": "Chunked records of jaxcache.synthetic.SyntheticCriteo."
     }
     BUILDER_CONFIGS: ClassVar[list[tfds.core.BuilderConfig]] = [
         SyntheticCriteoConfig(name="default", description="1% of Criteo's cardinalities."),
