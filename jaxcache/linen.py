@@ -13,7 +13,9 @@ from jaxcache._src.linen_module import (
     export,
     flush,
     init_lookup,
+    lookup_ids,
     prepare,
+    update_if_finite,
     value_and_grad,
 )
 
@@ -24,6 +26,8 @@ __all__ = [
     "export",
     "flush",
     "init_lookup",
+    "lookup_ids",
     "prepare",
+    "update_if_finite",
     "value_and_grad",
 ]

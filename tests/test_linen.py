@@ -201,6 +201,100 @@ def test_a_holder_refuses_variables_without_its_table():
         jaxcache.linen.Holder(cache, variables).for_cache(other)
 
 
+def test_lookup_ids_inside_the_step_matches_prepare_bit_for_bit():
+    # The host-callback form: raw ids go into the jitted step.
+    cfg = jaxcache.CacheConfig(N, D, capacity=130, policy="lru", optimizer=jaxcache.adam(0.05))
+    batches = list(zipf_batches(N, B, F, 8, seed=4))
+    cache = jaxcache.EmbeddingCache(cfg)
+    held, train = make_linen(cache)
+    losses = [float(train(ids, labels)) for ids, labels in batches]
+
+    ids_cache = jaxcache.EmbeddingCache(cfg)
+    ids_held, _ = make_linen(ids_cache)
+    model = Tower(jaxcache.linen.CachedEmbed(ids_cache))
+    tx = optax.adam(1e-2)
+
+    @jax.jit
+    def step(params, opt_state, cache_vars, ids, labels):
+        cache_vars, lookup = jaxcache.linen.lookup_ids(ids_cache, cache_vars, ids)
+
+        def loss_fn(params, cache_vars, lookup):
+            logits = model.apply({"params": params, jaxcache.linen.COLLECTION: cache_vars}, lookup)
+            return bce(logits, labels)
+
+        loss, grads, cache_vars = jaxcache.linen.value_and_grad(loss_fn, ids_cache)(
+            params, cache_vars, lookup
+        )
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, cache_vars, loss
+
+    ids_losses = []
+    for ids, labels in batches:
+        ids_held["params"], ids_held["opt_state"], ids_held["cache"], loss = step(
+            ids_held["params"], ids_held["opt_state"], ids_held["cache"], ids, labels
+        )
+        ids_losses.append(float(loss))
+
+    assert ids_cache.stats.total.evictions > 0
+    assert ids_losses == losses
+    rows, opt = jaxcache.linen.export(cache, held["cache"])
+    ids_rows, ids_opt = jaxcache.linen.export(ids_cache, ids_held["cache"])
+    np.testing.assert_array_equal(ids_rows, rows)
+    assert max_diff(ids_opt, opt) == 0.0
+    assert max_diff(ids_held["params"], held["params"]) == 0.0
+
+
+def test_update_if_finite_trains_as_value_and_grad_and_skips_a_nonfinite_step():
+    cfg = jaxcache.CacheConfig(N, D, capacity=130, policy="lru", optimizer=jaxcache.adam(0.05))
+    batches = list(zipf_batches(N, B, F, 6, seed=5))
+    cache = jaxcache.EmbeddingCache(cfg)
+    held, train = make_linen(cache)
+    plain = [float(train(ids, labels)) for ids, labels in batches]
+
+    guarded_cache = jaxcache.EmbeddingCache(cfg)
+    guarded, _ = make_linen(guarded_cache)
+    model = Tower(jaxcache.linen.CachedEmbed(guarded_cache))
+    tx = optax.adam(1e-2)
+
+    def loss_fn(params, cache_vars, lookup, labels):
+        logits = model.apply({"params": params, jaxcache.linen.COLLECTION: cache_vars}, lookup)
+        return bce(logits, labels)
+
+    step = jax.jit(jaxcache.linen.update_if_finite(loss_fn, guarded_cache, tx))
+
+    def run(ids, labels):
+        guarded["cache"], lookup = jaxcache.linen.prepare(guarded_cache, guarded["cache"], ids)
+        loss, guarded["params"], guarded["opt_state"], guarded["cache"], check = step(
+            guarded["params"], guarded["opt_state"], guarded["cache"], lookup, labels
+        )
+        return loss, check
+
+    losses = []
+    for i, (ids, labels) in enumerate(batches):
+        loss, check = run(ids, labels)
+        jaxcache.nnx.raise_if_nonfinite(check, step=i)
+        losses.append(float(loss))
+    # The same computation, compiled as another program: equal up to rounding.
+    np.testing.assert_allclose(losses, plain, rtol=1e-6)
+    rows, opt = jaxcache.linen.export(cache, held["cache"])
+    guarded_rows, guarded_opt = jaxcache.linen.export(guarded_cache, guarded["cache"])
+    np.testing.assert_allclose(guarded_rows, rows, rtol=1e-5, atol=1e-6)
+    for name, state in opt.items():
+        np.testing.assert_allclose(guarded_opt[name], state, rtol=1e-5, atol=1e-6)
+
+    before = jaxcache.linen.export(guarded_cache, guarded["cache"])
+    params, opt_state = guarded["params"], guarded["opt_state"]
+    ids, labels = batches[0]
+    _, check = run(ids, np.full_like(labels, np.nan))
+    with pytest.raises(jaxcache.NonFiniteError, match="step 6: non-finite"):
+        jaxcache.nnx.raise_if_nonfinite(check, step=6)
+    after = jaxcache.linen.export(guarded_cache, guarded["cache"])
+    np.testing.assert_array_equal(after[0], before[0])
+    assert max_diff(after[1], before[1]) == 0.0
+    assert max_diff(guarded["params"], params) == 0.0
+    assert max_diff(guarded["opt_state"], opt_state) == 0.0
+
+
 def nnx_dense_params(model):
     """The NNX ``Tower``'s dense parameters laid out as the Linen ``Tower``'s params."""
     layers = {"hidden": model.hidden, "out": model.out}

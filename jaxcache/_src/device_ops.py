@@ -26,16 +26,15 @@ from jaxcache._src import routing
 from jaxcache._src.optimizers import SparseOptimizer
 
 __all__ = [
+    "COMBINERS",
     "CacheState",
     "Lookup",
     "apply_sparse",
-    "attach_deltas",
+    "check_combiner",
     "embed",
-    "find_lookups",
     "lookup_rows",
     "pool",
     "swap",
-    "zero_deltas",
 ]
 
 
@@ -181,6 +180,26 @@ def _received(
     return received
 
 
+#: What a cached embedding module accepts as ``combiner``.
+COMBINERS = (None, "sum", "mean")
+
+
+def check_combiner(combiner: str | None, *, pooled: bool = False) -> None:
+    """Refuses a combiner other than ``None``, ``"sum"`` or ``"mean"``.
+
+    Args:
+      combiner: the value to check.
+      pooled: the caller pools, so ``None`` is refused too.
+
+    Raises:
+      ValueError: naming the value and the accepted ones.
+    """
+    accepted = COMBINERS[1:] if pooled else COMBINERS
+    if combiner not in accepted:
+        names = " or ".join(repr(c) for c in accepted)
+        raise ValueError(f"combiner={combiner!r} is not supported; use {names}.")
+
+
 def pool(
     embeddings: jax.Array,
     lookup: Lookup,
@@ -205,12 +224,11 @@ def pool(
     real = (lookup.inverse < lookup.received).astype(embeddings.dtype)
     w = real if weights is None else real * weights.astype(embeddings.dtype)
     total = jnp.einsum("...l,...ld->...d", w, embeddings)
+    check_combiner(combiner, pooled=True)
     if combiner == "sum":
         return total
-    if combiner == "mean":
-        count = jnp.sum(w, axis=-1, keepdims=True)
-        return total / jnp.where(count == 0, 1, count)
-    raise ValueError(f"combiner={combiner!r} is not supported; use 'sum', 'mean' or None.")
+    count = jnp.sum(w, axis=-1, keepdims=True)
+    return total / jnp.where(count == 0, 1, count)
 
 
 def _read_rows(
@@ -476,8 +494,7 @@ def _pool_real(
     positions in order); padding is never read, and the backward pass
     scatters ``P`` gradients, not one per position of the bags.
     """
-    if combiner not in ("sum", "mean"):
-        raise ValueError(f"combiner={combiner!r} is not supported; use 'sum', 'mean' or None.")
+    check_combiner(combiner, pooled=True)
     spec = PartitionSpec(lookup.axis)
     axis = lookup.axis
     received = lookup.received
@@ -522,47 +539,3 @@ def _pool_real(
     return jax.shard_map(
         body, mesh=lookup.mesh, in_specs=tuple(specs), out_specs=spec, check_vma=False
     )(*args)
-
-
-def _is_lookup(x: object) -> bool:
-    return isinstance(x, Lookup)
-
-
-def find_lookups(args: object, features: dict[str, int], hint: str) -> list[Lookup]:
-    """The ``Lookup`` leaves of ``args``, checked: known tables, one per table.
-
-    Args:
-      args: any pytree (the arguments of a loss function).
-      features: row width ``D`` of each known table, by name.
-      hint: what to do when a lookup's table is unknown.
-    """
-    lookups = [x for x in jax.tree.leaves(args, is_leaf=_is_lookup) if _is_lookup(x)]
-    tables = [lookup.table for lookup in lookups]
-    for name in tables:
-        if name not in features:
-            raise ValueError(
-                f"a Lookup for table {name!r} was passed but nothing serves it "
-                f"(tables: {sorted(features)}); {hint}."
-            )
-    if len(set(tables)) != len(tables):
-        raise ValueError(
-            f"tables {tables} are looked up more than once in one step; prepare all ids of "
-            "a table as one array (one Lookup per table per step)."
-        )
-    return lookups
-
-
-def zero_deltas(lookups: list[Lookup], features: dict[str, int]) -> list[jax.Array]:
-    """A zero ``[n, R, D]`` delta per lookup: differentiating it gives the row gradients."""
-    return [
-        jnp.zeros((lk.requests.shape[0], lk.received, features[lk.table]), jnp.float32)
-        for lk in lookups
-    ]
-
-
-def attach_deltas(args: object, deltas: list[jax.Array]) -> object:
-    """``args`` with each ``Lookup`` leaf carrying its delta (same order as ``find_lookups``)."""
-    it = iter(deltas)
-    return jax.tree.map(
-        lambda x: x.with_delta(next(it)) if _is_lookup(x) else x, args, is_leaf=_is_lookup
-    )

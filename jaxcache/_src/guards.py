@@ -26,16 +26,16 @@ tests and soak runs, not for every production step.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxcache._src.engine import EmbeddingCache
-from jaxcache._src.nnx_module import CachedEmbed, value_and_grad
+from jaxcache._src.nnx_module import cached_tables, value_and_grad
 from jaxcache._src.planner import Planner
+from jaxcache._src.sparse_grad import FiniteCheck, RowGrads, finite_check
 
 __all__ = [
     "FiniteCheck",
@@ -44,28 +44,6 @@ __all__ = [
     "raise_if_nonfinite",
     "update_if_finite",
 ]
-
-
-class FiniteCheck(NamedTuple):
-    """Which parts of a training update were finite (boolean device scalars).
-
-    Attributes:
-      loss: the loss.
-      dense: every gradient of the dense parameters.
-      tables: ``{name: flag}``: the rows each table looked up and their
-        gradients.
-
-    Examples:
-      >>> import jax.numpy as jnp, jaxcache
-      >>> from jaxcache.nnx import FiniteCheck
-      >>> check = FiniteCheck(jnp.array(True), jnp.array(True), {"t": jnp.array(False)})
-      >>> bool(check.tables["t"])
-      False
-    """
-
-    loss: jax.Array
-    dense: jax.Array
-    tables: dict[str, jax.Array]
 
 
 class NonFiniteError(FloatingPointError):
@@ -88,29 +66,14 @@ class NonFiniteError(FloatingPointError):
         self.tables = tables
 
 
-def _all_finite(tree: Any) -> jax.Array:
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-    if not leaves:
-        return jnp.array(True)
-    return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
-
-
-def _tables(model: nnx.Module) -> dict[str, CachedEmbed]:
-    modules: dict[str, CachedEmbed] = {}
-    for _, module in nnx.iter_modules(model):
-        if isinstance(module, CachedEmbed):
-            modules.setdefault(module.cache.name, module)
-    return modules
-
-
-def _apply(model: nnx.Module, optimizer: nnx.Optimizer, grads: Any, rows: dict) -> None:
+def _apply(model: nnx.Module, optimizer: nnx.Optimizer, grads: Any, rows: RowGrads) -> None:
     optimizer.update(model, grads)
-    modules = _tables(model)
+    modules = cached_tables(model)
     for table, (lookup, grad) in rows.items():
         modules[table].apply_gradients(lookup, grad)
 
 
-def _skip(model: nnx.Module, optimizer: nnx.Optimizer, grads: Any, rows: dict) -> None:
+def _skip(model: nnx.Module, optimizer: nnx.Optimizer, grads: Any, rows: RowGrads) -> None:
     del model, optimizer, grads, rows
 
 
@@ -159,19 +122,9 @@ def update_if_finite(
 
     def step(model: nnx.Module, optimizer: nnx.Optimizer, *args: Any) -> tuple[Any, FiniteCheck]:
         value, grads, rows = grad_fn(model, *args)
-        modules = _tables(model)
-        check = FiniteCheck(
-            _all_finite(value[0] if has_aux else value),
-            _all_finite(grads),
-            {
-                table: _all_finite(grad) & _all_finite(modules[table](lookup))
-                for table, (lookup, grad) in rows.items()
-            },
-        )
-        ok = check.loss & check.dense
-        for flag in check.tables.values():
-            ok = ok & flag
-        nnx.cond(ok, _apply, _skip, model, optimizer, grads, rows)
+        states = {name: module.get_state() for name, module in cached_tables(model).items()}
+        check = finite_check(value[0] if has_aux else value, grads, rows, states)
+        nnx.cond(check.ok(), _apply, _skip, model, optimizer, grads, rows)
         return value, check
 
     return step

@@ -60,10 +60,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
+import optax
 
-from jaxcache._src import device_ops
-from jaxcache._src.device_ops import CacheState, Lookup
+from jaxcache._src import device_ops, host_callback, sparse_grad
+from jaxcache._src.device_ops import CacheState, Lookup, check_combiner
 from jaxcache._src.engine import EmbeddingCache
+from jaxcache._src.sparse_grad import FiniteCheck
 
 __all__ = [
     "COLLECTION",
@@ -118,10 +120,7 @@ class CachedEmbed(nn.Module):
     combiner: str | None = None
 
     def __post_init__(self) -> None:
-        if self.combiner not in (None, "sum", "mean"):
-            raise ValueError(
-                f"combiner={self.combiner!r} is not supported; use None, 'sum' or 'mean'."
-            )
+        check_combiner(self.combiner)
         super().__post_init__()
 
     @nn.compact
@@ -253,39 +252,168 @@ def value_and_grad(
       >>> np.allclose(rows[5], before - 2.0)  # id 5 appears twice: gradient 2, step 1.0
       True
     """
+    by_table = _by_table(caches)
+    grads_of = _row_grads_of(fn, by_table, has_aux)
+    optimizers = {name: cache.config.optimizer for name, cache in by_table.items()}
+
+    def wrapped(params: Any, variables: Variables, *args: Any) -> tuple[Any, Any, Variables]:
+        value, grads, row_grads = grads_of(params, variables, args)
+        collection, rebuild = _split(variables)
+        paths = {table: _locate(collection, table) for table in row_grads}
+        states = {table: _get_state(collection, path) for table, path in paths.items()}
+        for table, state in sparse_grad.apply_rows(states, row_grads, optimizers).items():
+            collection = _set_state(collection, paths[table], state)
+        return value, grads, rebuild(collection)
+
+    return wrapped
+
+
+def _row_grads_of(
+    fn: Callable[..., Any], by_table: Mapping[str, EmbeddingCache], has_aux: bool
+) -> Callable[[Any, Variables, tuple[Any, ...]], tuple[Any, Any, sparse_grad.RowGrads]]:
+    """``(params, variables, args) -> (value, grads, row_grads)`` of the loss ``fn``."""
+    features = {name: cache.config.features for name, cache in by_table.items()}
+
+    def value_and_row_grads(params: Any, variables: Variables, args: tuple[Any, ...]):
+        def inner(params, deltas):
+            return fn(params, variables, *sparse_grad.attach_deltas(args, deltas))
+
+        def differentiate(deltas):
+            value, (grads, delta_grads) = jax.value_and_grad(
+                inner, argnums=(0, 1), has_aux=has_aux
+            )(params, deltas)
+            return value, grads, delta_grads
+
+        return sparse_grad.sparse_value_and_grad(
+            differentiate, args, features, hint="pass its EmbeddingCache to value_and_grad"
+        )
+
+    return value_and_row_grads
+
+
+def _by_table(caches: EmbeddingCache | Sequence[EmbeddingCache]) -> dict[str, EmbeddingCache]:
     if isinstance(caches, EmbeddingCache):
         caches = [caches]
     by_table = {cache.name: cache for cache in caches}
     if len(by_table) != len(caches):
         names = [cache.name for cache in caches]
         raise ValueError(f"caches {names} share a table name; give each CacheConfig its own name.")
+    return by_table
 
-    def wrapped(params: Any, variables: Variables, *args: Any) -> tuple[Any, Any, Variables]:
-        features = {name: cache.config.features for name, cache in by_table.items()}
-        lookups = device_ops.find_lookups(
-            args, features, "pass its EmbeddingCache to value_and_grad"
-        )
+
+def lookup_ids(
+    cache: EmbeddingCache, variables: Variables, ids: jax.Array, *, train: bool = True
+) -> tuple[Variables, Lookup]:
+    """The host-callback form of ``prepare``, for use inside the jitted step.
+
+    What ``jaxcache.nnx.CachedEmbed.lookup_ids`` does, for Linen: the raw ids
+    go into the step, an ordered ``io_callback`` obtains their slots from the
+    host (from a batch ``jaxcache.prefetch`` staged with ``callback=True``,
+    or planned on the spot), the swap runs inside the step and a second
+    callback writes evicted rows back. Same results as ``prepare``; slower,
+    because every list is padded to one fixed size.
+
+    Args:
+      cache: the cache of the module that looks the ids up.
+      variables: the model's variables, or their ``COLLECTION`` collection.
+      ids: integer ids ``[B, ...]`` (traced).
+      train: the step will update these rows.
+
+    Returns:
+      ``(variables, lookup)``: the variables with the new device state, and
+      the ``Lookup`` to pass to the model in the same step.
+
+    Examples:
+      >>> import jax, numpy as np, jaxcache, jaxcache.linen
+      >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=16))
+      >>> embed = jaxcache.linen.CachedEmbed(cache, combiner="sum")
+      >>> variables = embed.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (1, 3)))
+      >>> @jax.jit
+      ... def step(variables, ids):
+      ...     variables, lookup = jaxcache.linen.lookup_ids(cache, variables, ids)
+      ...     return variables, embed.apply(variables, lookup)
+      >>> variables, pooled = step(variables, np.array([[7, 8, 7]]))
+      >>> pooled.shape, cache.stats.last.misses
+      ((1, 4), 2)
+    """
+    collection, rebuild = _split(variables)
+    path = _locate(collection, cache.name)
+    state, lookup = host_callback.lookup_in_step(
+        cache, _get_state(collection, path), ids, train=train
+    )
+    return rebuild(_set_state(collection, path, state)), lookup
+
+
+def update_if_finite(
+    fn: Callable[..., Any],
+    caches: EmbeddingCache | Sequence[EmbeddingCache],
+    tx: optax.GradientTransformation,
+    *,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any, Any, Variables, FiniteCheck]]:
+    """The training update of ``fn``, skipped as a whole unless everything is finite.
+
+    The Linen counterpart of ``jaxcache.nnx.update_if_finite``: ``value_and_grad``
+    followed by ``tx``'s update of ``params``, applied only when the loss,
+    every dense gradient, every row looked up and its gradient are finite;
+    otherwise the parameters, the optimizer state and the cached rows (and
+    their optimizer state) come back exactly as they were. Call it inside the
+    jitted step and check the flags on the host with
+    ``jaxcache.nnx.raise_if_nonfinite``.
+
+    Args:
+      fn: the loss ``fn(params, variables, *args) -> loss`` (or ``(loss, aux)``).
+      caches: the cache (or caches) of the tables ``fn`` looks up.
+      tx: the optax optimizer of ``params``.
+      has_aux: ``fn`` returns ``(loss, aux)``.
+
+    Returns:
+      A function ``(params, opt_state, variables, *args) -> (value, params,
+      opt_state, variables, FiniteCheck)``.
+
+    Examples:
+      >>> import jax, numpy as np, optax, jaxcache, jaxcache.linen
+      >>> cfg = jaxcache.CacheConfig(100, 2, capacity=8, optimizer=jaxcache.sgd(1.0))
+      >>> cache = jaxcache.EmbeddingCache(cfg)
+      >>> embed = jaxcache.linen.CachedEmbed(cache, combiner="sum")
+      >>> variables = embed.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (1, 2)))
+      >>> tx = optax.sgd(0.1)
+      >>> def loss_fn(params, variables, lookup, scale):
+      ...     return embed.apply(variables, lookup).sum() * scale
+      >>> step = jax.jit(jaxcache.linen.update_if_finite(loss_fn, cache, tx))
+      >>> variables, lookup = jaxcache.linen.prepare(cache, variables, np.array([[5, 6]]))
+      >>> params, opt_state = {}, tx.init({})
+      >>> out = step(params, opt_state, variables, lookup, np.float32(np.nan))
+      >>> loss, params, opt_state, after, check = out
+      >>> bool(check.ok()), np.array_equal(after["jaxcache"]["embedding"]["rows"],
+      ...                                  variables["jaxcache"]["embedding"]["rows"])
+      (False, True)
+    """
+    by_table = _by_table(caches)
+    grads_of = _row_grads_of(fn, by_table, has_aux)
+    optimizers = {name: cache.config.optimizer for name, cache in by_table.items()}
+
+    def step(params: Any, opt_state: Any, variables: Variables, *args: Any):
+        value, grads, row_grads = grads_of(params, variables, args)
         collection, rebuild = _split(variables)
-        paths = [_locate(collection, lookup.table) for lookup in lookups]
-        deltas = device_ops.zero_deltas(lookups, features)
+        paths = {table: _locate(collection, table) for table in row_grads}
+        states = {table: _get_state(collection, path) for table, path in paths.items()}
+        check = sparse_grad.finite_check(value[0] if has_aux else value, grads, row_grads, states)
 
-        def inner(params, deltas):
-            return fn(params, variables, *device_ops.attach_deltas(args, deltas))
+        def apply(params, opt_state, states):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            return params, opt_state, sparse_grad.apply_rows(states, row_grads, optimizers)
 
-        value, (grads, delta_grads) = jax.value_and_grad(inner, argnums=(0, 1), has_aux=has_aux)(
-            params, deltas
-        )
-        for lookup, path, grad in zip(lookups, paths, delta_grads, strict=True):
-            state = device_ops.apply_sparse(
-                _get_state(collection, path),
-                lookup,
-                grad,
-                by_table[lookup.table].config.optimizer,
-            )
-            collection = _set_state(collection, path, state)
-        return value, grads, rebuild(collection)
+        def skip(params, opt_state, states):
+            return params, opt_state, states
 
-    return wrapped
+        params, opt_state, states = jax.lax.cond(check.ok(), apply, skip, params, opt_state, states)
+        for table, state in states.items():
+            collection = _set_state(collection, paths[table], state)
+        return value, params, opt_state, rebuild(collection), check
+
+    return step
 
 
 def flush(cache: EmbeddingCache, variables: Variables) -> None:

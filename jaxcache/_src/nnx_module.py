@@ -9,10 +9,9 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import io_callback
 
-from jaxcache._src import device_ops
-from jaxcache._src.device_ops import CacheState, Lookup
+from jaxcache._src import device_ops, host_callback, sparse_grad
+from jaxcache._src.device_ops import CacheState, Lookup, check_combiner
 from jaxcache._src.engine import EmbeddingCache
 
 __all__ = ["CacheOptState", "CacheRows", "CachedEmbed", "jit_step", "value_and_grad"]
@@ -73,8 +72,7 @@ class CachedEmbed(nnx.Module):
     """
 
     def __init__(self, cache: EmbeddingCache, *, combiner: str | None = None) -> None:
-        if combiner not in (None, "sum", "mean"):
-            raise ValueError(f"combiner={combiner!r} is not supported; use None, 'sum' or 'mean'.")
+        check_combiner(combiner)
         self.cache = cache
         self.combiner = combiner
         state = cache.init_state()
@@ -127,47 +125,9 @@ class CachedEmbed(nnx.Module):
         Returns:
           The ``Lookup`` to pass to the module in the same step.
         """
-        cache = self.cache
-        cache.callbacks.check()
-        if cache.shard[1] > 1:
-            raise ValueError(
-                f"lookup_ids (the host-callback form) runs in one process, but this cache's "
-                f"mesh spans {cache.shard[1]} processes; pass each step the Lookup that "
-                "jaxcache.prefetch (or CachedEmbed.prepare) makes instead."
-            )
-        cfg = cache.config
-        num_ids = int(np.prod(ids.shape))
-        size = cache.callbacks.size(num_ids)
-        devices = cache.devices
-        opt_specs = {
-            name: jax.ShapeDtypeStruct((size, *spec.shape), spec.dtype)
-            for name, spec in cfg.optimizer.state_spec(cfg.features).items()
-        }
-
-        def int32(*shape):
-            return jax.ShapeDtypeStruct(shape, np.int32)
-
-        # Fixed sizes: V = the list size, K (no overflow), R = n K rows received per device.
-        k = cache.callbacks.per_destination(size, num_ids)
-        shapes = (
-            int32(),
-            int32(devices, devices, k),  # requests
-            int32(0),  # overflow
-            int32(*ids.shape),  # inverse
-            int32(devices, size),  # owner_slots
-            int32(devices, devices * k),  # owner_inverse
-            int32(size),
-            int32(size),
-            jax.ShapeDtypeStruct((size, cfg.features), cfg.row_dtype),
-            opt_specs,
-        )
-        index, *route, evict, fetch, rows, opt = io_callback(
-            functools.partial(cache.callbacks.stage, train=train), shapes, ids, ordered=True
-        )
-        state, rows, opt = device_ops.swap(self.get_state(), evict, fetch, rows, opt)
-        io_callback(cache.callbacks.write_back, None, index, rows, opt, ordered=True)
+        state, lookup = host_callback.lookup_in_step(self.cache, self.get_state(), ids, train=train)
         self.set_state(state)
-        return Lookup(*route, table=cache.name, mesh=cache.mesh, axis=cache.axis)
+        return lookup
 
     def __call__(self, lookup: Lookup, weights: jax.Array | None = None) -> jax.Array:
         """Rows ``[*ids.shape, D]``, or pooled ``[*ids.shape[:-1], D]`` with a combiner.
@@ -253,29 +213,38 @@ def value_and_grad(
       True
     """
 
-    def wrapped(model: nnx.Module, *args: Any) -> tuple[Any, nnx.State]:
-        modules = {}
-        for _, module in nnx.iter_modules(model):
-            if isinstance(module, CachedEmbed):
-                modules.setdefault(module.cache.name, module)
+    def wrapped(model: nnx.Module, *args: Any) -> tuple[Any, ...]:
+        modules = cached_tables(model)
         features = {name: m.cache.config.features for name, m in modules.items()}
-        lookups = device_ops.find_lookups(args, features, "add a CachedEmbed for it to the model")
-        deltas = device_ops.zero_deltas(lookups, features)
 
         def inner(model, deltas, args):
-            return fn(model, *device_ops.attach_deltas(args, deltas))
+            return fn(model, *sparse_grad.attach_deltas(args, deltas))
 
-        value, (grads, delta_grads) = nnx.value_and_grad(
-            inner, argnums=(nnx.DiffState(0, wrt), 1), has_aux=has_aux
-        )(model, deltas, args)
+        def differentiate(deltas):
+            value, (grads, delta_grads) = nnx.value_and_grad(
+                inner, argnums=(nnx.DiffState(0, wrt), 1), has_aux=has_aux
+            )(model, deltas, args)
+            return value, grads, delta_grads
+
+        value, grads, row_grads = sparse_grad.sparse_value_and_grad(
+            differentiate, args, features, hint="add a CachedEmbed for it to the model"
+        )
         if not apply_rows:
-            row_grads = zip(lookups, delta_grads, strict=True)
-            return value, grads, {lookup.table: (lookup, grad) for lookup, grad in row_grads}
-        for lookup, grad in zip(lookups, delta_grads, strict=True):
-            modules[lookup.table].apply_gradients(lookup, grad)
+            return value, grads, row_grads
+        for table, (lookup, grad) in row_grads.items():
+            modules[table].apply_gradients(lookup, grad)
         return value, grads
 
     return wrapped
+
+
+def cached_tables(model: nnx.Module) -> dict[str, CachedEmbed]:
+    """The ``CachedEmbed`` modules of ``model`` by table name (the first of each name)."""
+    modules: dict[str, CachedEmbed] = {}
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, CachedEmbed):
+            modules.setdefault(module.cache.name, module)
+    return modules
 
 
 def jit_step(fn: Callable[..., Any], *nodes: Any, update: bool = True) -> Callable[..., Any]:

@@ -276,9 +276,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         item = self._queue.get()
         waited = time.perf_counter() - start
         for cache in self._caches.values():
-            timers = cache.stats.timers
-            timers.seconds["wait"] += waited
-            timers.counts["wait"] += 1
+            cache.stats.timers.add("wait", waited)
         if not isinstance(item, (_End, _Failure)):
             self._permits.release()
         return item

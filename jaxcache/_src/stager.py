@@ -82,6 +82,18 @@ class HostStaged(NamedTuple):
         earlier plan had not landed when this one was staged: they are
         copied from that plan's read-out (its swap has been applied by then)
         into the fetch rows before the transfer. ``None`` when there are none.
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8))
+      >>> state = cache.init_state()
+      >>> host = cache.stage_host(np.array([3, 5, 3]))  # on any thread
+      >>> host.plan.index, int((host.moves[1] < 8).sum())  # plan 0 fetches 2 rows
+      (0, 2)
+      >>> staged = cache.to_device(host)  # on the training thread
+      >>> state = cache.apply(state, staged)
+      >>> staged.lookup.shape
+      (3,)
     """
 
     plan: StepPlan

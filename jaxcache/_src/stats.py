@@ -130,6 +130,11 @@ class PhaseTimers:
             self.seconds[phase] += time.perf_counter() - start
             self.counts[phase] += 1
 
+    def add(self, phase: str, seconds: float) -> None:
+        """Adds one occurrence of ``phase`` that took ``seconds`` (timed elsewhere)."""
+        self.seconds[phase] += seconds
+        self.counts[phase] += 1
+
     def mean_ms(self) -> dict[str, float]:
         """Mean milliseconds per occurrence of each phase."""
         return {k: 1e3 * self.seconds[k] / max(1, self.counts[k]) for k in self.PHASES}
