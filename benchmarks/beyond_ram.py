@@ -46,6 +46,7 @@ import shutil
 import tempfile
 import time
 
+import _harness
 import jax
 import numpy as np
 import optax
@@ -239,7 +240,7 @@ def report(variants: list[Variant], start: dict, args: argparse.Namespace, recor
         steps = delta["steps"]
         print(
             f"{v.name:<16}{budget:>12}{1e3 * ms:>9.1f}"
-            f"{f'{1e3 * min(v.medians):.1f}-{1e3 * max(v.medians):.1f}':>14}{1 / ms:>9.2f}"
+            f"{_harness.ms_range(v.medians, 1):>14}{1 / ms:>9.2f}"
             f"{base / ms:>9.2f}{1e3 * delta['write_back'] / steps:>11.1f}"
             f"{1e3 * delta['gather'] / steps:>8.1f}{hit:>9}{reads:>13}{v.loss:>12.6f}"
         )
@@ -262,8 +263,7 @@ def report(variants: list[Variant], start: dict, args: argparse.Namespace, recor
     ratios["disk_bytes_per_write_back_byte"] = delta["bytes_written"] / max(
         1, delta["rows_to_host"] * record
     )
-    for name, value in ratios.items():
-        print(f"{name}={value:.3f}")
+    _harness.print_results(ratios)
 
 
 if __name__ == "__main__":

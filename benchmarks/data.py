@@ -32,6 +32,7 @@ import pathlib
 import tempfile
 import time
 
+import _harness
 import numpy as np
 
 import jaxcache.datasets as jd
@@ -62,10 +63,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.cores > 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cores])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
     with tempfile.TemporaryDirectory(prefix="jaxcache-data-") as scratch:
-        measure(args, pathlib.Path(scratch), cores)
+        measure(args, pathlib.Path(scratch), _harness.cores())
 
 
 def measure(args: argparse.Namespace, tmp: pathlib.Path, cores: int) -> None:

@@ -21,25 +21,14 @@ ranges over ``--repeats`` repetitions, ``--rounds`` times, interleaved.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
+import functools
 
+import _harness
 import numpy as np
 
 from jaxcache._src import kernels
 
 FLUSH_BYTES = 64 << 20
-
-
-def timed(fn: Callable[[], object], repeats: int, flush: np.ndarray) -> float:
-    """Median seconds of ``fn`` over ``repeats`` calls, caches flushed before each."""
-    seconds = []
-    for _ in range(repeats):
-        flush += 1
-        start = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - start)
-    return float(np.median(seconds))
 
 
 def main() -> None:
@@ -86,19 +75,21 @@ def main() -> None:
     }
     for fn in variants.values():  # compile, and touch the pages once
         fn()
-    results: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, fn in variants.items():
-            results[name].append(timed(fn, args.repeats, flush))
+
+    def flush_caches() -> None:
+        np.add(flush, 1, out=flush)
+
+    runs = {
+        name: functools.partial(_harness.median_time, fn, args.repeats, before=flush_caches)
+        for name, fn in variants.items()
+    }
+    results = _harness.interleave(runs, args.rounds)
     print(
         f"{args.moved:,} rows of {args.features} float32 and an accumulator, table of "
         f"{args.rows:,} rows; median of {args.repeats} per round, {args.rounds} rounds, ms"
     )
     for name, values in results.items():
-        print(
-            f"  {name:<42}{1e3 * np.median(values):7.3f}  "
-            f"({1e3 * min(values):.3f}-{1e3 * max(values):.3f})"
-        )
+        print(f"  {name:<42}{1e3 * np.median(values):7.3f}  ({_harness.ms_range(values, 3)})")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ import time
 import zipfile
 from collections.abc import Callable
 
+import _harness
 import numba
 import numpy as np
 
@@ -342,13 +343,13 @@ def main() -> None:
                 flush=True,
             )
     print("(last column of rates: the adaptive policy without the dataset counts)")
-    for key, value in summary(rows).items():
-        print(f"{key}={value:.4f}" if isinstance(value, float) else f"{key}={value}")
+    _harness.print_results(summary(rows), digits=4)
     if args.planner:
         speed = planner_speed(("lfu", "adaptive", "lru", "frequency"), args.rounds, args.steps)
-        for policy, rate in speed.items():
-            print(f"planner_mids_per_s_{policy}={rate:.2f}")
-        print(f"planner_adaptive_over_lfu={speed['adaptive'] / speed['lfu']:.3f}")
+        _harness.print_results(
+            {f"planner_mids_per_s_{policy}": rate for policy, rate in speed.items()}, digits=2
+        )
+        _harness.print_results({"planner_adaptive_over_lfu": speed["adaptive"] / speed["lfu"]})
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import _harness
 import jax
 import numpy as np
 from jax.sharding import Mesh
@@ -205,19 +206,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     args = parser.parse_args()
     args.steps = args.steps or (10 if args.quick else 30)
-    print(
-        f"jax {jax.__version__} on {jax.devices()[0].device_kind}, "
-        f"{len(os.sched_getaffinity(0))} cores; {args.steps} timed steps after "
-        f"{args.warmup} warm-up; medians"
-    )
+    print(f"{_harness.machine()}; {args.steps} timed steps after {args.warmup} warm-up; medians")
     partition = weak_scaling(args)
     threads = thread_scaling(args)
     processes = process_scaling(args)
     ids_per_s = heavy_batch(args)
-    print(f"partition_cpu_8_over_1={partition:.3f}")
-    print(f"threads_2_over_1={threads:.3f}")
-    print(f"per_process_2_over_1={processes:.3f}")
-    print(f"stage_ids_per_s={ids_per_s:.1f}")
+    _harness.print_results(
+        {
+            "partition_cpu_8_over_1": partition,
+            "threads_2_over_1": threads,
+            "per_process_2_over_1": processes,
+        }
+    )
+    _harness.print_results({"stage_ids_per_s": ids_per_s}, digits=1)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import _harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,16 +34,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcache
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def _zipf_ids(rng, n, shape, alpha=1.1):
@@ -97,12 +88,14 @@ def lookup_comparison(args) -> float:
     a = np.asarray(routed(state, lookup).rows)
     b = np.asarray(automatic(rows, slots))
     agree = float(np.abs(a - b).max())
-    t_routed = _median_ms(lambda: jax.block_until_ready(routed(state, lookup)), args.repeats)
-    t_auto = _median_ms(lambda: jax.block_until_ready(automatic(rows, slots)), args.repeats)
-    f_routed = _median_ms(
-        lambda: jax.block_until_ready(routed_forward(state, lookup)), args.repeats
-    )
-    f_auto = _median_ms(lambda: jax.block_until_ready(automatic_forward(rows, slots)), args.repeats)
+
+    def median_ms(fn) -> float:  # the first call compiles
+        return 1e3 * _harness.median_time(fn, args.repeats, warmup=1)
+
+    t_routed = median_ms(lambda: jax.block_until_ready(routed(state, lookup)))
+    t_auto = median_ms(lambda: jax.block_until_ready(automatic(rows, slots)))
+    f_routed = median_ms(lambda: jax.block_until_ready(routed_forward(state, lookup)))
+    f_auto = median_ms(lambda: jax.block_until_ready(automatic_forward(rows, slots)))
     distinct = len(np.unique(ids))
     print(
         f"\nlookup + sparse SGD update, 8 devices, {n:,} rows x {d}, ids {args.batch}x{args.bag} "
@@ -111,9 +104,11 @@ def lookup_comparison(args) -> float:
     print(f"{'path':<34}{'lookup ms':>10}{'+ update ms':>13}")
     print(f"{'routed (shard_map + all_to_all)':<34}{f_routed:>10.2f}{t_routed:>13.2f}")
     print(f"{'automatic partitioning (jnp.take)':<34}{f_auto:>10.2f}{t_auto:>13.2f}")
-    print(f"lookup_only_speedup={f_auto / f_routed:.2f}")
     ratio = t_auto / t_routed
-    print(f"routed_over_automatic_speedup={ratio:.2f}")
+    _harness.print_results(
+        {"lookup_only_speedup": f_auto / f_routed, "routed_over_automatic_speedup": ratio},
+        digits=2,
+    )
     return ratio
 
 

@@ -1,11 +1,11 @@
-"""What the DLRM examples share: flags, the data source, the cache, the loop and the summary.
+"""What the DLRM examples share: their flags, their data and their summary.
 
 ``dlrm.py`` (one device), ``dlrm_pjit.py`` and ``dlrm_pmap.py`` (many
-devices) train the same model on the same data; they differ only in how the
-step runs. Everything else is here, once: the command line, the data (the
-synthetic stream or Criteo files, behind one small interface), the cache and
-the model, the training loop through ``jaxcache.prefetch``, the held-out
-evaluation and the summary whose last line is one JSON object.
+devices) train the same model on the same data; each builds its cache and
+model and runs its own training loop through ``jaxcache.prefetch``. What is
+here is the rest, once: the command line, the data (the synthetic stream or
+Criteo files, behind one small interface), the progress bar, and the summary
+whose last line is one JSON object.
 
 The scripts run from the repository root (``python examples/dlrm.py``), so
 this directory is ``sys.path[0]`` and ``import _common`` finds this module.
@@ -21,13 +21,11 @@ import logging
 import pathlib
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from flax import nnx
-from jax.sharding import Mesh
 from tqdm import tqdm
 
 import jaxcache
@@ -40,9 +38,6 @@ LEARNING_RATES = {"adagrad": (0.05, 0.05), "adam": (1e-3, 1e-2)}
 DEFAULT_SCALE = {"synthetic": 0.01, "criteo": 1.0}
 # Simulated CPU devices of the many-device examples when --devices is not given.
 DEFAULT_CPU_DEVICES = 4
-# The one mesh axis of the many-device examples: the batch is split along it
-# (data parallel) and so are the cache's rows.
-AXIS = "data"
 
 
 # ------------------------------------------------------------------- flags
@@ -183,6 +178,9 @@ def parse_args(
     args.host_callback = getattr(args, "host_callback", False)
     args.callback_rows = getattr(args, "callback_rows", None)
     _check(parser, args)
+    dense, rows = LEARNING_RATES[args.optimizer]
+    args.learning_rate = args.learning_rate or dense
+    args.row_learning_rate = args.row_learning_rate or rows
     return args
 
 
@@ -255,12 +253,12 @@ def _widths(text: str) -> tuple[int, ...]:
     return widths
 
 
-def make_mesh(args: argparse.Namespace) -> Mesh:
-    """A one-axis mesh (``AXIS``) over the ``--devices`` devices.
+def devices(args: argparse.Namespace) -> list[jax.Device]:
+    """The ``--devices`` devices the batch splits over.
 
-    On a machine without accelerators it simulates ``--devices`` CPU devices,
-    so call it before anything asks JAX for its devices: the CPU device count
-    is fixed when JAX starts its backends.
+    On a machine without accelerators they are ``--devices`` simulated CPU
+    devices, so call it before anything asks JAX for its devices: the CPU
+    device count is fixed when JAX starts its backends.
     """
     count = args.devices
     # Only the CPU backend reads it; on accelerators the devices present are used.
@@ -271,13 +269,13 @@ def make_mesh(args: argparse.Namespace) -> Mesh:
             f"error: --devices={count}, but only {len(present)} {present[0].platform} devices "
             f"are present; pass --devices {len(present)} or fewer."
         )
-    devices = present[:count]
-    if args.batch_size % len(devices):
+    chosen = present[:count]
+    if args.batch_size % len(chosen):
         sys.exit(
-            f"error: --batch-size={args.batch_size} does not split over {len(devices)} devices; "
-            f"use a multiple of {len(devices)}."
+            f"error: --batch-size={args.batch_size} does not split over {len(chosen)} devices; "
+            f"use a multiple of {len(chosen)}."
         )
-    return Mesh(np.array(devices), (AXIS,))
+    return chosen
 
 
 # -------------------------------------------------------------------- data
@@ -408,55 +406,7 @@ def _criteo_splits(builder: Any, train: str | None, held_out: str | None) -> tup
     return splits
 
 
-# ------------------------------------------------------------ cache, model
-def build_cache(
-    args: argparse.Namespace, data: Data, *, mesh: Any = None, axis: str = "rows"
-) -> jaxcache.EmbeddingCache:
-    """The cache of the shared table (or the whole table with ``--full-table``)."""
-    row_lr = args.row_learning_rate or LEARNING_RATES[args.optimizer][1]
-    row_optimizer = (
-        jaxcache.rowwise_adagrad(row_lr) if args.optimizer == "adagrad" else jaxcache.adam(row_lr)
-    )
-    config = jaxcache.CacheConfig(
-        num_embeddings=data.num_embeddings,
-        features=args.features,
-        capacity=args.cache_fraction,
-        policy=args.policy,
-        optimizer=row_optimizer,
-        padding_id=data.padding_id,
-        callback_rows=args.callback_rows,
-    )
-    if args.full_table:
-        return jaxcache.EmbeddingCache.full_table(config, seed=args.seed, mesh=mesh, axis=axis)
-    return jaxcache.EmbeddingCache(
-        config, frequencies=data.frequencies, seed=args.seed, mesh=mesh, axis=axis
-    )
-
-
-def combiner(args: argparse.Namespace) -> str | None:
-    """How a bag's rows are pooled: summed with ``--multi-hot``, else one row per id."""
-    return "sum" if args.multi_hot else None
-
-
-def build_dlrm(args: argparse.Namespace, data: Data, embed: nnx.Module) -> jaxcache.models.DLRM:
-    """The DLRM around ``embed``; its dense layers depend only on the flags and ``--seed``."""
-    return jaxcache.models.DLRM(
-        embed,
-        num_sparse=data.num_features,
-        features=args.features,
-        bottom=args.bottom,
-        top=args.top,
-        rngs=nnx.Rngs(args.seed),
-    )
-
-
-def dense_optimizer(args: argparse.Namespace):
-    """The optax optimizer of the dense parameters."""
-    learning_rate = args.learning_rate or LEARNING_RATES[args.optimizer][0]
-    return jaxcache.models.dense_optimizer(args.optimizer, learning_rate)
-
-
-# --------------------------------------------------------- train, evaluate
+# ----------------------------------------------------------------- summary
 class Started(NamedTuple):
     """When the run started: wall clock and XLA compilations so far."""
 
@@ -469,101 +419,74 @@ def start() -> Started:
     return Started(time.perf_counter(), jaxcache.testing.compilations())
 
 
-def train(
-    args: argparse.Namespace,
-    data: Data,
-    embed: jaxcache.nnx.CachedEmbed,
-    step: Callable[[dict[str, Any]], Any],
-) -> dict[str, Any]:
-    """Runs ``step`` on every batch of ``data.train`` through the prefetch pipeline.
+class Progress:
+    """The training loop's progress bar, and the figures of its summary.
+
+    Made just before the loop; ``step(loss)`` after every step; ``finish()``
+    after the loop, before the evaluation looks rows up too.
 
     Args:
-      args: the flags (``--lookahead``, ``--host-callback``, ``--steps``).
-      data: the data source.
-      embed: holds the cache's device state; the pipeline swaps rows into it.
-      step: ``step(batch) -> loss``; ``batch["sparse"]`` is a ready ``Lookup``
-        (or the ids with ``--host-callback``).
-
-    Returns:
-      The losses (NumPy), timings and the cache's counters after training.
+      args: the flags (``--steps``, ``--no-progress``).
+      cache: the cache trained through.
     """
-    cache = embed.cache
-    losses = []
-    start = time.perf_counter()
-    warm_start = start
-    compilations_warm = jaxcache.testing.compilations()
-    pipeline = jaxcache.prefetch(
-        data.train, {"sparse": embed}, lookahead=args.lookahead, callback=args.host_callback
-    )
-    progress = tqdm(
-        pipeline,
-        total=args.steps,
-        desc="train",
-        unit="step",
-        disable=True if args.no_progress else None,
-    )
-    try:
-        # Leaving the block stops the producer thread, even on an error.
-        with pipeline:
-            for index, batch in enumerate(progress):
-                losses.append(step(batch))
-                if index == 0:
-                    # The first step compiles; throughput is measured after it.
-                    losses[0].block_until_ready()
-                    warm_start = time.perf_counter()
-                    compilations_warm = jaxcache.testing.compilations()
-                if index % 50 == 49 or index == args.steps - 1:
-                    progress.set_postfix(
-                        loss=f"{float(losses[-1]):.4f}",
-                        hit_rate=f"{cache.stats.total.hit_rate:.3f}",
-                    )
-    except jaxcache.CapacityError as error:
-        sys.exit(f"error: {error} (--cache-fraction sets the capacity.)")
-    losses = np.array([float(x) for x in losses])
-    end = time.perf_counter()
-    steps = len(losses)
-    stats = cache.stats
-    return {
-        "losses": losses,
-        "seconds": end - start,
-        "steps_per_s": (steps - 1) / (end - warm_start) if steps > 1 else 0.0,
-        "compilations_after_first_step": jaxcache.testing.compilations() - compilations_warm,
-        # The cache's counters now, before the evaluation looks rows up too.
-        "totals": dict(vars(stats.total)),
-        # Mean ms per occurrence of each phase of the cache's work. With a
-        # look-ahead, plan/write_back/gather/transfer run on the producer
-        # thread and only "wait" (the loop waiting for a staged batch) and
-        # "swap" are spent in the training loop.
-        "phase_mean_ms": stats.timers.mean_ms(),
-        "bytes_to_device": stats.bytes_to_device,
-        "bytes_to_host": stats.bytes_to_host,
-        "write_back_waits": stats.write_back_waits,
-    }
+
+    def __init__(self, args: argparse.Namespace, cache: jaxcache.EmbeddingCache) -> None:
+        self.cache = cache
+        self.steps = args.steps
+        self.losses: list[Any] = []
+        self.start = self.warm = time.perf_counter()
+        self.compilations_warm = jaxcache.testing.compilations()
+        self.bar = tqdm(
+            total=args.steps,
+            desc="train",
+            unit="step",
+            disable=True if args.no_progress else None,
+        )
+
+    def step(self, loss: Any) -> None:
+        """Counts a step and its (not yet computed) loss."""
+        index = len(self.losses)
+        self.losses.append(loss)
+        if index == 0:
+            # The first step compiles; throughput is measured after it.
+            loss.block_until_ready()
+            self.warm = time.perf_counter()
+            self.compilations_warm = jaxcache.testing.compilations()
+        if index % 50 == 49 or index == self.steps - 1:
+            self.bar.set_postfix(
+                loss=f"{float(loss):.4f}", hit_rate=f"{self.cache.stats.total.hit_rate:.3f}"
+            )
+        self.bar.update()
+
+    def finish(self) -> dict[str, Any]:
+        """The losses (NumPy), timings and the cache's counters after training."""
+        self.bar.close()
+        losses = np.array([float(x) for x in self.losses])
+        end = time.perf_counter()
+        steps = len(losses)
+        return {
+            "losses": losses,
+            "seconds": end - self.start,
+            "steps_per_s": (steps - 1) / (end - self.warm) if steps > 1 else 0.0,
+            "compilations_after_first_step": (
+                jaxcache.testing.compilations() - self.compilations_warm
+            ),
+            "counters": self.cache.stats.as_dict(),
+            # Mean ms per occurrence of each phase of the cache's work. With a
+            # look-ahead, plan/write_back/gather/transfer run on the producer
+            # thread and only "wait" (the loop waiting for a staged batch) and
+            # "swap" are spent in the training loop.
+            "phase_mean_ms": self.cache.stats.timers.mean_ms(),
+        }
 
 
-def evaluate(data: Data, predict: Callable[[Batch], Any]) -> dict[str, Any]:
-    """Held-out AUC and log loss of ``predict(batch) -> click probabilities [B]``."""
-    labels, probabilities = [], []
-    for batch in data.held_out:
-        probabilities.append(np.asarray(predict(batch)).reshape(-1))
-        labels.append(batch["label"])
-    y = np.concatenate(labels)
-    p = np.clip(np.concatenate(probabilities).astype(np.float64), 1e-7, 1 - 1e-7)
-    return {
-        "auc": jaxcache.synthetic.roc_auc(y, p),
-        "eval_loss": float(-np.mean(y * np.log(p) + (1 - y) * np.log1p(-p))),
-        "eval_samples": int(y.size),
-    }
-
-
-# ----------------------------------------------------------------- summary
 def report(
     args: argparse.Namespace,
     started: Started,
     data: Data,
     cache: jaxcache.EmbeddingCache,
-    run: dict[str, Any],
-    metrics: dict[str, Any],
+    trained: dict[str, Any],
+    probabilities: Sequence[Any],
     *,
     parallelism: str,
 ) -> dict[str, Any]:
@@ -574,39 +497,39 @@ def report(
       started: from ``start()``.
       data: the data source.
       cache: the cache trained.
-      run: from ``train``.
-      metrics: from ``evaluate``.
+      trained: from ``Progress.finish``.
+      probabilities: the click probabilities of each batch of ``data.held_out``.
       parallelism: ``"none"``, ``"pjit"`` or ``"pmap"``.
 
     Returns:
       The results.
     """
-    losses, totals = run["losses"], run["totals"]
+    losses, counters = trained["losses"], trained["counters"]
     steps = len(losses)
     tail = max(1, steps // 10)
     result = {
         "loss": float(losses[-tail:].mean()),
         "last_loss": float(losses[-1]),
-        **metrics,
-        "hit_rate": totals["hits"] / max(1, totals["distinct"]),
-        "access_hit_rate": totals["access_hits"] / max(1, totals["lookups"]),
-        "rows_fetched": totals["rows_to_device"],
-        "rows_written_back": totals["rows_to_host"],
-        "bytes_to_device": run["bytes_to_device"],
-        "bytes_to_host": run["bytes_to_host"],
-        "steps_per_s": run["steps_per_s"],
-        "samples_per_s": run["steps_per_s"] * args.batch_size,
-        "phase_mean_ms": run["phase_mean_ms"],
-        "write_back_waits": run["write_back_waits"],
-        "train_seconds": run["seconds"],
+        **_held_out_metrics(data, probabilities),
+        "hit_rate": counters["hit_rate"],
+        "access_hit_rate": counters["access_hit_rate"],
+        "rows_fetched": counters["rows_to_device"],
+        "rows_written_back": counters["rows_to_host"],
+        "bytes_to_device": counters["bytes_to_device"],
+        "bytes_to_host": counters["bytes_to_host"],
+        "steps_per_s": trained["steps_per_s"],
+        "samples_per_s": trained["steps_per_s"] * args.batch_size,
+        "phase_mean_ms": trained["phase_mean_ms"],
+        "write_back_waits": counters["write_back_waits"],
+        "train_seconds": trained["seconds"],
         "wall_seconds": time.perf_counter() - started.seconds,
         "cache_rows": cache.config.capacity,
         "table_rows": cache.config.num_embeddings,
         "cache_fraction": cache.config.capacity / cache.config.num_embeddings,
-        "lookups": totals["lookups"],
-        "distinct_per_step": totals["distinct"] / steps,
+        "lookups": counters["lookups"],
+        "distinct_per_step": counters["distinct"] / steps,
         "compilations": jaxcache.testing.compilations() - started.compilations,
-        "compilations_after_first_step": run["compilations_after_first_step"],
+        "compilations_after_first_step": trained["compilations_after_first_step"],
         "full_table": args.full_table,
         "lookahead": args.lookahead,
         "host_callback": args.host_callback,
@@ -622,6 +545,18 @@ def report(
     print_summary(result, data.description)
     print(json.dumps(result))
     return result
+
+
+def _held_out_metrics(data: Data, probabilities: Sequence[Any]) -> dict[str, Any]:
+    """Held-out AUC and log loss of the click probabilities of ``data.held_out``."""
+    y = np.concatenate([batch["label"] for batch in data.held_out])
+    p = np.concatenate([np.asarray(x).reshape(-1) for x in probabilities])
+    p = np.clip(p.astype(np.float64), 1e-7, 1 - 1e-7)
+    return {
+        "auc": jaxcache.synthetic.roc_auc(y, p),
+        "eval_loss": float(-np.mean(y * np.log(p) + (1 - y) * np.log1p(-p))),
+        "eval_samples": int(y.size),
+    }
 
 
 def print_summary(r: dict[str, Any], description: str) -> None:

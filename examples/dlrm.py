@@ -37,7 +37,10 @@ Prints a summary, then as its last line one JSON object with the results
 
 from __future__ import annotations
 
-import _common  # examples/_common.py: flags, data, loop and summary of the DLRM examples
+import sys
+
+import _common  # examples/_common.py: the flags, data and summary of the DLRM examples
+from flax import nnx
 
 import jaxcache
 
@@ -46,24 +49,70 @@ def main(argv: list[str] | None = None) -> dict:
     args = _common.parse_args(__doc__, argv, host_callback=True)
     started = _common.start()
     data = _common.load_data(args)
-    cache = _common.build_cache(args, data)
-    embed = jaxcache.nnx.CachedEmbed(cache, combiner=_common.combiner(args))
-    model = _common.build_dlrm(args, data, embed)
+
+    # One table for all sparse features, in host memory with its optimizer
+    # state; --cache-fraction of its rows on the device, updated there by the
+    # sparse row optimizer and written back when evicted.
+    row_optimizer = (
+        jaxcache.rowwise_adagrad(args.row_learning_rate)
+        if args.optimizer == "adagrad"
+        else jaxcache.adam(args.row_learning_rate)
+    )
+    config = jaxcache.CacheConfig(
+        num_embeddings=data.num_embeddings,
+        features=args.features,
+        capacity=args.cache_fraction,
+        policy=args.policy,
+        optimizer=row_optimizer,
+        padding_id=data.padding_id,
+        callback_rows=args.callback_rows,
+    )
+    table = jaxcache.HostTable(config, seed=args.seed)
+    if args.full_table:  # the baseline: every row on the device
+        cache = jaxcache.EmbeddingCache.full_table(config, table=table)
+    else:  # the policy starts from the ids' counts in training data (--profile-batches)
+        cache = jaxcache.EmbeddingCache(config, table=table, frequencies=data.frequencies)
+
+    # The model holds the cache's device rows in its embedding module.
+    embed = jaxcache.nnx.CachedEmbed(cache, combiner="sum" if args.multi_hot else None)
+    model = jaxcache.models.DLRM(
+        embed,
+        num_sparse=data.num_features,
+        features=args.features,
+        bottom=args.bottom,
+        top=args.top,
+        rngs=nnx.Rngs(args.seed),
+    )
     _, train_step = jaxcache.models.make_train_step(
-        model, _common.dense_optimizer(args), host_callback=args.host_callback
+        model,
+        jaxcache.models.dense_optimizer(args.optimizer, args.learning_rate),
+        host_callback=args.host_callback,
     )
     predict_step = jaxcache.models.make_predict_step(model)
 
-    def step(batch):
-        # batch["sparse"] is a ready Lookup, or the ids with --host-callback.
-        return train_step(batch["dense"], batch["sparse"], batch["label"])
+    progress = _common.Progress(args, cache)
+    try:
+        # A host thread stages the next --lookahead batches (plans them, writes
+        # back evicted rows, gathers the missing ones and starts their transfer)
+        # while the device trains on this one. Leaving the block stops it.
+        with jaxcache.prefetch(
+            data.train, {"sparse": embed}, lookahead=args.lookahead, callback=args.host_callback
+        ) as pipeline:
+            for batch in pipeline:
+                # batch["sparse"] is a Lookup whose rows are on the device, or
+                # with --host-callback the ids, looked up inside the step.
+                loss = train_step(batch["dense"], batch["sparse"], batch["label"])
+                progress.step(loss)
+    except jaxcache.CapacityError as error:
+        sys.exit(f"error: {error} (--cache-fraction sets the capacity.)")
+    trained = progress.finish()
 
-    def predict(batch):
-        return predict_step(batch["dense"], embed.prepare(batch["sparse"], train=False))
-
-    run = _common.train(args, data, embed, step)
-    metrics = _common.evaluate(data, predict)
-    return _common.report(args, started, data, cache, run, metrics, parallelism="none")
+    # Held-out batches look their rows up for reading only (train=False).
+    probabilities = [
+        predict_step(batch["dense"], embed.prepare(batch["sparse"], train=False))
+        for batch in data.held_out
+    ]
+    return _common.report(args, started, data, cache, trained, probabilities, parallelism="none")
 
 
 if __name__ == "__main__":

@@ -30,43 +30,91 @@ Prints a summary, then as its last line the JSON object of ``dlrm.py``
 
 from __future__ import annotations
 
-import _common  # examples/_common.py: flags, data, loop and summary of the DLRM examples
+import sys
+
+import _common  # examples/_common.py: the flags, data and summary of the DLRM examples
 import jax
+import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcache
 
+# The one mesh axis: the batch is split along it (data parallel), and so are
+# the cache's rows.
+AXIS = "data"
+
 
 def main(argv: list[str] | None = None) -> dict:
     args = _common.parse_args(__doc__, argv, devices=True)
-    mesh = _common.make_mesh(args)
+    mesh = Mesh(np.array(_common.devices(args)), (AXIS,))
     started = _common.start()
     data = _common.load_data(args)
-    cache = _common.build_cache(args, data, mesh=mesh, axis=_common.AXIS)
-    embed = jaxcache.nnx.CachedEmbed(cache, combiner=_common.combiner(args))
-    model = _common.build_dlrm(args, data, embed)
 
+    # The cache of dlrm.py, its rows split over the mesh: C / n slots per device.
+    row_optimizer = (
+        jaxcache.rowwise_adagrad(args.row_learning_rate)
+        if args.optimizer == "adagrad"
+        else jaxcache.adam(args.row_learning_rate)
+    )
+    config = jaxcache.CacheConfig(
+        num_embeddings=data.num_embeddings,
+        features=args.features,
+        capacity=args.cache_fraction,
+        policy=args.policy,
+        optimizer=row_optimizer,
+        padding_id=data.padding_id,
+    )
+    table = jaxcache.HostTable(config, seed=args.seed)
+    if args.full_table:
+        cache = jaxcache.EmbeddingCache.full_table(config, table=table, mesh=mesh, axis=AXIS)
+    else:
+        cache = jaxcache.EmbeddingCache(
+            config, table=table, frequencies=data.frequencies, mesh=mesh, axis=AXIS
+        )
+
+    embed = jaxcache.nnx.CachedEmbed(cache, combiner="sum" if args.multi_hot else None)
+    model = jaxcache.models.DLRM(
+        embed,
+        num_sparse=data.num_features,
+        features=args.features,
+        bottom=args.bottom,
+        top=args.top,
+        rngs=nnx.Rngs(args.seed),
+    )
     replicated = NamedSharding(mesh, P())
-    split = NamedSharding(mesh, P(_common.AXIS))
-    # Dense parameters on every device; the cache rows are already split by the engine.
+    split = NamedSharding(mesh, P(AXIS))
+    # Dense parameters and their optimizer state on every device; the cache's
+    # rows are already split by the cache.
     nnx.update(model, jax.device_put(nnx.state(model, nnx.Param), replicated))
-    optimizer, train_step = jaxcache.models.make_train_step(model, _common.dense_optimizer(args))
+    optimizer, train_step = jaxcache.models.make_train_step(
+        model, jaxcache.models.dense_optimizer(args.optimizer, args.learning_rate)
+    )
     nnx.update(optimizer, jax.device_put(nnx.state(optimizer), replicated))
     predict_step = jaxcache.models.make_predict_step(model)
 
-    def step(batch):
-        dense, labels = jax.device_put((batch["dense"], batch["label"]), split)
-        return train_step(dense, batch["sparse"], labels)
+    progress = _common.Progress(args, cache)
+    try:
+        # As in dlrm.py: a host thread stages the next --lookahead batches, for
+        # every device, while the devices train on this one.
+        with jaxcache.prefetch(data.train, {"sparse": embed}, lookahead=args.lookahead) as pipeline:
+            for batch in pipeline:
+                # Each device gets B / n samples. The step is compiled for these
+                # shardings; the lookup routes each id to the device of its row.
+                dense, labels = jax.device_put((batch["dense"], batch["label"]), split)
+                progress.step(train_step(dense, batch["sparse"], labels))
+    except jaxcache.CapacityError as error:
+        sys.exit(f"error: {error} (--cache-fraction sets the capacity.)")
+    trained = progress.finish()
 
-    def predict(batch):
-        lookup = embed.prepare(batch["sparse"], train=False)
-        return predict_step(jax.device_put(batch["dense"], split), lookup)
-
-    run = _common.train(args, data, embed, step)
-    metrics = _common.evaluate(data, predict)
-    return _common.report(args, started, data, cache, run, metrics, parallelism="pjit")
+    probabilities = [
+        predict_step(
+            jax.device_put(batch["dense"], split), embed.prepare(batch["sparse"], train=False)
+        )
+        for batch in data.held_out
+    ]
+    return _common.report(args, started, data, cache, trained, probabilities, parallelism="pjit")
 
 
 if __name__ == "__main__":

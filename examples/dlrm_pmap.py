@@ -27,10 +27,10 @@ optimizer once per step, summed over every device that used it. The
 library's routed lookup and update do exactly that over the mesh. Inside
 ``pmap`` it would take either a copy of the cache per replica (each updated
 with only its share of the gradients: no longer one table) or that routing
-rewritten by hand. Batches go through ``jaxcache.prefetch`` as in ``dlrm.py``. With the same
-flags it trains the same model as ``dlrm.py`` and ``dlrm_pjit.py``: their
-losses agree up to the order of floating-point sums (docs/sharding.md says
-how far that carries over long runs).
+rewritten by hand. Batches go through ``jaxcache.prefetch`` as in
+``dlrm.py``. With the same flags it trains the same model as ``dlrm.py`` and
+``dlrm_pjit.py``: their losses agree up to the order of floating-point sums
+(docs/sharding.md says how far that carries over long runs).
 
     python examples/dlrm_pmap.py                  # 4 simulated CPU devices
     python examples/dlrm_pmap.py --devices 8 --steps 200
@@ -43,17 +43,22 @@ Prints a summary, then as its last line the JSON object of ``dlrm.py``
 from __future__ import annotations
 
 import functools
+import sys
 
-import _common  # examples/_common.py: flags, data, loop and summary of the DLRM examples
+import _common  # examples/_common.py: the flags, data and summary of the DLRM examples
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcache
+
+# The one mesh axis: the cache's rows and the batch are split along it, and
+# pmap maps the dense step over it.
+AXIS = "data"
 
 
 class LookedUp(nnx.Module):
@@ -85,7 +90,7 @@ class DataParallelDLRM:
         graphdef, params = nnx.split(model)
         params = nnx.as_pure(params)
         # One replica per device: a leading axis of n, split over the devices.
-        replicas = NamedSharding(mesh, P(_common.AXIS))
+        replicas = NamedSharding(mesh, P(AXIS))
         self.params, self.opt_state = jax.device_put(
             jax.tree.map(self._stack, (params, tx.init(params))), replicas
         )
@@ -101,10 +106,10 @@ class DataParallelDLRM:
 
             loss, (grads, row_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, rows)
             # The loss is the mean over the whole batch, the mean of the n device means.
-            grads = jax.lax.pmean(grads, _common.AXIS)
+            grads = jax.lax.pmean(grads, AXIS)
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-            return params, opt_state, jax.lax.pmean(loss, _common.AXIS), row_grads / n
+            return params, opt_state, jax.lax.pmean(loss, AXIS), row_grads / n
 
         def predict(params, dense, rows):
             return jax.nn.sigmoid(logits(params, dense, rows))
@@ -126,8 +131,8 @@ class DataParallelDLRM:
             (row_grads,) = transpose(grads.reshape(-1, *grads.shape[2:]))
             return jaxcache.device.apply_sparse(state, lookup, row_grads, cache.config.optimizer)
 
-        self._dense_step = jax.pmap(dense_step, _common.AXIS, donate_argnums=(0, 1))
-        self._predict = jax.pmap(predict, _common.AXIS)
+        self._dense_step = jax.pmap(dense_step, AXIS, donate_argnums=(0, 1))
+        self._predict = jax.pmap(predict, AXIS)
         self._look_up = look_up
         self._update_rows = update_rows
 
@@ -161,16 +166,58 @@ class DataParallelDLRM:
 
 def main(argv: list[str] | None = None) -> dict:
     args = _common.parse_args(__doc__, argv, devices=True)
-    mesh = _common.make_mesh(args)
+    mesh = Mesh(np.array(_common.devices(args)), (AXIS,))
     started = _common.start()
     data = _common.load_data(args)
-    cache = _common.build_cache(args, data, mesh=mesh, axis=_common.AXIS)
-    embed = jaxcache.nnx.CachedEmbed(cache, combiner=_common.combiner(args))
-    model = _common.build_dlrm(args, data, LookedUp())
-    trainer = DataParallelDLRM(model, _common.dense_optimizer(args), embed, mesh)
-    run = _common.train(args, data, embed, trainer.step)
-    metrics = _common.evaluate(data, trainer.predict)
-    return _common.report(args, started, data, cache, run, metrics, parallelism="pmap")
+
+    # The cache of dlrm.py, its rows split over the mesh: C / n slots per device.
+    row_optimizer = (
+        jaxcache.rowwise_adagrad(args.row_learning_rate)
+        if args.optimizer == "adagrad"
+        else jaxcache.adam(args.row_learning_rate)
+    )
+    config = jaxcache.CacheConfig(
+        num_embeddings=data.num_embeddings,
+        features=args.features,
+        capacity=args.cache_fraction,
+        policy=args.policy,
+        optimizer=row_optimizer,
+        padding_id=data.padding_id,
+    )
+    table = jaxcache.HostTable(config, seed=args.seed)
+    if args.full_table:
+        cache = jaxcache.EmbeddingCache.full_table(config, table=table, mesh=mesh, axis=AXIS)
+    else:
+        cache = jaxcache.EmbeddingCache(
+            config, table=table, frequencies=data.frequencies, mesh=mesh, axis=AXIS
+        )
+    embed = jaxcache.nnx.CachedEmbed(cache, combiner="sum" if args.multi_hot else None)
+
+    # The dense DLRM takes the rows looked up before the pmapped step.
+    model = jaxcache.models.DLRM(
+        LookedUp(),
+        num_sparse=data.num_features,
+        features=args.features,
+        bottom=args.bottom,
+        top=args.top,
+        rngs=nnx.Rngs(args.seed),
+    )
+    tx = jaxcache.models.dense_optimizer(args.optimizer, args.learning_rate)
+    trainer = DataParallelDLRM(model, tx, embed, mesh)
+
+    progress = _common.Progress(args, cache)
+    try:
+        # As in dlrm.py: a host thread stages the next --lookahead batches, for
+        # every device, while the devices train on this one.
+        with jaxcache.prefetch(data.train, {"sparse": embed}, lookahead=args.lookahead) as pipeline:
+            for batch in pipeline:
+                progress.step(trainer.step(batch))
+    except jaxcache.CapacityError as error:
+        sys.exit(f"error: {error} (--cache-fraction sets the capacity.)")
+    trained = progress.finish()
+
+    probabilities = [trainer.predict(batch) for batch in data.held_out]
+    return _common.report(args, started, data, cache, trained, probabilities, parallelism="pmap")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,12 @@ import pytest
 PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "policies.py"
 _spec = importlib.util.spec_from_file_location("policies_benchmark", PATH)
 bench = sys.modules["policies_benchmark"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+# The benchmark imports benchmarks/_harness.py, as it does run as a script.
+sys.path.insert(0, str(PATH.parent))
+try:
+    _spec.loader.exec_module(bench)
+finally:
+    sys.path.remove(str(PATH.parent))
 
 SMALL = {
     "zipf": (lambda: bench.zipf(steps=160, batch=64, scale=0.003), 0.03),
