@@ -12,7 +12,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[examples,test,docs]"
+	$(BIN)/python -m pip install --quiet -e ".[datasets,examples,test,docs]"
 	touch $@
 
 demo: $(VENV)/.installed
