@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -552,6 +552,9 @@ def find_lookups(args: object, features: dict[str, int], hint: str) -> list[Look
     return lookups
 
 
+_Tree = TypeVar("_Tree")
+
+
 def zero_deltas(lookups: list[Lookup], features: dict[str, int]) -> list[jax.Array]:
     """A zero ``[n, R, D]`` delta per lookup: differentiating it gives the row gradients."""
     return [
@@ -560,7 +563,7 @@ def zero_deltas(lookups: list[Lookup], features: dict[str, int]) -> list[jax.Arr
     ]
 
 
-def attach_deltas(args: object, deltas: list[jax.Array]) -> object:
+def attach_deltas(args: _Tree, deltas: list[jax.Array]) -> _Tree:
     """``args`` with each ``Lookup`` leaf carrying its delta (same order as ``find_lookups``)."""
     it = iter(deltas)
     return jax.tree.map(

@@ -121,6 +121,7 @@ class HostCallbacks:
                         f"batch {host.plan.index} fetches rows an earlier step has not written "
                         "back; run a step for every batch the pipeline yields, in order."
                     )
+                assert host.moves is not None
                 with stager.stats.timers.time("gather"):
                     stager.table.gather_into(late.ids, *host.moves[2:], late.at)
         else:

@@ -167,7 +167,7 @@ class CachedEmbed(nnx.Module):
         state, rows, opt = device_ops.swap(self.get_state(), evict, fetch, rows, opt)
         io_callback(cache.callbacks.write_back, None, index, rows, opt, ordered=True)
         self.set_state(state)
-        return Lookup(*route, table=cache.name, mesh=cache.mesh, axis=cache.axis)
+        return Lookup(*route, table=cache.name, mesh=cache.mesh, axis=cache.axis)  # type: ignore[misc]
 
     def __call__(self, lookup: Lookup, weights: jax.Array | None = None) -> jax.Array:
         """Rows ``[*ids.shape, D]``, or pooled ``[*ids.shape[:-1], D]`` with a combiner.
@@ -253,8 +253,8 @@ def value_and_grad(
       True
     """
 
-    def wrapped(model: nnx.Module, *args: Any) -> tuple[Any, nnx.State]:
-        modules = {}
+    def wrapped(model: nnx.Module, *args: Any) -> tuple[Any, ...]:
+        modules: dict[str, CachedEmbed] = {}
         for _, module in nnx.iter_modules(model):
             if isinstance(module, CachedEmbed):
                 modules.setdefault(module.cache.name, module)
@@ -327,7 +327,7 @@ class _JitStep:
 
     def __init__(self, fn: Callable[..., Any], *nodes: Any, update: bool) -> None:
         graphdef, state = nnx.split(nodes)
-        treedef = jax.tree.structure(state)
+        treedef: jax.tree_util.PyTreeDef = jax.tree.structure(state)
         paths = [
             path
             for path, _ in jax.tree_util.tree_flatten_with_path(
@@ -340,10 +340,13 @@ class _JitStep:
             if isinstance(node, nnx.Variable)
         }
         self._variables = [live[tuple(_path_key(k) for k in path)] for path in paths]
-        self._values = jax.tree.structure([v.get_raw_value() for v in self._variables])
-        if self._values.num_leaves != treedef.num_leaves:  # a variable's value is not its leaves
+        values: jax.tree_util.PyTreeDef = jax.tree.structure(
+            [v.get_raw_value() for v in self._variables]
+        )
+        self._values = values
+        if values.num_leaves != treedef.num_leaves:  # a variable's value is not its leaves
             raise TypeError(
-                f"the variables of {type(nodes[0]).__name__} hold {self._values.num_leaves} "
+                f"the variables of {type(nodes[0]).__name__} hold {values.num_leaves} "
                 f"arrays but their state {treedef.num_leaves}; use nnx.jit for this model."
             )
 
