@@ -592,6 +592,7 @@ class _SavedTable:
                 if out is None:
                     out = np.empty((ids.size, *part.shape[1:]), part.dtype)
                 out[mine] = part
+        assert out is not None, "take() is called with at least one id"
         return out.view(dtype)
 
     def array(self, key: str) -> np.ndarray:
@@ -650,7 +651,7 @@ def _save_table(directory: str, cache: EmbeddingCache, *, fsync: bool) -> None:
     policy = dict(planner["policy"])
     rows = {"rows": table.rows, **{f"state.{k}": v for k, v in table.state.items()}}
     arrays = {_shard_key(key, index, count): array for key, array in rows.items()}
-    files = {}
+    files: dict[str, dict] = {}
     if not isinstance(table.rows, np.ndarray):  # a TieredTable: its rows are read in chunks
         files = _write_streamed(directory, table, list(arrays), fsync=fsync)
         arrays = {}
@@ -862,7 +863,7 @@ def _write_array(path: str, array: np.ndarray, *, fsync: bool, dtype: Any = None
         if not copied:
             for rows in _row_chunks(array):
                 chunk = np.ascontiguousarray(array[rows], dtype=dtype)
-                f.write(chunk.reshape(-1).view(np.uint8))
+                f.write(chunk.reshape(-1).view(np.uint8).data)
         f.flush()
         if fsync:
             os.fsync(f.fileno())
@@ -902,7 +903,7 @@ def _write_streamed(directory: str, table: Any, keys: list[str], *, fsync: bool)
         for ids in _id_chunks(table):
             rows, state = table.gather(ids)
             for f, values in zip(files, [rows, *state.values()], strict=True):
-                f.write(np.ascontiguousarray(values).reshape(-1).view(np.uint8))
+                f.write(np.ascontiguousarray(values).reshape(-1).view(np.uint8).data)
         for f in files:
             f.flush()
             if fsync:
@@ -937,7 +938,7 @@ def _read_into(path: str, out: np.ndarray) -> None:
             flat = out.reshape(-1).view(np.uint8)
             done = 0
             while done < flat.size:
-                read = f.readinto(flat[done : done + _CHUNK_BYTES])
+                read = f.readinto(flat[done : done + _CHUNK_BYTES].data)
                 if not read:
                     raise ValueError(f"{path} ended early.")
                 done += read

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numba
 import numpy as np
@@ -34,7 +34,7 @@ from numba import types
 
 __all__ = ["DramTier", "Fields", "TierStats", "fields", "pack"]
 
-_JIT = {"nogil": True, "cache": True, "boundscheck": False}
+_JIT: dict[str, Any] = {"nogil": True, "cache": True, "boundscheck": False}
 _REFERENCED, _DIRTY = 1, 2
 # Slots a shard frees per eviction sweep: about this many bytes of records,
 # at most a thirty-second of the shard (then it keeps few slots idle).
@@ -48,7 +48,7 @@ class Store(Protocol):
 
     def reserve(self, owners: np.ndarray, records: np.ndarray) -> object: ...
 
-    def write(self, ticket: object) -> None: ...
+    def write(self, ticket: Any) -> None: ...  # what reserve returned
 
     def forget(self, owners: np.ndarray) -> None: ...
 
@@ -185,7 +185,7 @@ class DramTier:
         self.store.read(rows[misses], records)
         _unpack(records.ctypes.data, self.record_bytes, at[misses], *into)
         if keep:
-            tickets = []
+            tickets: list[object] = []
             positions = np.arange(misses.size)
             for shard, chosen in self._by_shard(rows[misses]):
                 with self.locks[shard]:

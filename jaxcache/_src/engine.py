@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import numpy as np
@@ -262,7 +262,8 @@ class EmbeddingCache:
             array = np.full((ids.size, *spec.shape), spec.init, spec.dtype)
             array[slots] = opt[name]
             host_opt[name] = array
-        return self.blocks.put(CacheState(host_rows, host_opt), self.row_sharding)
+        host = CacheState(host_rows, host_opt)  # type: ignore[arg-type]  # NumPy, put on device
+        return self.blocks.put(host, self.row_sharding)
 
     # ------------------------------------------------------------------ step
     def prepare(self, state: CacheState, ids: np.ndarray, *, train: bool = True):
@@ -402,6 +403,7 @@ class EmbeddingCache:
         """Copies the deferred rows of ``host`` into its fetch rows: from the
         read-out of the plan that evicted each (dispatched, since every
         earlier plan was applied), or from the host table if it landed."""
+        assert host.deferred is not None and host.moves is not None
         ids, at, plans, read_out = host.deferred
         timers = self.stats.timers
         sources = self.write_backs.sources(sorted(set(plans.tolist())))
@@ -575,7 +577,7 @@ class EmbeddingCache:
             stager.fetch_bucket = int(buckets["fetch"])
             route = tuple(int(size) for size in buckets["route"])
             if len(route) == len(stager.route_buckets):
-                stager.route_buckets = route
+                stager.route_buckets = cast(tuple[int, int, int], route)
             stager.bag_bucket = int(buckets.get("bag", stager.bag_bucket))
         saved = state.get("stats")
         if saved is not None:
@@ -618,6 +620,7 @@ def _copy_read_out(
 ) -> None:
     """Copies rows ``read`` of this process's blocks of a swap's read-out (and
     their state) into ``host``'s fetch rows at ``at``."""
+    assert host.moves is not None
     _, _, fetch_rows, fetch_opt = host.moves
     kernels.copy_rows(fetch_rows, at, local_data(rows), read)
     for name, values in opt.items():

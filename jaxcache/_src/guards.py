@@ -221,6 +221,7 @@ def _check_partition(planner: Planner, name: str) -> None:
         fail("a plan was released before it was made")
     slot_counts = getattr(planner.policy, "slot_counts", None)
     if slot_counts is not None and not np.array_equal(
-        slot_counts[occupied], planner.policy.counts[resident]
+        slot_counts[occupied],
+        planner.policy.counts[resident],  # type: ignore[attr-defined]
     ):
         fail("the policy's per-slot counts disagree with its per-id counts")

@@ -129,6 +129,7 @@ class HostCallbacks:
                         f"batch {host.plan.index} fetches rows an earlier step has not written "
                         "back; run a step for every batch the pipeline yields, in order."
                     )
+                assert host.moves is not None
                 with stager.stats.timers.time("gather"):
                     stager.table.gather_into(late.ids, *host.moves[2:], late.at)
         else:
@@ -226,4 +227,4 @@ def lookup_in_step(
     )
     state, rows, opt = device_ops.swap(state, evict, fetch, rows, opt)
     io_callback(cache.callbacks.write_back, None, index, rows, opt, ordered=True)
-    return state, Lookup(*route, table=cache.name, mesh=cache.mesh, axis=cache.axis)
+    return state, Lookup(*route, table=cache.name, mesh=cache.mesh, axis=cache.axis)  # type: ignore[misc]

@@ -188,8 +188,8 @@ class HostTable:
         from ``rows`` (the whole table), or the whole table's draws from ``init``,
         so that a shard holds exactly the values the whole table would."""
         index, count = self.shard
+        init = init or embed_init()
         if rows is None:
-            init = init or embed_init()
             rng = np.random.default_rng(seed)
         for lo, hi, keep in self._chunks():
             if rows is None:

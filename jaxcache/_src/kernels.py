@@ -33,6 +33,7 @@ keys, its counts, and the small shadow caches it learns from.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numba
 import numpy as np
@@ -62,7 +63,7 @@ __all__ = [
     "victim_candidates",
 ]
 
-_JIT = {"nogil": True, "cache": True, "boundscheck": False}
+_JIT: dict[str, Any] = {"nogil": True, "cache": True, "boundscheck": False}
 
 
 def as_index_array(ids: np.ndarray) -> np.ndarray:
@@ -600,7 +601,7 @@ def log2_fixed(count, table):
     (``count >= 1``): ``256 * e + table[f]`` where ``2^e <= count < 2^(e+1)``
     and ``f`` are the 8 bits after the leading one (``floor(256 * (count /
     2^e - 1))``). Integer arithmetic, the same in every implementation."""
-    e = 63 - leading_zeros(count)
+    e = 63 - leading_zeros(count)  # type: ignore[call-arg]  # typed by numba when compiled
     f = ((count << 8) >> e) if e <= 55 else (count >> (e - 8))
     return 256 * e + table[f - 256]
 

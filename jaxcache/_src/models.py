@@ -186,7 +186,8 @@ def _train_step_ids(
     ids: jax.Array,
     labels: jax.Array,
 ) -> jax.Array:
-    return _train_step(model, optimizer, dense, model.embed.lookup_ids(ids), labels)
+    lookup = model.embed.lookup_ids(ids)  # type: ignore[attr-defined]  # make_train_step checks
+    return _train_step(model, optimizer, dense, lookup, labels)
 
 
 def _predict_step(model: nnx.Module, dense: jax.Array, sparse: Lookup) -> jax.Array:

@@ -296,7 +296,7 @@ class _JitStep:
 
     def __init__(self, fn: Callable[..., Any], *nodes: Any, update: bool) -> None:
         graphdef, state = nnx.split(nodes)
-        treedef = jax.tree.structure(state)
+        treedef: jax.tree_util.PyTreeDef = jax.tree.structure(state)
         paths = [
             path
             for path, _ in jax.tree_util.tree_flatten_with_path(
@@ -309,10 +309,13 @@ class _JitStep:
             if isinstance(node, nnx.Variable)
         }
         self._variables = [live[tuple(_path_key(k) for k in path)] for path in paths]
-        self._values = jax.tree.structure([v.get_raw_value() for v in self._variables])
-        if self._values.num_leaves != treedef.num_leaves:  # a variable's value is not its leaves
+        values: jax.tree_util.PyTreeDef = jax.tree.structure(
+            [v.get_raw_value() for v in self._variables]
+        )
+        self._values = values
+        if values.num_leaves != treedef.num_leaves:  # a variable's value is not its leaves
             raise TypeError(
-                f"the variables of {type(nodes[0]).__name__} hold {self._values.num_leaves} "
+                f"the variables of {type(nodes[0]).__name__} hold {values.num_leaves} "
                 f"arrays but their state {treedef.num_leaves}; use nnx.jit for this model."
             )
 

@@ -97,7 +97,7 @@ class StepPlan(NamedTuple):
         one device, where the plan's ``inverse`` holds the ranks).
     """
 
-    index: int
+    index: int  # type: ignore[assignment]  # the field shadows tuple.index
     shape: tuple[int, ...]
     plans: tuple[Plan, ...]
     bounds: tuple[np.ndarray, ...] | None
@@ -175,7 +175,7 @@ class Partitions:
         self.config = config
         self.layout = layout
         self.threads = threads or HostThreads(1)
-        self.local_capacity = config.capacity // n
+        self.local_capacity = int(config.capacity) // n
         self.devices = tuple(layout.own)
         self._source_stamp = 1  # stamps of the sources' ranking, n per plan
         self.planners = [
@@ -202,7 +202,7 @@ class Partitions:
     @property
     def capacity(self) -> int:
         """``C``, slots over all devices."""
-        return self.config.capacity
+        return int(self.config.capacity)
 
     @property
     def next_index(self) -> int:
@@ -264,7 +264,12 @@ class Partitions:
         """Host memory of the directories and policies of this process's partitions."""
         total = 0
         for planner in self.planners:
-            arrays = [planner.slot_of_id, planner.id_of_slot, planner.last_use, planner.dirty]
+            arrays: list[np.ndarray] = [
+                planner.slot_of_id,
+                planner.id_of_slot,
+                planner.last_use,
+                planner.dirty,
+            ]
             arrays += [v for v in vars(planner.policy).values() if isinstance(v, np.ndarray)]
             total += sum(a.nbytes for a in arrays)
         return total
@@ -403,8 +408,8 @@ class Partitions:
     def _raise_refusals(self, checked: list[Any], max_distinct: int | None) -> None:
         """Raises the error of a partition that refused the batch, or when the
         batch has more than ``max_distinct`` distinct ids in all."""
-        errors = [(d, raised(c)) for d, c in zip(self.devices, checked, strict=True)]
-        errors = [(d, e) for d, e in errors if e is not None]
+        found = [(d, raised(c)) for d, c in zip(self.devices, checked, strict=True)]
+        errors: list[tuple[int, Any]] = [(d, e) for d, e in found if e is not None]
         distinct = sum(c.hits.size + c.miss_ids.size for c in checked if raised(c) is None)
         if errors or (max_distinct is not None and distinct > max_distinct):
             for planner, c in zip(self.planners, checked, strict=True):

@@ -137,7 +137,7 @@ class _Raised:
 class _Failure:
     """The producer failed (or was stopped) while staging a batch."""
 
-    def __init__(self, error: BaseException, partial: dict[str, Staged]) -> None:
+    def __init__(self, error: BaseException, partial: dict[str, Staged | HostStaged]) -> None:
         self.error = error
         self.partial = partial
 
@@ -320,7 +320,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
 
     # ------------------------------------------------------------ producer
     def _produce(self) -> None:
-        staged: dict[str, Staged] = {}
+        staged: dict[str, Staged | HostStaged] = {}
         try:
             while True:
                 while not self._permits.acquire(timeout=_POLL_SECONDS):

@@ -81,7 +81,7 @@ class Plan(NamedTuple):
       (2, 2, 4, [[0, 1], [1, 1]])
     """
 
-    index: int
+    index: int  # type: ignore[assignment]  # the field shadows tuple.index
     unique_slots: np.ndarray
     inverse: np.ndarray
     fetch_ids: np.ndarray
@@ -201,12 +201,12 @@ class Planner:
         reserve: int = 4096,
     ) -> None:
         self.config = config
-        capacity, n = config.capacity, config.num_embeddings
+        capacity, n = int(config.capacity), config.num_embeddings
         self.policy = policies.make_policy(config.policy, n, capacity, frequencies)
         self.slot_of_id = np.full(n, -1, np.int32)
         self.id_of_slot = np.full(capacity, -1, np.int64)
         self.last_use = np.full(capacity, -1, np.int64)
-        self.dirty = np.zeros(capacity, bool)
+        self.dirty = np.zeros(capacity, np.bool_)
         self.released = -1
         self.next_index = 0
         # Scratch for each distinct slot's rank in a plan; only entries written
@@ -231,7 +231,7 @@ class Planner:
     @property
     def capacity(self) -> int:
         """``C``, the number of slots."""
-        return self.config.capacity
+        return int(self.config.capacity)
 
     def release(self, index: int) -> None:
         """Marks plans up to ``index`` finished: their rows become evictable."""
@@ -582,6 +582,7 @@ class Planner:
             inverse = inverse.reshape(checked.shape)
         else:
             inverse = checked.first
+            assert inverse is not None, "a plan without ranks has its sources' entries"
             kernels.resolve_first(inverse, checked.bounds, checked.sent, h)
         kernels.touch_rows(unique_slots, self.last_use, index, self.dirty, train)
         self._in_flight[index] = unique_slots
@@ -680,6 +681,7 @@ class Planner:
             self._snapshot(size)
         while True:
             reserve, threshold = self._candidates, self._threshold
+            assert reserve is not None, "_snapshot made the reserve"
             candidates, keys = kernels.victim_candidates(
                 reserve,
                 self._mark,

@@ -257,6 +257,7 @@ def _run(
     rows_warmed = 0
     if planner.policy.warms:
         # Warmed as EmbeddingCache does: the hottest rows that occur at all.
+        assert prior is not None, "a policy warms only from dataset counts"
         rows_warmed = planner.warm(hottest(prior, capacity))[0].size
     per_batch = np.zeros((len(batches), len(_COUNTERS)), np.int64)
     for step, ids in enumerate(batches):
@@ -337,10 +338,10 @@ def _belady(batches: list[np.ndarray], capacity: int) -> tuple[np.ndarray, int]:
     warming is, so no policy can do better, warmed or not.
     """
     if any(np.unique(ids).size > capacity for ids in batches):
-        step = next(s for s, ids in enumerate(batches) if np.unique(ids).size > capacity)
-        distinct = np.unique(batches[step]).size
+        bad = next(s for s, ids in enumerate(batches) if np.unique(ids).size > capacity)
+        distinct = np.unique(batches[bad]).size
         raise CapacityError(
-            f"batch {step} of the trace: the batch has {distinct} distinct ids but capacity "
+            f"batch {bad} of the trace: the batch has {distinct} distinct ids but capacity "
             f"is {capacity} rows; raise capacity to at least {distinct} or use smaller batches."
         )
     unique, looked_up, sizes = [], [], []
@@ -523,4 +524,4 @@ def _check_policies(names: Iterable[str]) -> list[str]:
 
 def _resolve_capacity(capacity: int | float, num_embeddings: int) -> int:
     """Rows for ``capacity`` (a row count or a fraction), checked by CacheConfig."""
-    return CacheConfig(num_embeddings=num_embeddings, features=1, capacity=capacity).capacity
+    return int(CacheConfig(num_embeddings=num_embeddings, features=1, capacity=capacity).capacity)

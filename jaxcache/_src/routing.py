@@ -188,9 +188,9 @@ def build_route(
             plan.unique_slots, first, bounds, sent, k, requests[e], owner_inverse[e]
         )
         if overflow.size:
-            rows = [first[b + k : b + m] for b, m in zip(bounds[:-1], sent, strict=True) if m > k]
-            if rows:
-                rows = np.concatenate(rows)
+            parts = [first[b + k : b + m] for b, m in zip(bounds[:-1], sent, strict=True) if m > k]
+            if parts:
+                rows = np.concatenate(parts)
                 at = np.searchsorted(overflow, device * cl + plan.unique_slots[rows])
                 owner_inverse[e, n * k + at] = rows
 

@@ -40,6 +40,7 @@ import dataclasses
 import os
 import threading
 import weakref
+from typing import Any
 
 import numba
 import numpy as np
@@ -49,11 +50,11 @@ from jaxcache._src import kernels
 
 __all__ = ["DiskStats", "RowLog"]
 
-_JIT = {"nogil": True, "cache": True, "boundscheck": False}
+_JIT: dict[str, Any] = {"nogil": True, "cache": True, "boundscheck": False}
 # libc's pread, called from compiled loops (no Python per record). The buffer
 # address goes as a 64-bit integer, which the x86-64 and AArch64 calling
 # conventions pass as they pass a pointer.
-_pread = types.ExternalFunction(
+_pread: Any = types.ExternalFunction(
     "pread", types.int64(types.int32, types.int64, types.uint64, types.int64)
 )
 
@@ -224,7 +225,9 @@ class RowLog:
             self._fill[seg] += count
             self._pending[seg] += count
             done += count
-        locations = np.concatenate([np.arange(a, a + k) for a, _, k in pieces] or [[]])
+        locations = np.concatenate(
+            [np.arange(a, a + k) for a, _, k in pieces] or [np.empty(0, np.int64)]
+        )
         _relocate(self.where, self._live, owners, locations.astype(np.int64), per)
         ticket = _Ticket(owners, records, pieces, initial, collected)
         self._flying.append(ticket)
@@ -409,7 +412,7 @@ def _remove(fds: tuple[int, ...], paths: tuple[str, ...]) -> None:
 
 
 def _bytes(array: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
 
 
 def _pwrite_all(fd: int, array: np.ndarray, offset: int) -> None:

@@ -12,7 +12,7 @@ check are here, once.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +61,10 @@ def find_lookups(args: object, features: Mapping[str, int], hint: str) -> list[L
     return lookups
 
 
-def attach_deltas(args: object, deltas: list[jax.Array]) -> object:
+_Tree = TypeVar("_Tree")
+
+
+def attach_deltas(args: _Tree, deltas: list[jax.Array]) -> _Tree:
     """``args`` with each ``Lookup`` leaf carrying its delta (same order as ``find_lookups``)."""
     it = iter(deltas)
     return jax.tree.map(

@@ -15,7 +15,7 @@ rows moved per device, ``C_l`` slots per device.
 from __future__ import annotations
 
 import threading
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -48,6 +48,10 @@ def bucket_size(n: int, minimum: int, previous: int = 0) -> int:
     if size < previous and n > previous // 4:
         return previous
     return size
+
+
+# A step's moves for this process's devices: (evict_slots, fetch_slots, fetch_rows, fetch_opt).
+Moves = tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]
 
 
 class Deferred(NamedTuple):
@@ -98,7 +102,7 @@ class HostStaged(NamedTuple):
 
     plan: StepPlan
     ids: np.ndarray
-    moves: tuple[Any, ...] | None
+    moves: Moves | None
     route: routing.HostRoute
     deferred: Deferred | None = None
 
@@ -274,9 +278,7 @@ class Stager:
         return positions
 
     # ----------------------------------------------------------------- moves
-    def _moves(
-        self, step: StepPlan, defer: bool, size: int
-    ) -> tuple[tuple[Any, ...], Deferred | None]:
+    def _moves(self, step: StepPlan, defer: bool, size: int) -> tuple[Moves, Deferred | None]:
         """This process's blocks of ``step``'s swap and the fetches deferred
         to the transfer; lands the write-backs it needs first (or defers the
         rows that wait for one) and queues its own evictions' write-back."""

@@ -18,7 +18,7 @@ _compile_count = 0
 _listening = False
 
 
-def _on_event(event: str, duration: float, **kwargs) -> None:
+def _on_event(event: str, duration_secs: float, **kwargs) -> None:
     global _compile_count
     if event == _COMPILE_EVENT:
         with _compile_lock:

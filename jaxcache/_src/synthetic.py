@@ -66,7 +66,7 @@ _BIAS = -2.2
 _STRUCTURE, _TRAIN, _HELD_OUT = 0, 1, 2
 
 
-def _hash32(values: np.ndarray, key: np.uint32) -> np.ndarray:
+def _hash32(values: np.ndarray, key: np.uint32 | np.ndarray) -> np.ndarray:
     """Well-mixed ``uint32`` hash of non-negative ids below ``2**32`` (murmur3 finaliser)."""
     x = values.astype(np.uint32) ^ key
     x *= np.uint32(0x9E3779B1)

@@ -121,14 +121,16 @@ def replay_dram_tier(
     if counts is None and policy == "frequency":
         counts = np.bincount(trace.reshape(-1), minlength=n)
     config = CacheConfig(num_embeddings=n, features=1, capacity=capacity, policy=policy)
-    planner = Planner(config, frequencies=counts if policy == "frequency" else frequencies)
-    nothing = fields([], [])
+    prior = counts if policy == "frequency" else frequencies
+    planner = Planner(config, frequencies=prior)
+    nothing = fields([], np.empty(0, np.int64))
 
     def fetch(ids: np.ndarray, keep: bool) -> None:
         tier.read(ids.astype(np.int64), np.zeros(ids.size, np.int64), nothing, keep=keep)
 
     if planner.policy.warms:  # warmed, then read by the cache's first device state
-        planner.warm(hottest(counts if policy == "frequency" else frequencies, capacity))
+        assert prior is not None, "a policy warms only from dataset counts"
+        planner.warm(hottest(prior, capacity))
         fetch(planner.id_of_slot[planner.id_of_slot >= 0], keep=False)
     steady_from = len(batches) // 4
     steady = tier.stats()

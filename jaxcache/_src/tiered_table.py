@@ -28,7 +28,7 @@ import math
 import os
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -163,6 +163,10 @@ class TieredTable(HostTable):
       >>> table.close()
     """
 
+    # Array-like views through the tiers in place of HostTable's arrays.
+    rows: TableColumn  # type: ignore[assignment]
+    state: dict[str, TableColumn]  # type: ignore[assignment]
+
     def __init__(
         self,
         config: CacheConfig,
@@ -183,7 +187,9 @@ class TieredTable(HostTable):
         rows = _check_rows(rows, config)
         self.directory = os.fspath(directory)
         os.makedirs(self.directory, exist_ok=True)
-        specs = {"rows": (np.dtype(config.row_dtype), (config.features,))}
+        specs: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
+            "rows": (np.dtype(config.row_dtype), (config.features,))
+        }
         for name, spec in config.optimizer.state_spec(config.features).items():
             specs[name] = (np.dtype(spec.dtype), tuple(spec.shape))
         sizes = [dtype.itemsize * math.prod(shape) for dtype, shape in specs.values()]
@@ -330,8 +336,8 @@ class TieredTable(HostTable):
         where = [list(self._specs).index(name) for name in names]
         into = fields(list(arrays.values()), self._offsets[where])
         self._tier.read(local, np.arange(local.size), into, keep=keep)
-        rows = arrays.pop("rows", None)
-        return rows, arrays
+        rows = arrays.pop("rows", None)  # None only when names leaves it out
+        return cast(np.ndarray, rows), arrays
 
     def _row_chunks(self) -> Iterator[slice]:
         step = max(1, _CHUNK_BYTES // self.record_bytes)

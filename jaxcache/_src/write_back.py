@@ -26,7 +26,8 @@ from jaxcache._src import kernels
 __all__ = ["WriteBacks"]
 
 # Writes the rows at ``at`` of this process's blocks of a read-out to ``ids``.
-Writer = Callable[[np.ndarray, np.ndarray, jax.Array, dict[str, jax.Array]], None]
+# The rows are a device read-out, or host copies of it (the host-callback form).
+Writer = Callable[[np.ndarray, np.ndarray, jax.Array | np.ndarray, dict[str, Any]], None]
 
 
 class WriteBacks:

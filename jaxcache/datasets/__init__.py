@@ -13,7 +13,21 @@ TensorFlow), many rows per record:
 ``prepare`` builds one, ``Loader`` streams fixed-size batches of a split,
 ``count_frequencies`` counts ids for the ``"frequency"`` policy (cached next
 to the data), and ``criteo_batches`` does all three for DLRM.
+
+They need the ``datasets`` extra: ``pip install "jaxcache[datasets]"``.
 """
+
+try:
+    import tensorflow_datasets  # noqa: F401
+except ModuleNotFoundError as error:
+    # tensorflow-datasets imports importlib_resources without declaring it.
+    if error.name not in ("tensorflow_datasets", "importlib_resources"):
+        raise
+    raise ImportError(
+        f"jaxcache.datasets needs tensorflow-datasets, which could not be imported (no module "
+        f'named {error.name!r}); install the datasets extra: pip install "jaxcache[datasets]"',
+        name=error.name,
+    ) from error
 
 from jaxcache.datasets._base import prepare
 from jaxcache.datasets._criteo import (

@@ -33,7 +33,7 @@ DEFAULT_ROWS_PER_RECORD = 4096
 _Builder = TypeVar("_Builder", bound=tfds.core.DatasetBuilder)
 
 
-class ChunkedBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+class ChunkedBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):  # type: ignore[call-arg]
     """Base of the builders: ArrayRecord files of row chunks, in source order.
 
     Subclasses define ``_features`` (field -> ``(shape, dtype)`` of one

@@ -103,7 +103,7 @@ class Loader:
 
     def _read(self, index: int) -> dict[str, np.ndarray]:
         record = self.source[int(index)]
-        keys = self.keys
+        keys: Sequence[str] | None = self.keys
         if keys is None:
             keys = [k for k, v in record.items() if isinstance(v, np.ndarray) and v.ndim >= 1]
         try:

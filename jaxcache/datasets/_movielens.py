@@ -29,7 +29,7 @@ import os
 import pathlib
 import zipfile
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -142,7 +142,7 @@ class MovieLensBuilder(ChunkedBuilder):
             name=f"{size}{suffix}",
             split=split,
             description=f"MovieLens {size.upper()} ({counts}), {how}.",
-            **files,
+            **cast(dict[str, Any], files),
         )
         for size, counts, files in (
             ("100k", "943 users, 1682 movies", {}),

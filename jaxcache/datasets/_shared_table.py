@@ -15,7 +15,7 @@ import numpy as np
 __all__ = ["shared_offsets", "to_shared_table"]
 
 
-def shared_offsets(cardinalities: Sequence[int]) -> np.ndarray:
+def shared_offsets(cardinalities: Sequence[int] | np.ndarray) -> np.ndarray:
     """``int64 [F]``: the first row of each feature in the shared table.
 
     Examples:

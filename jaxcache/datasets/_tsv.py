@@ -232,7 +232,9 @@ class Block:
         dropped = len(self.ragged_lines) + int(np.count_nonzero(~keep))
         if not dropped:
             return keep, 0, []
-        found = [(int(line), None, i) for i, line in enumerate(self.ragged_lines[:MAX_EXAMPLES])]
+        found: list[tuple[int, int | None, int | None]] = [
+            (int(line), None, i) for i, line in enumerate(self.ragged_lines[:MAX_EXAMPLES])
+        ]
         bad_rows = np.flatnonzero(~keep)[:MAX_EXAMPLES]
         found += [(int(self.lines[row]), int(row), None) for row in bad_rows]
         found.sort()
