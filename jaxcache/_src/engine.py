@@ -39,7 +39,7 @@ from jaxcache._src.lifecycle import Lifecycle
 from jaxcache._src.partitions import Partitions
 from jaxcache._src.placement import Layout, process_shard
 from jaxcache._src.stager import Deferred, HostStaged, Stager, bucket_size
-from jaxcache._src.stats import CacheStats, StepStats
+from jaxcache._src.stats import CacheStats
 from jaxcache._src.threads import HostThreads, default_threads
 from jaxcache._src.write_back import WriteBacks
 
@@ -529,21 +529,10 @@ class EmbeddingCache:
           (1, 2)
         """
         self.lifecycle.check_idle("saving or restoring the cache")
-        stats, stager = self.stats, self.stager
         return {
             "planner": self.planner.state_dict(),
-            "buckets": {
-                "fetch": stager.fetch_bucket,
-                "route": list(stager.route_buckets),
-                "bag": stager.bag_bucket,
-            },
-            "stats": {
-                "total": dataclasses.asdict(stats.total),
-                "last": dataclasses.asdict(stats.last),
-                "steps": stats.steps,
-                "write_back_waits": stats.write_back_waits,
-                "deferred_fetches": stats.deferred_fetches,
-            },
+            "buckets": self.stager.state_dict(),
+            "stats": self.stats.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -569,22 +558,10 @@ class EmbeddingCache:
         self.lifecycle.check_idle("saving or restoring the cache")
         self.planner.load_state_dict(state["planner"])
         self.lifecycle.restored()  # the rows come back on the device
-        buckets = state.get("buckets")
-        stager = self.stager
-        if buckets is not None:
-            stager.fetch_bucket = int(buckets["fetch"])
-            route = tuple(int(size) for size in buckets["route"])
-            if len(route) == len(stager.route_buckets):
-                stager.route_buckets = route
-            stager.bag_bucket = int(buckets.get("bag", stager.bag_bucket))
-        saved = state.get("stats")
-        if saved is not None:
-            fields = [f.name for f in dataclasses.fields(StepStats)]
-            self.stats.total = StepStats(**{k: int(saved["total"].get(k, 0)) for k in fields})
-            self.stats.last = StepStats(**{k: int(saved["last"].get(k, 0)) for k in fields})
-            self.stats.steps = int(saved["steps"])
-            self.stats.write_back_waits = int(saved["write_back_waits"])
-            self.stats.deferred_fetches = int(saved.get("deferred_fetches", 0))
+        if state.get("buckets") is not None:
+            self.stager.load_state_dict(state["buckets"])
+        if state.get("stats") is not None:
+            self.stats.load_state_dict(state["stats"])
 
 
 def _write_back(
