@@ -59,6 +59,8 @@ _CHUNK_BYTES = 1 << 26
 # The NNX variables a checkpoint takes from the tables, not from the model.
 _DENSE = nnx.Not(nnx.Any(CacheRows, CacheOptState))
 _TABLE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+# Entries of table.json that describe the record; the others are the cache's state.
+_RECORD_KEYS = ("format", "config", "devices", "shards", "arrays")
 
 
 class CheckpointInfo(NamedTuple):
@@ -545,10 +547,27 @@ class _SavedTable:
     def path(self, key: str) -> str:
         return os.path.join(self.directory, f"{key}.npy")
 
+    def state_parts(self) -> list[dict[str, np.ndarray]]:
+        """The cache's state arrays (``EmbeddingCache.state_arrays``) of each
+        process that saved them, in process order, as memory maps: every
+        saved array but the rows and their optimizer state."""
+        keys = {key.split(".shard-")[0] for key in self.meta["arrays"]}
+        keys = sorted(key for key in keys if key != "rows" and not key.startswith("state."))
+        return [
+            {key: self.array(_shard_key(key, shard, self.shards)) for key in keys}
+            for shard in range(self.shards)
+        ]
+
+    def state_meta(self) -> dict[str, Any]:
+        """The cache's JSON state (``EmbeddingCache.state_meta``): every entry
+        of ``table.json`` that does not describe the record itself."""
+        return {k: v for k, v in self.meta.items() if k not in _RECORD_KEYS}
+
     def check_files(self, name: str) -> None:
-        """Raises ``ValueError`` unless every row file of the table is there."""
-        keys = ["rows", *(f"state.{k}" for k in self.meta["config"]["row_state"])]
-        for key in keys:
+        """Raises ``ValueError`` unless every file of the table is there."""
+        keys = {"rows", *(f"state.{k}" for k in self.meta["config"]["row_state"])}
+        keys.update(key.split(".shard-")[0] for key in self.meta["arrays"])
+        for key in sorted(keys):
             for shard in range(self.shards):
                 path = self.path(_shard_key(key, shard, self.shards))
                 if not os.path.exists(path):
@@ -640,26 +659,18 @@ def _shard_key(key: str, index: int, count: int) -> str:
 
 def _save_table(directory: str, cache: EmbeddingCache, *, fsync: bool) -> None:
     """Writes one table. Every process writes its own host rows and its own
-    devices' planner state (one file per array and process when they are
-    split); the first process also writes ``table.json``."""
+    part of the cache's state arrays (one file per array and process when
+    they are split); the first process also writes ``table.json``."""
     os.makedirs(directory, exist_ok=True)
-    state = cache.state_dict()
-    planner = state["planner"]
+    own, state = cache.state_arrays(), cache.state_meta()
     table = cache.table
     index, count = table.shard
-    policy = dict(planner["policy"])
     rows = {"rows": table.rows, **{f"state.{k}": v for k, v in table.state.items()}}
     arrays = {_shard_key(key, index, count): array for key, array in rows.items()}
     files = {}
     if not isinstance(table.rows, np.ndarray):  # a TieredTable: its rows are read in chunks
         files = _write_streamed(directory, table, list(arrays), fsync=fsync)
         arrays = {}
-    own = {
-        # This process's slot blocks (consecutive), and its ids' policy counts.
-        "planner.id_of_slot": planner["id_of_slot"],
-        "planner.last_use": planner["last_use"],
-        **{f"policy.{k}": v for k, v in policy.items() if k != "name"},
-    }
     arrays.update({_shard_key(key, index, count): array for key, array in own.items()})
     files.update(
         (key, _write_array(os.path.join(directory, f"{key}.npy"), array, fsync=fsync))
@@ -673,10 +684,7 @@ def _save_table(directory: str, cache: EmbeddingCache, *, fsync: bool) -> None:
         "devices": int(cache.devices),
         "shards": count,
         "arrays": files,
-        "next_index": int(planner["next_index"]),
-        "policy": policy["name"],
-        "buckets": state["buckets"],
-        "stats": state["stats"],
+        **state,
     }
     path = os.path.join(directory, "table.json")
     with open(path, "w") as f:
@@ -719,33 +727,9 @@ def _is_exact(meta: dict[str, Any], cache: EmbeddingCache) -> bool:
 
 def _restore_table(saved: _SavedTable, holder: Any) -> None:
     cache = holder.cache
-    meta = saved.meta
-    shards = saved.shards
-    policy: dict[str, Any] = {"name": meta["policy"]}
-    for key in meta["arrays"]:
-        if key.startswith("policy.") and ".shard-" not in key:
-            policy[key.removeprefix("policy.")] = saved.array(key)
-    for key in {k.split(".shard-")[0] for k in meta["arrays"] if ".shard-" in k}:
-        if key.startswith("policy."):  # each process's share of the ids
-            parts = [saved.array(_shard_key(key, i, shards)) for i in range(shards)]
-            policy[key.removeprefix("policy.")] = parts
-
-    def slots(key: str) -> np.ndarray:  # every process's slot blocks, in order
-        parts = [saved.array(_shard_key(key, i, shards)) for i in range(shards)]
-        return parts[0] if shards == 1 else np.concatenate(parts)
-
-    state: dict[str, Any] = {
-        "planner": {
-            "id_of_slot": slots("planner.id_of_slot"),
-            "last_use": slots("planner.last_use"),
-            "next_index": meta["next_index"],
-            "policy": policy,
-        }
-    }
-    if _is_exact(meta, cache):
-        state["buckets"] = meta["buckets"]
-        state["stats"] = meta["stats"]
-    cache.load_state_dict(state)
+    cache.load_state_arrays(
+        saved.state_parts(), saved.state_meta(), exact=_is_exact(saved.meta, cache)
+    )
     table = cache.table
     if isinstance(table.rows, np.ndarray):
         saved.copy_rows("rows", table.rows, table.shard)

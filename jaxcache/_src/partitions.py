@@ -30,6 +30,7 @@ Shape letters: ``n`` devices, ``L`` devices of this process, ``E`` entries
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -459,6 +460,86 @@ class Partitions:
             "next_index": self.next_index,
             "policy": self.policy_state(),
         }
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """This process's part of the planners' state as flat arrays, for a checkpoint.
+
+        Each process saves its own part; ``load_state_arrays`` joins the parts
+        of every process that saved them. The scalars are ``state_meta``'s.
+
+        Returns:
+          ``{"planner.id_of_slot": int64 [L C_l] (global ids),
+          "planner.last_use": int64 [L C_l], "policy.<name>": ...}``: each
+          array of ``policy_state`` (per-id arrays over this process's share
+          of the ids, the others stacked ``[L, ...]``).
+
+        Raises:
+          RuntimeError: rows changed on device were not written back.
+
+        Examples:
+          >>> import numpy as np, jaxcache
+          >>> from jaxcache._src.placement import Layout
+          >>> parts = Partitions(jaxcache.CacheConfig(6, 2, 4, policy="lfu"), Layout(devices=2))
+          >>> _ = parts.plan(np.array([[5, 5], [2, 5]]), train=False)
+          >>> arrays = parts.state_arrays()
+          >>> sorted(arrays), arrays["planner.id_of_slot"].tolist()
+          (['planner.id_of_slot', 'planner.last_use', 'policy.counts'], [2, -1, 5, -1])
+          >>> other = Partitions(jaxcache.CacheConfig(6, 2, 2, policy="lfu"), Layout(devices=1))
+          >>> other.load_state_arrays([arrays], parts.state_meta())
+          >>> other.resident_ids().tolist()  # the hottest rows that fit
+          [5, 2]
+        """
+        state = self.state_dict()
+        arrays = {"planner.id_of_slot": state["id_of_slot"], "planner.last_use": state["last_use"]}
+        arrays.update((f"policy.{k}", v) for k, v in state["policy"].items() if k != "name")
+        return arrays
+
+    def state_meta(self) -> dict[str, Any]:
+        """The planners' scalars for a checkpoint, JSON-serialisable:
+        ``{"next_index": int, "policy": name}``."""
+        return {"next_index": int(self.next_index), "policy": self.planners[0].policy.name}
+
+    def load_state_arrays(
+        self, parts: Sequence[Mapping[str, np.ndarray]], meta: Mapping[str, Any]
+    ) -> None:
+        """Restores the ``state_arrays`` of every process that saved them.
+
+        Args:
+          parts: each saving process's ``state_arrays``, in process order
+            (one for a single process); arrays may be memory maps.
+          meta: the ``state_meta`` they were saved with (other keys ignored).
+
+        Raises:
+          ValueError: the state does not fit this table (nothing changed).
+        """
+        missing = [
+            f"{key} of process {i}"
+            for i, part in enumerate(parts)
+            for key in ("planner.id_of_slot", "planner.last_use")
+            if key not in part
+        ]
+        if not parts or missing or "next_index" not in meta:
+            lacking = missing[0] if missing else "next_index" if parts else "every process's part"
+            raise ValueError(f"the saved planner state lacks {lacking}; it is incomplete.")
+        shards = len(parts)
+
+        def joined(key: str) -> np.ndarray:  # every process's slot blocks, in order
+            values = [np.asarray(part[key]) for part in parts]
+            return values[0] if shards == 1 else np.concatenate(values)
+
+        policy: dict[str, Any] = {"name": meta.get("policy")}
+        for key in parts[0]:
+            if key.startswith("policy."):  # one array, or each process's share
+                values = [part[key] for part in parts]
+                policy[key.removeprefix("policy.")] = values[0] if shards == 1 else values
+        self.load_state_dict(
+            {
+                "id_of_slot": joined("planner.id_of_slot"),
+                "last_use": joined("planner.last_use"),
+                "next_index": int(meta["next_index"]),
+                "policy": policy,
+            }
+        )
 
     def policy_state(self) -> dict[str, Any]:
         """What the policies learned: ``{"name": ..., per-id arrays}`` over this
