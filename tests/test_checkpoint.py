@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import pathlib
 import signal
@@ -161,6 +163,56 @@ def test_restore_continues_exactly_with_the_same_cache_state(tmp_path, policy):
             np.testing.assert_array_equal(pa.policy.keys, pb.policy.keys)
     assert a.stats.as_dict() | {"compilations": 0} == b.stats.as_dict() | {"compilations": 0}
     assert a.stats.total.evictions > 50  # rows really moved
+
+
+@dataclasses.dataclass(frozen=True)
+class ClippedAdagrad(jaxcache.SparseOptimizer, name="tests.clipped_adagrad"):
+    """A user-defined optimizer with per-row state: row-wise Adagrad on clipped gradients."""
+
+    clip: float = 1.0
+
+    def state_spec(self, features):
+        return {"accumulator": jaxcache.optimizers.RowStateSpec((), np.dtype(np.float32), 0.1)}
+
+    def update(self, rows, grads, state):
+        g = jnp.clip(grads, -self.clip, self.clip)
+        acc = state["accumulator"] + jnp.mean(g * g, axis=-1)
+        return rows - self.learning_rate * g / jnp.sqrt(acc)[:, None], {"accumulator": acc}
+
+
+def test_a_user_defined_optimizer_is_rebuilt_through_the_registry(tmp_path):
+    first, second = _data(6), _data(6, start=6)
+    original = _model(_cache("lfu", optimizer=ClippedAdagrad(0.3, clip=0.05)))
+    _train(*original, first)
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(6, model=original[0], optimizer=original[1])
+    config = checkpointer.cache_config()
+    assert config == original[0].embed.cache.config
+    assert type(config.optimizer) is ClippedAdagrad
+    restored = _model(jaxcache.EmbeddingCache(config, seed=9), seed=3)
+    checkpointer.restore(model=restored[0], optimizer=restored[1])
+    a, b = original[0].embed.cache, restored[0].embed.cache
+    np.testing.assert_array_equal(a.planner.id_of_slot, b.planner.id_of_slot)  # exact
+    assert a.stats.total == b.stats.total
+    assert _train(*restored, second) == _train(*original, second)
+    _assert_same_values(original, restored)
+    # The registered name and the hyperparameters are what the table records.
+    path = tmp_path / "6" / "tables" / "embedding" / "table.json"
+    record = json.loads(path.read_text())
+    saved = record["config"]["optimizer"]
+    assert saved == {"type": "tests.clipped_adagrad", "learning_rate": 0.3, "clip": 0.05}
+    saved["type"] = "tests.nowhere"
+    path.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"'tests\.nowhere', which is not registered.*name="):
+        checkpointer.cache_config()
+
+
+def test_a_config_that_json_cannot_rebuild_is_refused_before_saving(tmp_path):
+    embed = jaxcache.nnx.CachedEmbed(_cache("lru", optimizer=ClippedAdagrad(0.3, clip=(1, 2))))
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    with pytest.raises(ValueError, match="cannot be saved as JSON and rebuilt"):
+        checkpointer.save(1, caches=[embed])
+    assert checkpointer.steps() == []
 
 
 def test_keeps_the_last_checkpoints_and_lists_them(tmp_path):

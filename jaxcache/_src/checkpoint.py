@@ -45,7 +45,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxcache._src import optimizers, serving
+from jaxcache._src import optimizers
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.engine import EmbeddingCache
 from jaxcache._src.nnx_module import CachedEmbed, CacheOptState, CacheRows
@@ -183,8 +183,9 @@ class Checkpointer:
         ``jaxcache.serving_config``, the optimizer) to restore the table.
 
         Raises:
-          ValueError: the table used a sparse optimizer jaxcache does not
-            define; build the ``CacheConfig`` yourself.
+          ValueError: the table was trained with a sparse optimizer that is
+            not registered (import the module defining it first, see
+            ``jaxcache.SparseOptimizer``).
         """
         saved = self._tables(self._resolve(step), [name])[name]
         return _config_from_json(saved.meta["config"])
@@ -253,6 +254,7 @@ class Checkpointer:
             batches_consumed = step
         consumed = _check_step(batches_consumed, "batches_consumed")
         for name, holder in holders.items():
+            _check_saveable(name, holder.cache.config)
             _check_nothing_in_flight(name, holder.cache)
         # Checked: from here on, state changes (rows are written back).
         for holder in holders.values():
@@ -720,7 +722,7 @@ def _is_exact(meta: dict[str, Any], cache: EmbeddingCache) -> bool:
     return (
         saved["capacity"] == config.capacity
         and saved["policy"] == config.policy
-        and saved["optimizer"] == _optimizer_json(config.optimizer)
+        and saved["optimizer"] == optimizers.to_json(config.optimizer)
         and meta["devices"] == cache.devices
     )
 
@@ -744,11 +746,6 @@ def _restore_table(saved: _SavedTable, holder: Any) -> None:
 
 
 # --------------------------------------------------------------- configuration
-def _optimizer_json(optimizer: optimizers.SparseOptimizer) -> dict[str, Any]:
-    fields = {f.name: getattr(optimizer, f.name) for f in dataclasses.fields(optimizer)}
-    return {"type": type(optimizer).__name__, **fields}
-
-
 def _row_state_json(config: CacheConfig) -> dict[str, Any]:
     return {
         name: {"shape": list(spec.shape), "dtype": np.dtype(spec.dtype).name}
@@ -758,23 +755,32 @@ def _row_state_json(config: CacheConfig) -> dict[str, Any]:
 
 def _config_json(config: CacheConfig) -> dict[str, Any]:
     out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    out["optimizer"] = _optimizer_json(config.optimizer)
+    out["optimizer"] = optimizers.to_json(config.optimizer)
     out["row_state"] = _row_state_json(config)
     return out
 
 
-def _config_from_json(saved: dict[str, Any]) -> CacheConfig:
-    spec = dict(saved["optimizer"])
-    kind = spec.pop("type")
-    cls = getattr(optimizers, kind, None) or getattr(serving, kind, None)
-    if not (isinstance(cls, type) and issubclass(cls, optimizers.SparseOptimizer)):
+def _check_saveable(name: str, config: CacheConfig) -> None:
+    """Raises ``ValueError`` unless the configuration comes back equal from
+    the JSON a checkpoint records (its sparse optimizer above all)."""
+    try:
+        again = _config_from_json(json.loads(json.dumps(_config_json(config))))
+    except (TypeError, ValueError) as error:
+        again, reason = None, f": {error}"
+    else:
+        reason = f", but as {again.optimizer!r}" if again != config else ""
+    if again != config:
         raise ValueError(
-            f"the table was trained with the sparse optimizer {kind}, which jaxcache does not "
-            "define; build its CacheConfig yourself (the saved fields are in table.json)."
+            f"table {name!r}: its sparse optimizer {config.optimizer!r} cannot be saved as "
+            f"JSON and rebuilt{reason}; give it numbers, strings or booleans as "
+            "hyperparameters (its dataclass fields)."
         )
+
+
+def _config_from_json(saved: dict[str, Any]) -> CacheConfig:
     names = {f.name for f in dataclasses.fields(CacheConfig)}
     fields = {k: v for k, v in saved.items() if k in names and k != "optimizer"}
-    return CacheConfig(**fields, optimizer=cls(**spec))
+    return CacheConfig(**fields, optimizer=optimizers.from_json(saved["optimizer"]))
 
 
 # ----------------------------------------------------------------------- files
