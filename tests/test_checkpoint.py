@@ -440,7 +440,7 @@ def test_save_refuses_batches_staged_ahead(tmp_path):
 _CRASH_CHILD = """
 import os, signal, sys
 import numpy as np, jaxcache
-from jaxcache._src import checkpoint
+from jaxcache._src import checkpoint, npy_files, table_record
 from flax import nnx
 
 directory, mode, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -466,24 +466,24 @@ rows_, state = embed.export()
 np.savez(directory + ".npz", rows=rows_, **state, resident=embed.cache.planner.id_of_slot)
 train(3)
 if mode == "before-tables":
-    checkpoint._save_table = lambda *a, **k: die()
+    table_record.save_table = lambda *a, **k: die()
 elif mode == "between-files":
-    write, calls = checkpoint._write_array, []
+    write, calls = npy_files.write_array, []
     def write_then_die(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             die()
         return write(*args, **kwargs)
-    checkpoint._write_array = write_then_die
+    npy_files.write_array = write_then_die
 elif mode == "mid-file":
-    chunks = checkpoint._row_chunks
-    checkpoint._CHUNK_BYTES = 4096
+    chunks = npy_files.row_chunks
+    npy_files.CHUNK_BYTES = 4096
     def chunks_then_die(array):
         for i, rows in enumerate(chunks(array)):
             if i == 5:
                 die()
             yield rows
-    checkpoint._row_chunks = chunks_then_die
+    npy_files.row_chunks = chunks_then_die
 elif mode == "before-commit":
     save = checkpoint._TablesHandler.save
     def save_then_die(self, *args, **kwargs):
