@@ -39,14 +39,12 @@ from flax import nnx
 from jaxcache._src import table_record
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.engine import EmbeddingCache
-from jaxcache._src.nnx_module import CachedEmbed, CacheOptState, CacheRows
-from jaxcache._src.pipeline import CacheHolder
+from jaxcache._src.holder import CacheHolder, dense_state, find_tables, load_dense_state
+from jaxcache._src.linen_module import Holder
 
 __all__ = ["CheckpointInfo", "Checkpointer"]
 
 _FORMAT = 1
-# The NNX variables a checkpoint takes from the tables, not from the model.
-_DENSE = nnx.Not(nnx.Any(CacheRows, CacheOptState))
 
 
 class CheckpointInfo(NamedTuple):
@@ -181,7 +179,7 @@ class Checkpointer:
         self,
         step: int,
         *,
-        model: nnx.Module | None = None,
+        model: nnx.Module | Holder | None = None,
         optimizer: nnx.Optimizer | None = None,
         caches: Iterable[CacheHolder] = (),
         batches_consumed: int | None = None,
@@ -191,7 +189,9 @@ class Checkpointer:
 
         Args:
           step: the step number: new, and above every saved step.
-          model: an NNX model; its ``CachedEmbed`` tables are saved with it.
+          model: an NNX model (its ``CachedEmbed`` tables are saved with it),
+            or the ``jaxcache.linen.Holder`` of a Linen model's variables (its
+            collections, and the tables of every holder sharing them).
           optimizer: the dense optimizer (``nnx.Optimizer``).
           caches: more tables: anything with ``cache``, ``get_state`` and
             ``set_state`` (``jaxcache.pipeline.CacheHolder``) outside ``model``.
@@ -226,7 +226,9 @@ class Checkpointer:
                 f"{self.directory}; steps must increase: save a step above {latest}, or save "
                 "into a new directory."
             )
-        holders = _find_tables(model, caches)
+        holders = find_tables(model, caches)
+        for name in holders:
+            table_record.check_name(name)
         if model is None and optimizer is None and not holders:
             raise ValueError("nothing to save: pass model=, optimizer= or caches=.")
         extra = dict(extra or {})
@@ -250,7 +252,7 @@ class Checkpointer:
             holder.cache.flush(holder.get_state())
         items: dict[str, Any] = {}
         for item, node in (("model", model), ("optimizer", optimizer)):
-            tree = {} if node is None else _saveable(nnx.state(node, _DENSE))
+            tree = {} if node is None else _saveable(dense_state(node))
             if jax.tree.leaves(tree):
                 items[item] = ocp.args.StandardSave(tree)
         if holders:
@@ -276,7 +278,7 @@ class Checkpointer:
         self,
         step: int | None = None,
         *,
-        model: nnx.Module | None = None,
+        model: nnx.Module | Holder | None = None,
         optimizer: nnx.Optimizer | None = None,
         caches: Iterable[CacheHolder] = (),
     ) -> CheckpointInfo:
@@ -298,8 +300,10 @@ class Checkpointer:
 
         Args:
           step: the step to restore; default: the latest.
-          model: the NNX model to restore (built like the saved one); its
-            ``CachedEmbed`` tables are restored with it.
+          model: the NNX model to restore (built like the saved one), its
+            ``CachedEmbed`` tables with it; or the ``jaxcache.linen.Holder``
+            of a Linen model's variables (built like the saved ones), whose
+            variables are replaced.
           optimizer: the dense optimizer to restore.
           caches: more tables (``jaxcache.pipeline.CacheHolder``) outside ``model``.
 
@@ -308,7 +312,9 @@ class Checkpointer:
         """
         step = self._resolve(step)
         meta = self._meta(step)
-        holders = _find_tables(model, caches)
+        holders = find_tables(model, caches)
+        for name in holders:
+            table_record.check_name(name)
         saved = self._tables(step, list(holders)) if holders else {}
         for name, holder in holders.items():
             table_record.check_compatible(name, saved[name].meta, holder.cache)
@@ -316,7 +322,7 @@ class Checkpointer:
             _check_nothing_in_flight(name, holder.cache)
         updates = []
         for item, node in (("model", model), ("optimizer", optimizer)):
-            if node is None or not jax.tree.leaves(nnx.state(node, _DENSE)):
+            if node is None or not jax.tree.leaves(dense_state(node)):
                 continue
             if item not in meta["items"]:
                 raise ValueError(f"checkpoint {step} has no {item} state; pass {item}=None.")
@@ -325,13 +331,12 @@ class Checkpointer:
         for name, holder in holders.items():
             table_record.restore_table(saved[name], holder)
         for node, state in updates:
-            nnx.update(node, state)
+            load_dense_state(node, state)
         return _info(step, meta)
 
-    def _restore_dense(self, step: int, item: str, node: Any) -> nnx.State:
-        state = nnx.state(node, _DENSE)
-        target = nnx.to_pure_dict(state)
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _saveable(state))
+    def _restore_dense(self, step: int, item: str, node: Any) -> dict[str, Any]:
+        target = dense_state(node)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _saveable(target))
         saved = _shapes(self._manager.item_metadata(step)[item].tree)
         wanted = _shapes(abstract)
         if saved != wanted:
@@ -344,8 +349,7 @@ class Checkpointer:
         restored = self._manager.restore(
             step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(abstract)})
         )[item]
-        nnx.replace_by_pure_dict(state, jax.tree.map(_unsaveable, target, restored))
-        return state
+        return jax.tree.map(_unsaveable, target, restored)
 
     # ---------------------------------------------------------------- export
     def export(
@@ -434,26 +438,6 @@ def _check_step(value: Any, name: str) -> int:
     return int(value)
 
 
-def _find_tables(model: nnx.Module | None, caches: Iterable[CacheHolder]) -> dict[str, Any]:
-    """The tables of ``model`` (its ``CachedEmbed`` modules) and ``caches``, by name."""
-    found: list[Any] = []
-    if model is not None:
-        found += [m for _, m in nnx.iter_modules(model) if isinstance(m, CachedEmbed)]
-    holders: dict[str, Any] = {}
-    for holder in [*found, *caches]:
-        if not all(hasattr(holder, a) for a in ("cache", "get_state", "set_state")):
-            raise TypeError(
-                f"caches holds a {type(holder).__name__}, not a cached table; pass the "
-                "jaxcache.nnx.CachedEmbed (or any jaxcache.pipeline.CacheHolder) of each table."
-            )
-        name = holder.cache.name
-        table_record.check_name(name)
-        other = holders.setdefault(name, holder)
-        if other.cache is not holder.cache:
-            raise ValueError(f"two tables are named {name!r}; give each CacheConfig its own name=.")
-    return holders
-
-
 def _check_nothing_in_flight(name: str, cache: EmbeddingCache) -> None:
     ahead = cache.lifecycle.in_flight()
     if len(ahead) > 1:
@@ -471,11 +455,9 @@ def _is_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _saveable(state: nnx.State) -> dict[str, Any]:
-    """A pure dict of arrays (typed PRNG keys as their raw data) for orbax."""
-    return jax.tree.map(
-        lambda x: jax.random.key_data(x) if _is_key(x) else x, nnx.to_pure_dict(state)
-    )
+def _saveable(tree: dict[str, Any]) -> dict[str, Any]:
+    """The arrays of a pure dict, typed PRNG keys as their raw data, for orbax."""
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
 
 
 def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -34,7 +34,8 @@ import numpy as np
 from flax import nnx
 
 from jaxcache._src.engine import EmbeddingCache
-from jaxcache._src.nnx_module import CachedEmbed, value_and_grad
+from jaxcache._src.holder import model_tables
+from jaxcache._src.nnx_module import value_and_grad
 from jaxcache._src.planner import Planner
 
 __all__ = [
@@ -95,17 +96,9 @@ def _all_finite(tree: Any) -> jax.Array:
     return jnp.stack([jnp.isfinite(x).all() for x in leaves]).all()
 
 
-def _tables(model: nnx.Module) -> dict[str, CachedEmbed]:
-    modules: dict[str, CachedEmbed] = {}
-    for _, module in nnx.iter_modules(model):
-        if isinstance(module, CachedEmbed):
-            modules.setdefault(module.cache.name, module)
-    return modules
-
-
 def _apply(model: nnx.Module, optimizer: nnx.Optimizer, grads: Any, rows: dict) -> None:
     optimizer.update(model, grads)
-    modules = _tables(model)
+    modules = model_tables(model)
     for table, (lookup, grad) in rows.items():
         modules[table].apply_gradients(lookup, grad)
 
@@ -159,7 +152,7 @@ def update_if_finite(
 
     def step(model: nnx.Module, optimizer: nnx.Optimizer, *args: Any) -> tuple[Any, FiniteCheck]:
         value, grads, rows = grad_fn(model, *args)
-        modules = _tables(model)
+        modules = model_tables(model)
         check = FiniteCheck(
             _all_finite(value[0] if has_aux else value),
             _all_finite(grads),

@@ -15,7 +15,14 @@ from jaxcache._src import device_ops
 from jaxcache._src.device_ops import CacheState, Lookup
 from jaxcache._src.engine import EmbeddingCache
 
-__all__ = ["CacheOptState", "CacheRows", "CachedEmbed", "jit_step", "value_and_grad"]
+__all__ = [
+    "CacheOptState",
+    "CacheRows",
+    "CachedEmbed",
+    "cached_embeds",
+    "jit_step",
+    "value_and_grad",
+]
 
 
 class CacheRows(nnx.Variable):
@@ -197,6 +204,21 @@ class CachedEmbed(nnx.Module):
     def export(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Full table and optimizer state in id order (NumPy copies)."""
         return self.cache.export(self.get_state())
+
+
+def cached_embeds(model: nnx.Module) -> list[CachedEmbed]:
+    """The ``CachedEmbed`` modules of an NNX model, in graph order: its cached tables.
+
+    Examples:
+      >>> import jaxcache
+      >>> from flax import nnx
+      >>> from jaxcache._src.nnx_module import cached_embeds
+      >>> cfg = jaxcache.CacheConfig(100, 4, capacity=8)
+      >>> model = nnx.List([jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg))])
+      >>> [embed.cache.name for embed in cached_embeds(model)]
+      ['embedding']
+    """
+    return [module for _, module in nnx.iter_modules(model) if isinstance(module, CachedEmbed)]
 
 
 def value_and_grad(
