@@ -23,6 +23,12 @@ passes, each split into independent pieces that run on the host threads:
 On one device the split and the ranking are skipped: the planner looks the
 batch up directly and its ranks are the ranks.
 
+A checkpoint holds each process's part of the planners' state as flat
+arrays (``Partitions.state_arrays``); a restore joins the parts of every
+process that saved them and places each row on its home device, whatever
+the device count. ``check_invariants`` checks every partition's
+bookkeeping (for tests).
+
 Shape letters: ``n`` devices, ``L`` devices of this process, ``E`` entries
 (real ids) a partition receives, ``U`` its distinct ids.
 """
@@ -31,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -42,7 +48,10 @@ from jaxcache._src.placement import Layout
 from jaxcache._src.planner import _NO_PAD, CapacityError, Plan, Planner, check_state
 from jaxcache._src.threads import HostThreads, raised
 
-__all__ = ["Partitions", "Split", "StepPlan"]
+if TYPE_CHECKING:
+    from jaxcache._src.engine import EmbeddingCache
+
+__all__ = ["Partitions", "Split", "StepPlan", "check_invariants"]
 
 
 class Split(NamedTuple):
@@ -269,6 +278,14 @@ class Partitions:
             arrays += [v for v in vars(planner.policy).values() if isinstance(v, np.ndarray)]
             total += sum(a.nbytes for a in arrays)
         return total
+
+    def check_invariants(self, table: str) -> None:
+        """``Planner.check_invariants`` of every own partition, naming
+        ``table`` (and the device, with several)."""
+        several = self.layout.devices > 1
+        for device, planner in zip(self.devices, self.planners, strict=True):
+            where = f" on device {device}" if several else ""
+            planner.check_invariants(f"table {table!r}{where}")
 
     def resident_ids(self) -> np.ndarray:
         """Ids currently in a slot of this process's devices, in slot order."""
@@ -679,3 +696,30 @@ def _per_id_keys(policy_state: dict[str, Any], per_id: tuple[str, ...]) -> tuple
     """The policy state's arrays with one entry per id: those the policy
     declares (``per_id``), and the access counts of any counting policy."""
     return tuple(key for key in policy_state if key in per_id or key == "counts")
+
+
+def check_invariants(cache: EmbeddingCache) -> None:
+    """Checks the host bookkeeping of ``cache``; raises ``AssertionError`` if broken.
+
+    In every device partition of this process: the directory is a bijection
+    between resident ids and their slots, ids are in range (local ids of the
+    partition), only resident rows are dirty, recency never runs ahead of the
+    plans, and a counting policy's per-slot counts mirror its per-id counts.
+    ``O(N + C)``.
+
+    Args:
+      cache: the cache to check (take it between steps).
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8))
+      >>> state, _ = cache.prepare(cache.init_state(), np.array([3, 5, 3]))
+      >>> jaxcache.testing.check_invariants(cache)
+      >>> cache.planner.planners[0].slot_of_id[7] = 0  # corrupt the directory
+      >>> try:
+      ...     jaxcache.testing.check_invariants(cache)
+      ... except AssertionError as error:
+      ...     print(error)
+      table 'embedding': 3 ids map to a slot but 2 slots hold an id
+    """
+    cache.planner.check_invariants(cache.name)
