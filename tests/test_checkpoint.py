@@ -421,6 +421,22 @@ def test_mismatches_are_refused_before_anything_changes(tmp_path):
     np.testing.assert_array_equal(target[0].embed.cache.table.rows, rows)
 
 
+def test_a_corrupt_table_state_is_refused_before_any_table_changes(tmp_path):
+    saved = [jaxcache.nnx.CachedEmbed(_cache("lfu", name=name)) for name in ("users", "items")]
+    for embed in saved:
+        embed.prepare(np.arange(5))
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(1, caches=saved)
+    counts = tmp_path / "1" / "tables" / "items" / "policy.counts.npy"
+    np.save(counts, np.load(counts)[:10])  # the second table's counts cut short
+    targets = [jaxcache.nnx.CachedEmbed(_cache("lfu", name=n, seed=3)) for n in ("users", "items")]
+    rows = np.array(targets[0].cache.table.rows)
+    with pytest.raises(ValueError, match=r"table 'items': .*counts cover 10 ids but the table"):
+        checkpointer.restore(caches=targets)
+    np.testing.assert_array_equal(targets[0].cache.table.rows, rows)  # the first one unchanged
+    assert targets[0].cache.planner.resident_ids().size == 0
+
+
 def test_save_refuses_batches_staged_ahead(tmp_path):
     model, optimizer = _model(_cache("lru", capacity=400))
     items = [{"ids": ids, "y": y} for ids, y in _data(10)]

@@ -317,8 +317,7 @@ class Checkpointer:
             table_record.check_name(name)
         saved = self._tables(step, list(holders)) if holders else {}
         for name, holder in holders.items():
-            table_record.check_compatible(name, saved[name].meta, holder.cache)
-            saved[name].check_files(name)
+            table_record.check_restorable(name, saved[name], holder.cache)
             _check_nothing_in_flight(name, holder.cache)
         updates = []
         for item, node in (("model", model), ("optimizer", optimizer)):

@@ -567,6 +567,13 @@ class EmbeddingCache:
             "stats": self.stats.state_dict(),
         }
 
+    def check_state_arrays(
+        self, parts: Sequence[Mapping[str, np.ndarray]], meta: Mapping[str, Any]
+    ) -> None:
+        """Raises ``ValueError`` unless ``load_state_arrays`` takes ``parts``
+        and ``meta`` (``Partitions.check_state_arrays``); changes nothing."""
+        self.planner.check_state_arrays(parts, meta)
+
     def load_state_arrays(
         self,
         parts: Sequence[Mapping[str, np.ndarray]],

@@ -516,6 +516,14 @@ class Partitions:
         ``{"next_index": int, "policy": name}``."""
         return {"next_index": int(self.next_index), "policy": self.planners[0].policy.name}
 
+    def check_state_arrays(
+        self, parts: Sequence[Mapping[str, np.ndarray]], meta: Mapping[str, Any]
+    ) -> None:
+        """Raises ``ValueError`` unless ``load_state_arrays`` takes ``parts`` and
+        ``meta``: every array is there, the saved slots hold distinct ids of
+        this table, and per-id arrays cover its ``N`` ids. Changes nothing."""
+        self._joined(parts, meta)
+
     def load_state_arrays(
         self, parts: Sequence[Mapping[str, np.ndarray]], meta: Mapping[str, Any]
     ) -> None:
@@ -529,6 +537,13 @@ class Partitions:
         Raises:
           ValueError: the state does not fit this table (nothing changed).
         """
+        self.load_state_dict(self._joined(parts, meta))
+
+    def _joined(
+        self, parts: Sequence[Mapping[str, np.ndarray]], meta: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The whole cache's state (``load_state_dict``'s) of every saving
+        process's parts, checked as ``check_state_arrays`` says."""
         missing = [
             f"{key} of process {i}"
             for i, part in enumerate(parts)
@@ -538,7 +553,7 @@ class Partitions:
         if not parts or missing or "next_index" not in meta:
             lacking = missing[0] if missing else "next_index" if parts else "every process's part"
             raise ValueError(f"the saved planner state lacks {lacking}; it is incomplete.")
-        shards = len(parts)
+        shards, n = len(parts), self.config.num_embeddings
 
         def joined(key: str) -> np.ndarray:  # every process's slot blocks, in order
             values = [np.asarray(part[key]) for part in parts]
@@ -549,14 +564,22 @@ class Partitions:
             if key.startswith("policy."):  # one array, or each process's share
                 values = [part[key] for part in parts]
                 policy[key.removeprefix("policy.")] = values[0] if shards == 1 else values
-        self.load_state_dict(
-            {
-                "id_of_slot": joined("planner.id_of_slot"),
-                "last_use": joined("planner.last_use"),
-                "next_index": int(meta["next_index"]),
-                "policy": policy,
-            }
-        )
+        state = {
+            "id_of_slot": joined("planner.id_of_slot"),
+            "last_use": joined("planner.last_use"),
+            "next_index": int(meta["next_index"]),
+            "policy": policy,
+        }
+        check_state({**state, "policy": {}}, n)
+        for key in _per_id_keys(policy, self.planners[0].policy.per_id):
+            shares = [policy[key]] if shards == 1 else policy[key]
+            rows = sum(np.shape(share)[0] if np.ndim(share) else 0 for share in shares)
+            if rows != n:
+                raise ValueError(
+                    f"the saved policy's {key} cover {rows} ids but the table has {n} rows; is "
+                    "this the same table?"
+                )
+        return state
 
     def policy_state(self) -> dict[str, Any]:
         """What the policies learned: ``{"name": ..., per-id arrays}`` over this

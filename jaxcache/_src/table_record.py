@@ -37,8 +37,8 @@ from jaxcache._src.engine import EmbeddingCache
 __all__ = [
     "FORMAT",
     "SavedTable",
-    "check_compatible",
     "check_name",
+    "check_restorable",
     "check_saveable",
     "config_from_json",
     "read_tables",
@@ -225,8 +225,19 @@ def save_table(directory: str, cache: EmbeddingCache, *, fsync: bool) -> None:
             os.fsync(f.fileno())
 
 
-def check_compatible(name: str, meta: dict[str, Any], cache: EmbeddingCache) -> None:
-    """Raises ``ValueError`` unless the saved table can be restored into ``cache``."""
+def check_restorable(name: str, saved: SavedTable, cache: EmbeddingCache) -> None:
+    """Raises ``ValueError`` unless table ``name`` restores into ``cache``: the
+    same rows, width, dtype and row state (or none), every file there, and
+    the cache's state arrays fit it (``EmbeddingCache.check_state_arrays``)."""
+    _check_compatible(name, saved.meta, cache)
+    saved.check_files(name)
+    try:
+        cache.check_state_arrays(saved.state_parts(), saved.state_meta())
+    except ValueError as error:
+        raise ValueError(f"table {name!r}: {error}") from None
+
+
+def _check_compatible(name: str, meta: dict[str, Any], cache: EmbeddingCache) -> None:
     saved, config = meta["config"], cache.config
     if meta.get("format") != FORMAT:
         raise ValueError(f"table {name!r} was saved in format {meta.get('format')}, not {FORMAT}.")
@@ -259,8 +270,8 @@ def _is_exact(meta: dict[str, Any], cache: EmbeddingCache) -> bool:
 
 def restore_table(saved: SavedTable, holder: Any) -> None:
     """Restores a table into the cache of ``holder`` (checked with
-    ``check_compatible`` and ``SavedTable.check_files``): its state, this
-    process's rows, and a device state built from them."""
+    ``check_restorable``): its state, this process's rows, and a device
+    state built from them."""
     cache = holder.cache
     cache.load_state_arrays(
         saved.state_parts(), saved.state_meta(), exact=_is_exact(saved.meta, cache)
