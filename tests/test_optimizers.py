@@ -77,6 +77,14 @@ def test_every_optimizer_class_is_registered_and_names_are_not_shared():
         def update(self, rows, grads, state):
             return rows - 0.5 * self.learning_rate * grads, state
 
+    @dataclasses.dataclass(frozen=True, slots=True)  # made again by dataclass: same name
+    class Slotted(jaxcache.SparseOptimizer, name="tests.slotted"):
+        def update(self, rows, grads, state):
+            return rows - self.learning_rate * grads, state
+
+    assert Slotted.registered_name == "tests.slotted"
+    assert "Slotted" not in jaxcache.optimizers.registered()
+    assert jaxcache.optimizers.registered()["tests.slotted"] is Slotted
     assert jaxcache.optimizers.registered()["Adam"] is jaxcache.optimizers.Adam
     assert jaxcache.optimizers.registered()["tests.halved"] is Halved
     assert "tests.halved" not in registered  # a copy, not the registry itself
