@@ -4,6 +4,7 @@
 whatever keeps a cache's device state between steps.
 """
 
-from jaxcache._src.pipeline import CacheHolder, Prefetcher
+from jaxcache._src.holder import CacheHolder
+from jaxcache._src.pipeline import Prefetcher
 
 __all__ = ["CacheHolder", "Prefetcher"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import pathlib
 import signal
@@ -161,6 +163,56 @@ def test_restore_continues_exactly_with_the_same_cache_state(tmp_path, policy):
             np.testing.assert_array_equal(pa.policy.keys, pb.policy.keys)
     assert a.stats.as_dict() | {"compilations": 0} == b.stats.as_dict() | {"compilations": 0}
     assert a.stats.total.evictions > 50  # rows really moved
+
+
+@dataclasses.dataclass(frozen=True)
+class ClippedAdagrad(jaxcache.SparseOptimizer, name="tests.clipped_adagrad"):
+    """A user-defined optimizer with per-row state: row-wise Adagrad on clipped gradients."""
+
+    clip: float = 1.0
+
+    def state_spec(self, features):
+        return {"accumulator": jaxcache.optimizers.RowStateSpec((), np.dtype(np.float32), 0.1)}
+
+    def update(self, rows, grads, state):
+        g = jnp.clip(grads, -self.clip, self.clip)
+        acc = state["accumulator"] + jnp.mean(g * g, axis=-1)
+        return rows - self.learning_rate * g / jnp.sqrt(acc)[:, None], {"accumulator": acc}
+
+
+def test_a_user_defined_optimizer_is_rebuilt_through_the_registry(tmp_path):
+    first, second = _data(6), _data(6, start=6)
+    original = _model(_cache("lfu", optimizer=ClippedAdagrad(0.3, clip=0.05)))
+    _train(*original, first)
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(6, model=original[0], optimizer=original[1])
+    config = checkpointer.cache_config()
+    assert config == original[0].embed.cache.config
+    assert type(config.optimizer) is ClippedAdagrad
+    restored = _model(jaxcache.EmbeddingCache(config, seed=9), seed=3)
+    checkpointer.restore(model=restored[0], optimizer=restored[1])
+    a, b = original[0].embed.cache, restored[0].embed.cache
+    np.testing.assert_array_equal(a.planner.id_of_slot, b.planner.id_of_slot)  # exact
+    assert a.stats.total == b.stats.total
+    assert _train(*restored, second) == _train(*original, second)
+    _assert_same_values(original, restored)
+    # The registered name and the hyperparameters are what the table records.
+    path = tmp_path / "6" / "tables" / "embedding" / "table.json"
+    record = json.loads(path.read_text())
+    saved = record["config"]["optimizer"]
+    assert saved == {"type": "tests.clipped_adagrad", "learning_rate": 0.3, "clip": 0.05}
+    saved["type"] = "tests.nowhere"
+    path.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"'tests\.nowhere', which is not registered.*name="):
+        checkpointer.cache_config()
+
+
+def test_a_config_that_json_cannot_rebuild_is_refused_before_saving(tmp_path):
+    embed = jaxcache.nnx.CachedEmbed(_cache("lru", optimizer=ClippedAdagrad(0.3, clip=(1, 2))))
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    with pytest.raises(ValueError, match="cannot be saved as JSON and rebuilt"):
+        checkpointer.save(1, caches=[embed])
+    assert checkpointer.steps() == []
 
 
 def test_keeps_the_last_checkpoints_and_lists_them(tmp_path):
@@ -369,6 +421,22 @@ def test_mismatches_are_refused_before_anything_changes(tmp_path):
     np.testing.assert_array_equal(target[0].embed.cache.table.rows, rows)
 
 
+def test_a_corrupt_table_state_is_refused_before_any_table_changes(tmp_path):
+    saved = [jaxcache.nnx.CachedEmbed(_cache("lfu", name=name)) for name in ("users", "items")]
+    for embed in saved:
+        embed.prepare(np.arange(5))
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(1, caches=saved)
+    counts = tmp_path / "1" / "tables" / "items" / "policy.counts.npy"
+    np.save(counts, np.load(counts)[:10])  # the second table's counts cut short
+    targets = [jaxcache.nnx.CachedEmbed(_cache("lfu", name=n, seed=3)) for n in ("users", "items")]
+    rows = np.array(targets[0].cache.table.rows)
+    with pytest.raises(ValueError, match=r"table 'items': .*counts cover 10 ids but the table"):
+        checkpointer.restore(caches=targets)
+    np.testing.assert_array_equal(targets[0].cache.table.rows, rows)  # the first one unchanged
+    assert targets[0].cache.planner.resident_ids().size == 0
+
+
 def test_save_refuses_batches_staged_ahead(tmp_path):
     model, optimizer = _model(_cache("lru", capacity=400))
     items = [{"ids": ids, "y": y} for ids, y in _data(10)]
@@ -388,7 +456,7 @@ def test_save_refuses_batches_staged_ahead(tmp_path):
 _CRASH_CHILD = """
 import os, signal, sys
 import numpy as np, jaxcache
-from jaxcache._src import checkpoint
+from jaxcache._src import checkpoint, npy_files, table_record
 from flax import nnx
 
 directory, mode, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -414,24 +482,24 @@ rows_, state = embed.export()
 np.savez(directory + ".npz", rows=rows_, **state, resident=embed.cache.planner.id_of_slot)
 train(3)
 if mode == "before-tables":
-    checkpoint._save_table = lambda *a, **k: die()
+    table_record.save_table = lambda *a, **k: die()
 elif mode == "between-files":
-    write, calls = checkpoint._write_array, []
+    write, calls = npy_files.write_array, []
     def write_then_die(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             die()
         return write(*args, **kwargs)
-    checkpoint._write_array = write_then_die
+    npy_files.write_array = write_then_die
 elif mode == "mid-file":
-    chunks = checkpoint._row_chunks
-    checkpoint._CHUNK_BYTES = 4096
+    chunks = npy_files.row_chunks
+    npy_files.CHUNK_BYTES = 4096
     def chunks_then_die(array):
         for i, rows in enumerate(chunks(array)):
             if i == 5:
                 die()
             yield rows
-    checkpoint._row_chunks = chunks_then_die
+    npy_files.row_chunks = chunks_then_die
 elif mode == "before-commit":
     save = checkpoint._TablesHandler.save
     def save_then_die(self, *args, **kwargs):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -45,3 +47,44 @@ def test_lazy_adam_counts_per_row():
     state = {k: jnp.full((2, *s.shape), s.init, s.dtype) for k, s in opt.state_spec(2).items()}
     _, state = opt.update(jnp.zeros((2, 2)), jnp.ones((2, 2)), state)
     assert state["count"].tolist() == [1, 1]
+
+
+def test_every_optimizer_class_is_registered_and_names_are_not_shared():
+    registered = jaxcache.optimizers.registered()
+    for cls in (
+        jaxcache.optimizers.SGD,
+        jaxcache.optimizers.Adagrad,
+        jaxcache.optimizers.RowwiseAdagrad,
+        jaxcache.optimizers.Adam,
+    ):  # under the class names the checkpoints of 0.1 recorded
+        assert registered[cls.__name__] is cls and cls.registered_name == cls.__name__
+    serving = jaxcache.serving_config(jaxcache.CacheConfig(10, 2, 4)).optimizer
+    assert registered["ReadOnly"] is type(serving)
+
+    with pytest.raises(TypeError, match=r"name 'Adam' is taken by jaxcache\._src\.optimizers"):
+
+        @dataclasses.dataclass(frozen=True)
+        class Adam(jaxcache.SparseOptimizer):
+            pass
+
+    with pytest.raises(TypeError, match="must be a non-empty string"):
+
+        class Unnamed(jaxcache.SparseOptimizer, name=""):
+            pass
+
+    @dataclasses.dataclass(frozen=True)
+    class Halved(jaxcache.SparseOptimizer, name="tests.halved"):
+        def update(self, rows, grads, state):
+            return rows - 0.5 * self.learning_rate * grads, state
+
+    @dataclasses.dataclass(frozen=True, slots=True)  # made again by dataclass: same name
+    class Slotted(jaxcache.SparseOptimizer, name="tests.slotted"):
+        def update(self, rows, grads, state):
+            return rows - self.learning_rate * grads, state
+
+    assert Slotted.registered_name == "tests.slotted"
+    assert "Slotted" not in jaxcache.optimizers.registered()
+    assert jaxcache.optimizers.registered()["tests.slotted"] is Slotted
+    assert jaxcache.optimizers.registered()["Adam"] is jaxcache.optimizers.Adam
+    assert jaxcache.optimizers.registered()["tests.halved"] is Halved
+    assert "tests.halved" not in registered  # a copy, not the registry itself

@@ -1,27 +1,21 @@
 """Checkpoints: everything needed to continue training exactly, written atomically.
 
-A checkpoint is one step directory of an orbax ``CheckpointManager``. orbax
-writes it under a temporary name and renames it once every item is complete,
-so a process killed while saving leaves the earlier checkpoints as they were;
-the partial one is never listed, and the next writable ``Checkpointer`` on the
-directory removes it.
+``Checkpointer`` wires the pieces into orbax. A checkpoint is one step
+directory of an orbax ``CheckpointManager``. orbax writes it under a
+temporary name and renames it once every item is complete, so a process
+killed while saving leaves the earlier checkpoints as they were; the partial
+one is never listed, and the next writable ``Checkpointer`` on the directory
+removes it.
 
 Items of a step directory:
 
-* ``tables/<name>/``: one directory per cached table: the rows and their
-  per-row optimizer state in id order as plain ``.npy`` files (``rows.npy``,
-  ``state.<name>.npy``), the planner's directory and the policy's counts
-  (``planner.*.npy``, ``policy.*.npy``), and ``table.json`` (configuration,
-  statistics, padded sizes). When the host rows are split over processes,
-  each process writes its own (``rows.shard-<i>-of-<p>.npy``, ...) and the
-  first the rest. Large arrays are streamed to disk without a copy
-  in memory: a memory-mapped table is copied file to file by the kernel
-  (``os.copy_file_range``), an in-memory one is written from its own buffer,
-  and a ``TieredTable`` is read through its tiers in one pass (restored by
-  scattering the saved rows back through them).
-* ``model/`` and ``optimizer/``: orbax PyTrees of the NNX state of the model
-  (every variable except the cache rows, which the tables hold) and of the
-  optimizer.
+* ``tables/<name>/``: one directory per cached table, written by the
+  ``tables`` handler here: its record (``table_record``: rows and row state
+  in id order as streamed ``.npy`` files, the cache's state arrays and
+  ``table.json``).
+* ``model/`` and ``optimizer/``: orbax PyTrees of the dense state of the
+  model (every variable except the cached rows, which the tables hold) and
+  of the optimizer.
 * ``meta/``: JSON: the batches consumed from the data and the caller's extras.
 
 The device half of a cache is never saved. On restore it is rebuilt from the
@@ -32,33 +26,25 @@ capacity and any number of devices: the logical table is what is saved.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
-import re
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxcache._src import optimizers, serving
+from jaxcache._src import table_record
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.engine import EmbeddingCache
-from jaxcache._src.nnx_module import CachedEmbed, CacheOptState, CacheRows
-from jaxcache._src.pipeline import CacheHolder
+from jaxcache._src.holder import CacheHolder, dense_state, find_tables, load_dense_state
+from jaxcache._src.linen_module import Holder
 
 __all__ = ["CheckpointInfo", "Checkpointer"]
 
 _FORMAT = 1
-# Bytes moved per write or read when a file is streamed through user space.
-_CHUNK_BYTES = 1 << 26
-# The NNX variables a checkpoint takes from the tables, not from the model.
-_DENSE = nnx.Not(nnx.Any(CacheRows, CacheOptState))
-_TABLE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 class CheckpointInfo(NamedTuple):
@@ -181,18 +167,19 @@ class Checkpointer:
         ``jaxcache.serving_config``, the optimizer) to restore the table.
 
         Raises:
-          ValueError: the table used a sparse optimizer jaxcache does not
-            define; build the ``CacheConfig`` yourself.
+          ValueError: the table was trained with a sparse optimizer that is
+            not registered (import the module defining it first, see
+            ``jaxcache.SparseOptimizer``).
         """
         saved = self._tables(self._resolve(step), [name])[name]
-        return _config_from_json(saved.meta["config"])
+        return table_record.config_from_json(saved.meta["config"])
 
     # ------------------------------------------------------------------ save
     def save(
         self,
         step: int,
         *,
-        model: nnx.Module | None = None,
+        model: nnx.Module | Holder | None = None,
         optimizer: nnx.Optimizer | None = None,
         caches: Iterable[CacheHolder] = (),
         batches_consumed: int | None = None,
@@ -202,7 +189,9 @@ class Checkpointer:
 
         Args:
           step: the step number: new, and above every saved step.
-          model: an NNX model; its ``CachedEmbed`` tables are saved with it.
+          model: an NNX model (its ``CachedEmbed`` tables are saved with it),
+            or the ``jaxcache.linen.Holder`` of a Linen model's variables (its
+            collections, and the tables of every holder sharing them).
           optimizer: the dense optimizer (``nnx.Optimizer``).
           caches: more tables: anything with ``cache``, ``get_state`` and
             ``set_state`` (``jaxcache.pipeline.CacheHolder``) outside ``model``.
@@ -237,7 +226,9 @@ class Checkpointer:
                 f"{self.directory}; steps must increase: save a step above {latest}, or save "
                 "into a new directory."
             )
-        holders = _find_tables(model, caches)
+        holders = find_tables(model, caches)
+        for name in holders:
+            table_record.check_name(name)
         if model is None and optimizer is None and not holders:
             raise ValueError("nothing to save: pass model=, optimizer= or caches=.")
         extra = dict(extra or {})
@@ -251,6 +242,7 @@ class Checkpointer:
             batches_consumed = step
         consumed = _check_step(batches_consumed, "batches_consumed")
         for name, holder in holders.items():
+            table_record.check_saveable(name, holder.cache.config)
             _check_nothing_in_flight(name, holder.cache)
         # Checked: from here on, state changes (rows are written back).
         for holder in holders.values():
@@ -260,7 +252,7 @@ class Checkpointer:
             holder.cache.flush(holder.get_state())
         items: dict[str, Any] = {}
         for item, node in (("model", model), ("optimizer", optimizer)):
-            tree = {} if node is None else _saveable(nnx.state(node, _DENSE))
+            tree = {} if node is None else _saveable(dense_state(node))
             if jax.tree.leaves(tree):
                 items[item] = ocp.args.StandardSave(tree)
         if holders:
@@ -286,7 +278,7 @@ class Checkpointer:
         self,
         step: int | None = None,
         *,
-        model: nnx.Module | None = None,
+        model: nnx.Module | Holder | None = None,
         optimizer: nnx.Optimizer | None = None,
         caches: Iterable[CacheHolder] = (),
     ) -> CheckpointInfo:
@@ -308,8 +300,10 @@ class Checkpointer:
 
         Args:
           step: the step to restore; default: the latest.
-          model: the NNX model to restore (built like the saved one); its
-            ``CachedEmbed`` tables are restored with it.
+          model: the NNX model to restore (built like the saved one), its
+            ``CachedEmbed`` tables with it; or the ``jaxcache.linen.Holder``
+            of a Linen model's variables (built like the saved ones), whose
+            variables are replaced.
           optimizer: the dense optimizer to restore.
           caches: more tables (``jaxcache.pipeline.CacheHolder``) outside ``model``.
 
@@ -318,30 +312,30 @@ class Checkpointer:
         """
         step = self._resolve(step)
         meta = self._meta(step)
-        holders = _find_tables(model, caches)
+        holders = find_tables(model, caches)
+        for name in holders:
+            table_record.check_name(name)
         saved = self._tables(step, list(holders)) if holders else {}
         for name, holder in holders.items():
-            _check_compatible(name, saved[name].meta, holder.cache)
-            saved[name].check_files(name)
+            table_record.check_restorable(name, saved[name], holder.cache)
             _check_nothing_in_flight(name, holder.cache)
         updates = []
         for item, node in (("model", model), ("optimizer", optimizer)):
-            if node is None or not jax.tree.leaves(nnx.state(node, _DENSE)):
+            if node is None or not jax.tree.leaves(dense_state(node)):
                 continue
             if item not in meta["items"]:
                 raise ValueError(f"checkpoint {step} has no {item} state; pass {item}=None.")
             updates.append((node, self._restore_dense(step, item, node)))
         # Everything matched: from here on, state changes.
         for name, holder in holders.items():
-            _restore_table(saved[name], holder)
+            table_record.restore_table(saved[name], holder)
         for node, state in updates:
-            nnx.update(node, state)
+            load_dense_state(node, state)
         return _info(step, meta)
 
-    def _restore_dense(self, step: int, item: str, node: Any) -> nnx.State:
-        state = nnx.state(node, _DENSE)
-        target = nnx.to_pure_dict(state)
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _saveable(state))
+    def _restore_dense(self, step: int, item: str, node: Any) -> dict[str, Any]:
+        target = dense_state(node)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _saveable(target))
         saved = _shapes(self._manager.item_metadata(step)[item].tree)
         wanted = _shapes(abstract)
         if saved != wanted:
@@ -354,8 +348,7 @@ class Checkpointer:
         restored = self._manager.restore(
             step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(abstract)})
         )[item]
-        nnx.replace_by_pure_dict(state, jax.tree.map(_unsaveable, target, restored))
-        return state
+        return jax.tree.map(_unsaveable, target, restored)
 
     # ---------------------------------------------------------------- export
     def export(
@@ -387,23 +380,8 @@ class Checkpointer:
         os.makedirs(directory, exist_ok=True)
         paths = {}
         for name in names:
-            table = saved[name]
-            dtype = jnp.dtype(table.meta["config"]["dtype"])
-            path = os.path.join(os.fspath(directory), f"{name}.npy")
-            if table.shards == 1:
-                rows = table.array("rows")
-                if dtype == np.float32:
-                    _write_array(path, rows, fsync=False)
-                else:
-                    _write_array(path, rows.view(dtype), fsync=False, dtype=np.float32)
-            else:  # rows split over processes: interleave them back into id order
-                config = table.meta["config"]
-                shape = (config["num_embeddings"], config["features"])
-                out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
-                table.copy_rows("rows", out, (0, 1), stored=dtype)
-                out.flush()
-                del out
-            paths[name] = path
+            paths[name] = os.path.join(os.fspath(directory), f"{name}.npy")
+            saved[name].export_rows(paths[name])
         return paths
 
     # ----------------------------------------------------------------- other
@@ -433,7 +411,7 @@ class Checkpointer:
             )
         return step
 
-    def _tables(self, step: int, names: list[str]) -> dict[str, _SavedTable]:
+    def _tables(self, step: int, names: list[str]) -> dict[str, table_record.SavedTable]:
         saved = {}
         if "tables" in self._meta(step)["items"]:
             args = ocp.args.Composite(tables=_TablesRestore())
@@ -459,29 +437,6 @@ def _check_step(value: Any, name: str) -> int:
     return int(value)
 
 
-def _find_tables(model: nnx.Module | None, caches: Iterable[CacheHolder]) -> dict[str, Any]:
-    """The tables of ``model`` (its ``CachedEmbed`` modules) and ``caches``, by name."""
-    found: list[Any] = []
-    if model is not None:
-        found += [m for _, m in nnx.iter_modules(model) if isinstance(m, CachedEmbed)]
-    holders: dict[str, Any] = {}
-    for holder in [*found, *caches]:
-        if not all(hasattr(holder, a) for a in ("cache", "get_state", "set_state")):
-            raise TypeError(
-                f"caches holds a {type(holder).__name__}, not a cached table; pass the "
-                "jaxcache.nnx.CachedEmbed (or any jaxcache.pipeline.CacheHolder) of each table."
-            )
-        name = holder.cache.name
-        if not _TABLE_NAME.fullmatch(name):
-            raise ValueError(
-                f"table name {name!r} cannot name a file; use letters, digits, '_', '-' or '.'."
-            )
-        other = holders.setdefault(name, holder)
-        if other.cache is not holder.cache:
-            raise ValueError(f"two tables are named {name!r}; give each CacheConfig its own name=.")
-    return holders
-
-
 def _check_nothing_in_flight(name: str, cache: EmbeddingCache) -> None:
     ahead = cache.lifecycle.in_flight()
     if len(ahead) > 1:
@@ -499,11 +454,9 @@ def _is_key(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _saveable(state: nnx.State) -> dict[str, Any]:
-    """A pure dict of arrays (typed PRNG keys as their raw data) for orbax."""
-    return jax.tree.map(
-        lambda x: jax.random.key_data(x) if _is_key(x) else x, nnx.to_pure_dict(state)
-    )
+def _saveable(tree: dict[str, Any]) -> dict[str, Any]:
+    """The arrays of a pure dict, typed PRNG keys as their raw data, for orbax."""
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
 
 
 def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -521,7 +474,7 @@ def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
 def _unsaveable(target: Any, value: Any) -> Any:
     if _is_key(target):
         return jax.random.wrap_key_data(value, impl=jax.random.key_impl(target))
-    if isinstance(target, jax.Array) and not getattr(target, "_committed", True):
+    if isinstance(target, jax.Array) and not target.committed:
         # orbax commits what it restores to a device; a variable that was
         # not committed (made without a sharding) stays free to follow the
         # step's other arguments, as with several processes it must.
@@ -529,95 +482,21 @@ def _unsaveable(target: Any, value: Any) -> Any:
     return value
 
 
-# ---------------------------------------------------------------------- tables
-@dataclasses.dataclass(frozen=True)
-class _SavedTable:
-    """One table of a checkpoint on disk: its directory and ``table.json``."""
-
-    directory: str
-    meta: dict[str, Any]
-
-    @property
-    def shards(self) -> int:
-        """Processes whose host rows were saved (one file each), 1 for a whole table."""
-        return int(self.meta.get("shards", 1))
-
-    def path(self, key: str) -> str:
-        return os.path.join(self.directory, f"{key}.npy")
-
-    def check_files(self, name: str) -> None:
-        """Raises ``ValueError`` unless every row file of the table is there."""
-        keys = ["rows", *(f"state.{k}" for k in self.meta["config"]["row_state"])]
-        for key in keys:
-            for shard in range(self.shards):
-                path = self.path(_shard_key(key, shard, self.shards))
-                if not os.path.exists(path):
-                    raise ValueError(
-                        f"table {name!r}: {path} is missing; the checkpoint is incomplete."
-                    )
-
-    def copy_rows(
-        self, key: str, out: np.ndarray, shard: tuple[int, int], stored: Any = None
-    ) -> None:
-        """Reads array ``key`` (``rows`` or ``state.<name>``) into ``out``, the
-        ``shard=(index, count)`` of a host table, whatever split it was saved with.
-
-        ``stored``: the saved values' dtype when it differs from ``out``'s
-        (bfloat16 rows, kept as raw bytes, exported widened to float32)."""
-        index, count = shard
-        if self.shards == 1 and count == 1:
-            _read_into(self.path(key), out)
-            return
-        for saved in range(self.shards):
-            source = self.array(_shard_key(key, saved, self.shards))
-            # Row r of this file is id saved + r * shards; keep the ids of `shard`.
-            for rows in _row_chunks(source):
-                ids = saved + self.shards * np.arange(rows.start, min(rows.stop, len(source)))
-                keep = ids % count == index
-                if keep.any():
-                    out[ids[keep] // count] = source[rows][keep].view(
-                        out.dtype if stored is None else stored
-                    )
-
-    def take(self, key: str, ids: np.ndarray, dtype: Any) -> np.ndarray:
-        """The saved values of global ``ids`` in array ``key``, as ``dtype``
-        (the table's), whatever split they were saved with."""
-        if self.shards == 1:
-            return np.asarray(self.array(key)[ids]).view(dtype)
-        out = None
-        for saved in range(self.shards):
-            mine = ids % self.shards == saved
-            if mine.any():
-                part = self.array(_shard_key(key, saved, self.shards))[ids[mine] // self.shards]
-                if out is None:
-                    out = np.empty((ids.size, *part.shape[1:]), part.dtype)
-                out[mine] = part
-        assert out is not None, "take() is called with at least one id"
-        return out.view(dtype)
-
-    def array(self, key: str) -> np.ndarray:
-        """A read-only memory map of array ``key`` (stored dtype; bfloat16 as raw bytes)."""
-        return np.load(self.path(key), mmap_mode="r")
-
-
+# ---------------------------------------------------------------- orbax items
 class _TablesHandler(ocp.CheckpointHandler):
-    """orbax handler of the ``tables`` item: streams each table to ``.npy`` files."""
+    """orbax handler of the ``tables`` item: one table record per directory."""
 
     def __init__(self, *, fsync: bool = True) -> None:
         self._fsync = fsync
 
     def save(self, directory: Any, args: _TablesSave) -> None:
         for name, cache in args.caches.items():
-            _save_table(os.path.join(os.fspath(directory), name), cache, fsync=self._fsync)
+            path = os.path.join(os.fspath(directory), name)
+            table_record.save_table(path, cache, fsync=self._fsync)
 
     def restore(self, directory: Any, args: _TablesRestore | None = None) -> dict[str, Any]:
         del args
-        tables = {}
-        for entry in sorted(os.scandir(os.fspath(directory)), key=lambda e: e.name):
-            if entry.is_dir():
-                with open(os.path.join(entry.path, "table.json")) as f:
-                    tables[entry.name] = _SavedTable(entry.path, json.load(f))
-        return tables
+        return table_record.read_tables(os.fspath(directory))
 
     def metadata(self, directory: Any) -> None:
         del directory
@@ -633,316 +512,3 @@ class _TablesSave(ocp.args.CheckpointArgs):
 @dataclasses.dataclass
 class _TablesRestore(ocp.args.CheckpointArgs):
     pass
-
-
-def _shard_key(key: str, index: int, count: int) -> str:
-    return key if count == 1 else f"{key}.shard-{index}-of-{count}"
-
-
-def _save_table(directory: str, cache: EmbeddingCache, *, fsync: bool) -> None:
-    """Writes one table. Every process writes its own host rows and its own
-    devices' planner state (one file per array and process when they are
-    split); the first process also writes ``table.json``."""
-    os.makedirs(directory, exist_ok=True)
-    state = cache.state_dict()
-    planner = state["planner"]
-    table = cache.table
-    index, count = table.shard
-    policy = dict(planner["policy"])
-    rows = {"rows": table.rows, **{f"state.{k}": v for k, v in table.state.items()}}
-    arrays = {_shard_key(key, index, count): array for key, array in rows.items()}
-    files: dict[str, dict] = {}
-    if not isinstance(table.rows, np.ndarray):  # a TieredTable: its rows are read in chunks
-        files = _write_streamed(directory, table, list(arrays), fsync=fsync)
-        arrays = {}
-    own = {
-        # This process's slot blocks (consecutive), and its ids' policy counts.
-        "planner.id_of_slot": planner["id_of_slot"],
-        "planner.last_use": planner["last_use"],
-        **{f"policy.{k}": v for k, v in policy.items() if k != "name"},
-    }
-    arrays.update({_shard_key(key, index, count): array for key, array in own.items()})
-    files.update(
-        (key, _write_array(os.path.join(directory, f"{key}.npy"), array, fsync=fsync))
-        for key, array in arrays.items()
-    )
-    if index:
-        return
-    meta = {
-        "format": _FORMAT,
-        "config": _config_json(cache.config),
-        "devices": int(cache.devices),
-        "shards": count,
-        "arrays": files,
-        "next_index": int(planner["next_index"]),
-        "policy": policy["name"],
-        "buckets": state["buckets"],
-        "stats": state["stats"],
-    }
-    path = os.path.join(directory, "table.json")
-    with open(path, "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-
-
-def _check_compatible(name: str, meta: dict[str, Any], cache: EmbeddingCache) -> None:
-    saved, config = meta["config"], cache.config
-    if meta.get("format") != _FORMAT:
-        raise ValueError(f"table {name!r} was saved in format {meta.get('format')}, not {_FORMAT}.")
-    for field in ("num_embeddings", "features", "dtype"):
-        if saved[field] != getattr(config, field):
-            raise ValueError(
-                f"table {name!r}: the checkpoint has {field}={saved[field]!r} but the cache has "
-                f"{getattr(config, field)!r}; build the cache from "
-                f"Checkpointer.cache_config({name!r}) (capacity, policy and devices may differ)."
-            )
-    row_state = _row_state_json(config)
-    if row_state and row_state != saved["row_state"]:
-        raise ValueError(
-            f"table {name!r}: the checkpoint's per-row optimizer state is "
-            f"{saved['row_state']} but this cache's optimizer keeps {row_state}; restore with "
-            "the same sparse optimizer (or a serving cache, which keeps none)."
-        )
-
-
-def _is_exact(meta: dict[str, Any], cache: EmbeddingCache) -> bool:
-    """Same capacity, policy, optimizer and devices: the cache comes back as it was."""
-    saved, config = meta["config"], cache.config
-    return (
-        saved["capacity"] == config.capacity
-        and saved["policy"] == config.policy
-        and saved["optimizer"] == _optimizer_json(config.optimizer)
-        and meta["devices"] == cache.devices
-    )
-
-
-def _restore_table(saved: _SavedTable, holder: Any) -> None:
-    cache = holder.cache
-    meta = saved.meta
-    shards = saved.shards
-    policy: dict[str, Any] = {"name": meta["policy"]}
-    for key in meta["arrays"]:
-        if key.startswith("policy.") and ".shard-" not in key:
-            policy[key.removeprefix("policy.")] = saved.array(key)
-    for key in {k.split(".shard-")[0] for k in meta["arrays"] if ".shard-" in k}:
-        if key.startswith("policy."):  # each process's share of the ids
-            parts = [saved.array(_shard_key(key, i, shards)) for i in range(shards)]
-            policy[key.removeprefix("policy.")] = parts
-
-    def slots(key: str) -> np.ndarray:  # every process's slot blocks, in order
-        parts = [saved.array(_shard_key(key, i, shards)) for i in range(shards)]
-        return parts[0] if shards == 1 else np.concatenate(parts)
-
-    state: dict[str, Any] = {
-        "planner": {
-            "id_of_slot": slots("planner.id_of_slot"),
-            "last_use": slots("planner.last_use"),
-            "next_index": meta["next_index"],
-            "policy": policy,
-        }
-    }
-    if _is_exact(meta, cache):
-        state["buckets"] = meta["buckets"]
-        state["stats"] = meta["stats"]
-    cache.load_state_dict(state)
-    table = cache.table
-    if isinstance(table.rows, np.ndarray):
-        saved.copy_rows("rows", table.rows, table.shard)
-        for key, array in table.state.items():
-            saved.copy_rows(f"state.{key}", array, table.shard)
-    else:  # a TieredTable: written in chunks through its tiers
-        for ids in _id_chunks(table):
-            rows = saved.take("rows", ids, table.rows.dtype)
-            state = {k: saved.take(f"state.{k}", ids, v.dtype) for k, v in table.state.items()}
-            table.scatter(ids, rows, state)
-    holder.set_state(cache.init_state())
-
-
-# --------------------------------------------------------------- configuration
-def _optimizer_json(optimizer: optimizers.SparseOptimizer) -> dict[str, Any]:
-    fields = {f.name: getattr(optimizer, f.name) for f in dataclasses.fields(optimizer)}
-    return {"type": type(optimizer).__name__, **fields}
-
-
-def _row_state_json(config: CacheConfig) -> dict[str, Any]:
-    return {
-        name: {"shape": list(spec.shape), "dtype": np.dtype(spec.dtype).name}
-        for name, spec in config.optimizer.state_spec(config.features).items()
-    }
-
-
-def _config_json(config: CacheConfig) -> dict[str, Any]:
-    out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    out["optimizer"] = _optimizer_json(config.optimizer)
-    out["row_state"] = _row_state_json(config)
-    return out
-
-
-def _config_from_json(saved: dict[str, Any]) -> CacheConfig:
-    spec = dict(saved["optimizer"])
-    kind = spec.pop("type")
-    cls = getattr(optimizers, kind, None) or getattr(serving, kind, None)
-    if not (isinstance(cls, type) and issubclass(cls, optimizers.SparseOptimizer)):
-        raise ValueError(
-            f"the table was trained with the sparse optimizer {kind}, which jaxcache does not "
-            "define; build its CacheConfig yourself (the saved fields are in table.json)."
-        )
-    names = {f.name for f in dataclasses.fields(CacheConfig)}
-    fields = {k: v for k, v in saved.items() if k in names and k != "optimizer"}
-    return CacheConfig(**fields, optimizer=cls(**spec))
-
-
-# ----------------------------------------------------------------------- files
-def _mapped_file(array: np.ndarray) -> tuple[str, int] | None:
-    """``(path, offset)`` when ``array`` is a memory map of all the data of a file."""
-    if not isinstance(array, np.memmap) or not array.filename or not array.flags.c_contiguous:
-        return None
-    try:
-        size = os.path.getsize(array.filename)
-    except OSError:
-        return None
-    # np.memmap maps from the offset to the end of the data: a C-contiguous
-    # view this large can only start at the offset.
-    if array.offset + array.nbytes != size:
-        return None
-    return array.filename, array.offset
-
-
-def _copy_range(source: int, target: int, source_offset: int, target_offset: int, size: int):
-    """Copies ``size`` bytes between files inside the kernel; ``False`` if unsupported."""
-    done = 0
-    try:
-        while done < size:
-            moved = os.copy_file_range(
-                source, target, size - done, source_offset + done, target_offset + done
-            )
-            if moved == 0:
-                raise OSError(errno.EIO, "the source file ended early")
-            done += moved
-    except (OSError, AttributeError) as error:
-        unsupported = getattr(error, "errno", None) in (
-            errno.EXDEV,
-            errno.ENOSYS,
-            errno.EOPNOTSUPP,
-            errno.EINVAL,
-            None,
-        )
-        if done == 0 and unsupported:
-            return False
-        raise
-    return True
-
-
-def _row_chunks(array: np.ndarray) -> Iterable[slice]:
-    """Slices of ``array``'s rows of about ``_CHUNK_BYTES`` each."""
-    step = max(1, _CHUNK_BYTES // max(1, array[:1].nbytes))
-    for start in range(0, array.shape[0], step):
-        yield slice(start, start + step)
-
-
-def _write_array(path: str, array: np.ndarray, *, fsync: bool, dtype: Any = None) -> dict:
-    """Writes ``array`` as ``.npy`` without a full copy in memory (``dtype``: convert)."""
-    dtype = array.dtype if dtype is None else np.dtype(dtype)
-    header = {
-        "descr": np.lib.format.dtype_to_descr(dtype),
-        "fortran_order": False,
-        "shape": array.shape,
-    }
-    mapped = _mapped_file(array) if dtype == array.dtype else None
-    size = array.size * dtype.itemsize
-    with open(path, "wb") as f:
-        np.lib.format.write_array_header_1_0(f, header)
-        f.flush()
-        offset = f.tell()
-        copied = False
-        if mapped is not None:
-            with open(mapped[0], "rb") as source:
-                copied = _copy_range(source.fileno(), f.fileno(), mapped[1], offset, size)
-        if not copied:
-            for rows in _row_chunks(array):
-                chunk = np.ascontiguousarray(array[rows], dtype=dtype)
-                f.write(chunk.reshape(-1).view(np.uint8).data)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    return {"shape": list(array.shape), "dtype": dtype.name, "bytes": size}
-
-
-def _id_chunks(table: Any) -> Iterable[np.ndarray]:
-    """The global ids a table stores, in order, about ``_CHUNK_BYTES`` of rows at a time."""
-    index, count = table.shard
-    local = len(table.rows)
-    row_bytes = table.rows[:1].nbytes + sum(v[:1].nbytes for v in table.state.values())
-    step = max(1, _CHUNK_BYTES // max(1, row_bytes))
-    for start in range(0, local, step):
-        yield index + count * np.arange(start, min(start + step, local), dtype=np.int64)
-
-
-def _write_streamed(directory: str, table: Any, keys: list[str], *, fsync: bool) -> dict:
-    """Writes a table that is not in memory (``TableColumn`` views) as ``.npy``
-    files, one pass over its rows: each chunk read once, all arrays at once."""
-    columns = [table.rows, *table.state.values()]
-    files, meta = [], {}
-    try:
-        for key, column in zip(keys, columns, strict=True):
-            f = open(os.path.join(directory, f"{key}.npy"), "wb")
-            files.append(f)
-            header = {
-                "descr": np.lib.format.dtype_to_descr(column.dtype),
-                "fortran_order": False,
-                "shape": column.shape,
-            }
-            np.lib.format.write_array_header_1_0(f, header)
-            meta[key] = {
-                "shape": list(column.shape),
-                "dtype": column.dtype.name,
-                "bytes": column.nbytes,
-            }
-        for ids in _id_chunks(table):
-            rows, state = table.gather(ids)
-            for f, values in zip(files, [rows, *state.values()], strict=True):
-                f.write(np.ascontiguousarray(values).reshape(-1).view(np.uint8).data)
-        for f in files:
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-    finally:
-        for f in files:
-            f.close()
-    return meta
-
-
-def _read_into(path: str, out: np.ndarray) -> None:
-    """Reads the ``.npy`` file at ``path`` into ``out`` (same shape and item size)."""
-    with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-        else:
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-        offset = f.tell()
-        if tuple(shape) != out.shape or fortran or dtype.itemsize != out.dtype.itemsize:
-            raise ValueError(
-                f"{path} holds {dtype} {tuple(shape)}, expected {out.dtype} {out.shape}."
-            )
-        if os.fstat(f.fileno()).st_size != offset + out.nbytes:
-            raise ValueError(f"{path} is truncated or corrupt (size does not match its header).")
-        mapped = _mapped_file(out)
-        if mapped is not None:
-            with open(mapped[0], "r+b") as target:
-                if _copy_range(f.fileno(), target.fileno(), offset, mapped[1], out.nbytes):
-                    return
-        if out.flags.c_contiguous:
-            flat = out.reshape(-1).view(np.uint8)
-            done = 0
-            while done < flat.size:
-                read = f.readinto(flat[done : done + _CHUNK_BYTES].data)
-                if not read:
-                    raise ValueError(f"{path} ended early.")
-                done += read
-            return
-    source = np.load(path, mmap_mode="r")
-    for rows in _row_chunks(out):
-        out[rows] = source[rows].view(out.dtype)

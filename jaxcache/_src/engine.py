@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import Any, NamedTuple, cast
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -39,7 +40,7 @@ from jaxcache._src.lifecycle import Lifecycle
 from jaxcache._src.partitions import Partitions
 from jaxcache._src.placement import Layout, process_shard
 from jaxcache._src.stager import Deferred, HostStaged, Stager, bucket_size
-from jaxcache._src.stats import CacheStats, StepStats
+from jaxcache._src.stats import CacheStats
 from jaxcache._src.threads import HostThreads, default_threads
 from jaxcache._src.write_back import WriteBacks
 
@@ -531,22 +532,75 @@ class EmbeddingCache:
           (1, 2)
         """
         self.lifecycle.check_idle("saving or restoring the cache")
-        stats, stager = self.stats, self.stager
         return {
             "planner": self.planner.state_dict(),
-            "buckets": {
-                "fetch": stager.fetch_bucket,
-                "route": list(stager.route_buckets),
-                "bag": stager.bag_bucket,
-            },
-            "stats": {
-                "total": dataclasses.asdict(stats.total),
-                "last": dataclasses.asdict(stats.last),
-                "steps": stats.steps,
-                "write_back_waits": stats.write_back_waits,
-                "deferred_fetches": stats.deferred_fetches,
-            },
+            "buckets": self.stager.state_dict(),
+            "stats": self.stats.state_dict(),
         }
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """This process's part of the host state besides the table, as flat
+        arrays for a checkpoint (``Partitions.state_arrays``); its scalars are
+        ``state_meta``'s. Take it after ``flush``, with no batch in flight."""
+        self.lifecycle.check_idle("saving or restoring the cache")
+        return self.planner.state_arrays()
+
+    def state_meta(self) -> dict[str, Any]:
+        """What ``state_arrays`` leaves out, JSON-serialisable: the planners'
+        scalars, the padded sizes and the statistics.
+
+        Examples:
+          >>> import numpy as np, jaxcache
+          >>> cfg = jaxcache.CacheConfig(100, 4, capacity=8, policy="lru")
+          >>> cache = jaxcache.EmbeddingCache(cfg)
+          >>> state, _ = cache.prepare(cache.init_state(), np.array([1, 2]))
+          >>> cache.flush(state)
+          >>> arrays, meta = cache.state_arrays(), cache.state_meta()
+          >>> sorted(arrays), sorted(meta)
+          (['planner.id_of_slot', 'planner.last_use'], ['buckets', 'next_index', 'policy', 'stats'])
+          >>> other = jaxcache.EmbeddingCache(cfg, table=cache.table)
+          >>> other.load_state_arrays([arrays], meta)
+          >>> other.planner.resident_ids().tolist(), other.stats.total.misses
+          ([1, 2], 2)
+        """
+        return {
+            **self.planner.state_meta(),
+            "buckets": self.stager.state_dict(),
+            "stats": self.stats.state_dict(),
+        }
+
+    def check_state_arrays(
+        self, parts: Sequence[Mapping[str, np.ndarray]], meta: Mapping[str, Any]
+    ) -> None:
+        """Raises ``ValueError`` unless ``load_state_arrays`` takes ``parts``
+        and ``meta`` (``Partitions.check_state_arrays``); changes nothing."""
+        self.planner.check_state_arrays(parts, meta)
+
+    def load_state_arrays(
+        self,
+        parts: Sequence[Mapping[str, np.ndarray]],
+        meta: Mapping[str, Any],
+        *,
+        exact: bool = True,
+    ) -> None:
+        """Restores what ``state_arrays`` and ``state_meta`` returned; the host
+        table must already hold the rows. Build the device state afterwards
+        with ``init_state``.
+
+        Args:
+          parts: every saving process's ``state_arrays``, in process order.
+          meta: the ``state_meta`` saved with them.
+          exact: the state comes from a cache of the same capacity, policy,
+            optimizer and device count: take its padded sizes and statistics
+            too. Otherwise the planners place the saved rows afresh
+            (``Partitions.load_state_dict``) and the statistics start at zero.
+
+        Raises:
+          ValueError: the state does not fit this table (nothing changed).
+        """
+        self.lifecycle.check_idle("saving or restoring the cache")
+        self.planner.load_state_arrays(parts, meta)
+        self._restored(meta if exact else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a ``state_dict``; the host table must already hold the rows.
@@ -570,23 +624,16 @@ class EmbeddingCache:
         """
         self.lifecycle.check_idle("saving or restoring the cache")
         self.planner.load_state_dict(state["planner"])
-        self.lifecycle.restored()  # the rows come back on the device
-        buckets = state.get("buckets")
-        stager = self.stager
-        if buckets is not None:
-            stager.fetch_bucket = int(buckets["fetch"])
-            route = tuple(int(size) for size in buckets["route"])
-            if len(route) == len(stager.route_buckets):
-                stager.route_buckets = cast(tuple[int, int, int], route)
-            stager.bag_bucket = int(buckets.get("bag", stager.bag_bucket))
-        saved = state.get("stats")
-        if saved is not None:
-            fields = [f.name for f in dataclasses.fields(StepStats)]
-            self.stats.total = StepStats(**{k: int(saved["total"].get(k, 0)) for k in fields})
-            self.stats.last = StepStats(**{k: int(saved["last"].get(k, 0)) for k in fields})
-            self.stats.steps = int(saved["steps"])
-            self.stats.write_back_waits = int(saved["write_back_waits"])
-            self.stats.deferred_fetches = int(saved.get("deferred_fetches", 0))
+        self._restored(state)
+
+    def _restored(self, state: Mapping[str, Any]) -> None:
+        """After the planners were restored: the rows come back on the device,
+        and the padded sizes and statistics of ``state`` are taken, if any."""
+        self.lifecycle.restored()
+        if state.get("buckets") is not None:
+            self.stager.load_state_dict(state["buckets"])
+        if state.get("stats") is not None:
+            self.stats.load_state_dict(state["stats"])
 
 
 def _write_back(

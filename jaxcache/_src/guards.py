@@ -1,4 +1,4 @@
-"""Guards: skip an update that would write non-finite values; check a cache's bookkeeping.
+"""Guards: skip a training update that would write non-finite values.
 
 ``update_if_finite`` is the training update of ``jaxcache.nnx`` (the loss,
 its gradients, the dense optimizer and the sparse row updates) made
@@ -17,10 +17,6 @@ conditional on the loss and every gradient being finite. What it costs:
   step, so the host can no longer queue the next step ahead. Checking every
   ``k`` steps is cheaper; a bad step is still skipped, but the training loop
   has gone on for up to ``k - 1`` steps when the error is raised.
-
-``check_invariants`` checks what the planner promises (the directory is a
-bijection, only resident rows are dirty, ...). It costs ``O(N + C)``: for
-tests and soak runs, not for every production step.
 """
 
 from __future__ import annotations
@@ -29,18 +25,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
-from jaxcache._src.engine import EmbeddingCache
 from jaxcache._src.nnx_module import cached_tables, value_and_grad
-from jaxcache._src.planner import Planner
 from jaxcache._src.sparse_grad import FiniteCheck, RowGrads, finite_check
 
 __all__ = [
     "FiniteCheck",
     "NonFiniteError",
-    "check_invariants",
     "raise_if_nonfinite",
     "update_if_finite",
 ]
@@ -160,68 +152,3 @@ def raise_if_nonfinite(check: FiniteCheck, *, step: int) -> None:
             step=step,
             tables=tables,
         )
-
-
-def check_invariants(cache: EmbeddingCache) -> None:
-    """Checks the host bookkeeping of ``cache``; raises ``AssertionError`` if broken.
-
-    In every device partition of this process: the directory is a bijection
-    between resident ids and their slots, ids are in range (local ids of the
-    partition), only resident rows are dirty, recency never runs ahead of the
-    plans, and a counting policy's per-slot counts mirror its per-id counts.
-    ``O(N + C)``.
-
-    Args:
-      cache: the cache to check (take it between steps).
-
-    Examples:
-      >>> import numpy as np, jaxcache
-      >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8))
-      >>> state, _ = cache.prepare(cache.init_state(), np.array([3, 5, 3]))
-      >>> jaxcache.testing.check_invariants(cache)
-      >>> cache.planner.planners[0].slot_of_id[7] = 0  # corrupt the directory
-      >>> try:
-      ...     jaxcache.testing.check_invariants(cache)
-      ... except AssertionError as error:
-      ...     print(error)
-      table 'embedding': 3 ids map to a slot but 2 slots hold an id
-    """
-    several = cache.layout.devices > 1
-    for device, planner in zip(cache.layout.own, cache.planner.planners, strict=True):
-        where = f" on device {device}" if several else ""
-        _check_partition(planner, f"table {cache.name!r}{where}")
-
-
-def _check_partition(planner: Planner, name: str) -> None:
-    """``check_invariants`` for one device's planner."""
-    n, capacity = planner.config.num_embeddings, planner.capacity
-    ids = planner.id_of_slot
-    occupied = np.flatnonzero(ids >= 0)
-    resident = ids[occupied]
-
-    def fail(message: str) -> None:
-        raise AssertionError(f"{name}: {message}")
-
-    if ids.size != capacity or ids.min(initial=0) < -1 or ids.max(initial=-1) >= n:
-        fail(f"slots hold ids outside [0, {n})")
-    if np.unique(resident).size != resident.size:
-        fail("an id is held by two slots")
-    mapped = np.count_nonzero(planner.slot_of_id >= 0)
-    if mapped != resident.size:
-        fail(f"{mapped} ids map to a slot but {resident.size} slots hold an id")
-    if not np.array_equal(planner.slot_of_id[resident], occupied):
-        fail("slot_of_id and id_of_slot disagree")
-    if planner.slot_of_id.max(initial=-1) >= capacity:
-        fail(f"an id maps to a slot beyond the capacity {capacity}")
-    if planner.dirty[ids < 0].any():
-        fail("a free slot is marked dirty")
-    if planner.last_use.max(initial=-1) >= planner.next_index:
-        fail("a slot was used by a plan that does not exist yet")
-    if planner.released >= planner.next_index:
-        fail("a plan was released before it was made")
-    slot_counts = getattr(planner.policy, "slot_counts", None)
-    if slot_counts is not None and not np.array_equal(
-        slot_counts[occupied],
-        planner.policy.counts[resident],  # type: ignore[attr-defined]
-    ):
-        fail("the policy's per-slot counts disagree with its per-id counts")

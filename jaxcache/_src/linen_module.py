@@ -516,6 +516,7 @@ class Holder:
         _locate(_split(variables)[0], cache.name)  # fail here, not in the pipeline
         self.cache = cache
         self._variables = _Cell(variables)
+        self._variables.caches[cache.name] = cache
 
     @property
     def variables(self) -> Variables:
@@ -562,7 +563,38 @@ class Holder:
         _locate(_split(self.variables)[0], cache.name)
         holder = copy.copy(self)  # shares the variables' cell
         holder.cache = cache
+        holder._variables.caches[cache.name] = cache
         return holder
+
+    def tables(self) -> dict[str, Holder]:
+        """The holder of every table of these variables, by name: the model's cached tables.
+
+        Each table's cache is this holder's or one given to ``for_cache`` of a
+        holder sharing these variables (a Linen module keeps no reference to
+        its cache). ``jaxcache.Checkpointer`` saves a Linen model's tables
+        through them.
+
+        Raises:
+          ValueError: the variables hold the state of a table whose cache no
+            holder sharing them was given.
+
+        Examples:
+          >>> import jax, jaxcache, jaxcache.linen
+          >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8))
+          >>> embed = jaxcache.linen.CachedEmbed(cache)
+          >>> variables = embed.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (2,)))
+          >>> holder = jaxcache.linen.Holder(cache, variables)
+          >>> {name: h.cache is cache for name, h in holder.tables().items()}
+          {'embedding': True}
+        """
+        caches = self._variables.caches
+        missing = sorted(set(_table_paths(_split(self.variables)[0])) - set(caches))
+        if missing:
+            raise ValueError(
+                f"the variables hold table {missing[0]!r} but no holder of them has its cache; "
+                "make one with holder.for_cache(cache) for each table of the model."
+            )
+        return {name: self.for_cache(cache) for name, cache in sorted(caches.items())}
 
     def get_state(self) -> CacheState:
         """The table's device state, read from ``variables``."""
@@ -577,12 +609,13 @@ class Holder:
 
 
 class _Cell:
-    """One mutable slot, shared by the holders of one model's tables."""
+    """One mutable slot, shared by the holders of one model's tables, and their caches."""
 
-    __slots__ = ("value",)
+    __slots__ = ("caches", "value")
 
     def __init__(self, value: Variables) -> None:
         self.value = value
+        self.caches: dict[str, EmbeddingCache] = {}
 
 
 # ------------------------------------------------------------- variable trees
@@ -612,8 +645,8 @@ def _split(variables: Variables) -> tuple[Variables, Callable[[Variables], Varia
     return variables, lambda new: new
 
 
-def _locate(collection: Variables, table: str) -> _Path:
-    """Path of ``table``'s state in the collection (module path + table name)."""
+def _table_paths(collection: Variables) -> dict[str, list[_Path]]:
+    """The paths of every table's state in the collection, by table name."""
     found: dict[str, list[_Path]] = {}
 
     def walk(node: Mapping[str, Any], path: _Path) -> None:
@@ -624,6 +657,12 @@ def _locate(collection: Variables, table: str) -> _Path:
                 walk(value, (*path, key))
 
     walk(collection, ())
+    return found
+
+
+def _locate(collection: Variables, table: str) -> _Path:
+    """Path of ``table``'s state in the collection (module path + table name)."""
+    found = _table_paths(collection)
     paths = found.get(table, [])
     if not paths:
         raise ValueError(

@@ -14,7 +14,14 @@ from jaxcache._src import device_ops, host_callback, sparse_grad
 from jaxcache._src.device_ops import CacheState, Lookup, check_combiner
 from jaxcache._src.engine import EmbeddingCache
 
-__all__ = ["CacheOptState", "CacheRows", "CachedEmbed", "jit_step", "value_and_grad"]
+__all__ = [
+    "CacheOptState",
+    "CacheRows",
+    "CachedEmbed",
+    "cached_embeds",
+    "jit_step",
+    "value_and_grad",
+]
 
 
 class CacheRows(nnx.Variable):
@@ -159,6 +166,21 @@ class CachedEmbed(nnx.Module):
         return self.cache.export(self.get_state())
 
 
+def cached_embeds(model: nnx.Module) -> list[CachedEmbed]:
+    """The ``CachedEmbed`` modules of an NNX model, in graph order: its cached tables.
+
+    Examples:
+      >>> import jaxcache
+      >>> from flax import nnx
+      >>> from jaxcache._src.nnx_module import cached_embeds
+      >>> cfg = jaxcache.CacheConfig(100, 4, capacity=8)
+      >>> model = nnx.List([jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg))])
+      >>> [embed.cache.name for embed in cached_embeds(model)]
+      ['embedding']
+    """
+    return [module for _, module in nnx.iter_modules(model) if isinstance(module, CachedEmbed)]
+
+
 def value_and_grad(
     fn: Callable[..., Any],
     *,
@@ -241,9 +263,8 @@ def value_and_grad(
 def cached_tables(model: nnx.Module) -> dict[str, CachedEmbed]:
     """The ``CachedEmbed`` modules of ``model`` by table name (the first of each name)."""
     modules: dict[str, CachedEmbed] = {}
-    for _, module in nnx.iter_modules(model):
-        if isinstance(module, CachedEmbed):
-            modules.setdefault(module.cache.name, module)
+    for module in cached_embeds(model):
+        modules.setdefault(module.cache.name, module)
     return modules
 
 

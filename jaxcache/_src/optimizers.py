@@ -11,6 +11,10 @@ config) with two pure pieces:
   and state. Work is ``O(U x D)``: rows not in the batch are never read or
   written (lazy semantics), so an untouched row and its state do not change.
 
+Every subclass of ``SparseOptimizer`` is registered by name when it is
+defined; a checkpoint records that name and the hyperparameters
+(``to_json``) and rebuilds the optimizer through the registry (``from_json``).
+
 Shape letters: ``U`` distinct rows in a batch, ``D`` row width.
 """
 
@@ -18,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +38,11 @@ __all__ = [
     "SparseOptimizer",
     "adagrad",
     "adam",
+    "from_json",
+    "registered",
     "rowwise_adagrad",
     "sgd",
+    "to_json",
 ]
 
 
@@ -58,24 +66,64 @@ class RowStateSpec(NamedTuple):
     init: float
 
 
+# Every SparseOptimizer subclass, by the name checkpoints record.
+_REGISTRY: dict[str, type[SparseOptimizer]] = {}
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseOptimizer:
     """Base class of the sparse row optimizers.
 
     A subclass names its per-row state in ``state_spec`` and maps touched
-    rows, their gradients and their state to new ones in ``update``.
+    rows, their gradients and their state to new ones in ``update``. Make it
+    a frozen dataclass: its fields are the hyperparameters a checkpoint
+    records, as JSON, beside the name it is registered under.
+
+    Every subclass is registered when it is defined, under the ``name``
+    given in its class statement (default: the class name); a name taken by
+    another class is refused. ``Checkpointer.cache_config`` rebuilds a
+    saved optimizer by that name, so the module defining it must be imported
+    before a checkpoint of a table trained with it is read
+    (``jaxcache.optimizers.registered`` lists the names).
+
+    Attributes:
+      registered_name: the name the class is registered under.
 
     Examples:
       >>> import dataclasses, jax.numpy as jnp, jaxcache
       >>> @dataclasses.dataclass(frozen=True)
-      ... class SignSGD(jaxcache.SparseOptimizer):
+      ... class SignSGD(jaxcache.SparseOptimizer, name="sign_sgd"):
       ...     def update(self, rows, grads, state):
       ...         return rows - self.learning_rate * jnp.sign(grads), state
       >>> SignSGD(0.5).update(jnp.zeros((1, 2)), jnp.array([[3.0, -1.0]]), {})[0].tolist()
       [[-0.5, 0.5]]
+      >>> SignSGD.registered_name, jaxcache.optimizers.registered()["sign_sgd"] is SignSGD
+      ('sign_sgd', True)
     """
 
     learning_rate: float
+    registered_name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if name is None:  # a class made again from this one's namespace keeps its name
+            name = cls.__dict__.get("registered_name") or cls.__name__
+        if not isinstance(name, str) or not name:
+            raise TypeError(
+                f"class {cls.__name__}(SparseOptimizer, name={name!r}): the name must be a "
+                "non-empty string."
+            )
+        other = _REGISTRY.get(name)
+        if other is not None and not _same_class(other, cls):
+            raise TypeError(
+                f"the sparse optimizer name {name!r} is taken by {_where(other)}; register "
+                f"{_where(cls)} under a name of its own: class {cls.__name__}("
+                "jaxcache.SparseOptimizer, name='...')."
+            )
+        # The same class defined again (a reloaded module, or made again from
+        # its namespace, as dataclass(slots=True) does) takes its name over.
+        _REGISTRY[name] = cls
+        cls.registered_name = name
 
     def __post_init__(self) -> None:
         rate, name = self.learning_rate, type(self).__name__
@@ -223,6 +271,72 @@ class Adam(SparseOptimizer):
         nu_hat = nu / (1.0 - self.b2**t)
         new = rows.astype(jnp.float32) - self.learning_rate * mu_hat / (jnp.sqrt(nu_hat) + self.eps)
         return new.astype(rows.dtype), {"mu": mu, "nu": nu, "count": count}
+
+
+def _where(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _same_class(registered: type[SparseOptimizer], cls: type[SparseOptimizer]) -> bool:
+    """Whether ``cls`` is ``registered`` defined again: the same module and
+    qualified name, or a class made from its namespace (which carries the
+    name it was registered under, before its qualified name is set)."""
+    if _where(registered) == _where(cls):
+        return True
+    same_name = (registered.__module__, registered.__name__) == (cls.__module__, cls.__name__)
+    return same_name and cls.__dict__.get("registered_name") == registered.registered_name
+
+
+def registered() -> dict[str, type[SparseOptimizer]]:
+    """The sparse optimizer classes defined so far, by the name checkpoints record.
+
+    Returns:
+      ``{name: class}`` (a copy): jaxcache's own, the serving tables'
+      read-only one, and every ``SparseOptimizer`` subclass imported.
+
+    Examples:
+      >>> import jaxcache
+      >>> registered = jaxcache.optimizers.registered()
+      >>> registered["Adagrad"] is jaxcache.optimizers.Adagrad
+      True
+      >>> {"SGD", "Adagrad", "RowwiseAdagrad", "Adam", "ReadOnly"} <= set(registered)
+      True
+    """
+    return dict(_REGISTRY)
+
+
+def to_json(optimizer: SparseOptimizer) -> dict[str, Any]:
+    """``{"type": registered name, **hyperparameters}``: what a checkpoint records."""
+    fields = {f.name: getattr(optimizer, f.name) for f in dataclasses.fields(optimizer)}
+    return {"type": type(optimizer).registered_name, **fields}
+
+
+def from_json(saved: Mapping[str, Any]) -> SparseOptimizer:
+    """The optimizer ``to_json`` described, built through the registry.
+
+    Raises:
+      ValueError: no class is registered under the saved name, or it does
+        not take the saved hyperparameters.
+    """
+    fields = dict(saved)
+    name = fields.pop("type", None)
+    cls = _REGISTRY.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(
+            f"the table was trained with the sparse optimizer {name!r}, which is not registered "
+            f"(registered: {sorted(_REGISTRY)}); import the module that defines it first, or "
+            f"define it: @dataclasses.dataclass(frozen=True) class MyOptimizer("
+            f"jaxcache.SparseOptimizer, name={name!r}) with the saved hyperparameters "
+            f"{sorted(fields)} as fields."
+        )
+    try:
+        return cls(**fields)
+    except TypeError as error:
+        raise ValueError(
+            f"the sparse optimizer {name!r} ({_where(cls)}) does not take the saved "
+            f"hyperparameters {fields}: {error}; register the class it was trained with "
+            "under this name."
+        ) from None
 
 
 def sgd(learning_rate: float) -> SGD:

@@ -23,6 +23,12 @@ passes, each split into independent pieces that run on the host threads:
 On one device the split and the ranking are skipped: the planner looks the
 batch up directly and its ranks are the ranks.
 
+A checkpoint holds each process's part of the planners' state as flat
+arrays (``Partitions.state_arrays``); a restore joins the parts of every
+process that saved them and places each row on its home device, whatever
+the device count. ``check_invariants`` checks every partition's
+bookkeeping (for tests).
+
 Shape letters: ``n`` devices, ``L`` devices of this process, ``E`` entries
 (real ids) a partition receives, ``U`` its distinct ids.
 """
@@ -30,7 +36,8 @@ Shape letters: ``n`` devices, ``L`` devices of this process, ``E`` entries
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -41,7 +48,10 @@ from jaxcache._src.placement import Layout
 from jaxcache._src.planner import _NO_PAD, CapacityError, Plan, Planner, check_state
 from jaxcache._src.threads import HostThreads, raised
 
-__all__ = ["Partitions", "Split", "StepPlan"]
+if TYPE_CHECKING:
+    from jaxcache._src.engine import EmbeddingCache
+
+__all__ = ["Partitions", "Split", "StepPlan", "check_invariants"]
 
 
 class Split(NamedTuple):
@@ -274,6 +284,14 @@ class Partitions:
             total += sum(a.nbytes for a in arrays)
         return total
 
+    def check_invariants(self, table: str) -> None:
+        """``Planner.check_invariants`` of every own partition, naming
+        ``table`` (and the device, with several)."""
+        several = self.layout.devices > 1
+        for device, planner in zip(self.devices, self.planners, strict=True):
+            where = f" on device {device}" if several else ""
+            planner.check_invariants(f"table {table!r}{where}")
+
     def resident_ids(self) -> np.ndarray:
         """Ids currently in a slot of this process's devices, in slot order."""
         ids = self.id_of_slot
@@ -465,6 +483,109 @@ class Partitions:
             "policy": self.policy_state(),
         }
 
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """This process's part of the planners' state as flat arrays, for a checkpoint.
+
+        Each process saves its own part; ``load_state_arrays`` joins the parts
+        of every process that saved them. The scalars are ``state_meta``'s.
+
+        Returns:
+          ``{"planner.id_of_slot": int64 [L C_l] (global ids),
+          "planner.last_use": int64 [L C_l], "policy.<name>": ...}``: each
+          array of ``policy_state`` (per-id arrays over this process's share
+          of the ids, the others stacked ``[L, ...]``).
+
+        Raises:
+          RuntimeError: rows changed on device were not written back.
+
+        Examples:
+          >>> import numpy as np, jaxcache
+          >>> from jaxcache._src.placement import Layout
+          >>> parts = Partitions(jaxcache.CacheConfig(6, 2, 4, policy="lfu"), Layout(devices=2))
+          >>> _ = parts.plan(np.array([[5, 5], [2, 5]]), train=False)
+          >>> arrays = parts.state_arrays()
+          >>> sorted(arrays), arrays["planner.id_of_slot"].tolist()
+          (['planner.id_of_slot', 'planner.last_use', 'policy.counts'], [2, -1, 5, -1])
+          >>> other = Partitions(jaxcache.CacheConfig(6, 2, 2, policy="lfu"), Layout(devices=1))
+          >>> other.load_state_arrays([arrays], parts.state_meta())
+          >>> other.resident_ids().tolist()  # the hottest rows that fit
+          [5, 2]
+        """
+        state = self.state_dict()
+        arrays = {"planner.id_of_slot": state["id_of_slot"], "planner.last_use": state["last_use"]}
+        arrays.update((f"policy.{k}", v) for k, v in state["policy"].items() if k != "name")
+        return arrays
+
+    def state_meta(self) -> dict[str, Any]:
+        """The planners' scalars for a checkpoint, JSON-serialisable:
+        ``{"next_index": int, "policy": name}``."""
+        return {"next_index": int(self.next_index), "policy": self.planners[0].policy.name}
+
+    def check_state_arrays(
+        self, parts: Sequence[Mapping[str, np.ndarray]], meta: Mapping[str, Any]
+    ) -> None:
+        """Raises ``ValueError`` unless ``load_state_arrays`` takes ``parts`` and
+        ``meta``: every array is there, the saved slots hold distinct ids of
+        this table, and per-id arrays cover its ``N`` ids. Changes nothing."""
+        self._joined(parts, meta)
+
+    def load_state_arrays(
+        self, parts: Sequence[Mapping[str, np.ndarray]], meta: Mapping[str, Any]
+    ) -> None:
+        """Restores the ``state_arrays`` of every process that saved them.
+
+        Args:
+          parts: each saving process's ``state_arrays``, in process order
+            (one for a single process); arrays may be memory maps.
+          meta: the ``state_meta`` they were saved with (other keys ignored).
+
+        Raises:
+          ValueError: the state does not fit this table (nothing changed).
+        """
+        self.load_state_dict(self._joined(parts, meta))
+
+    def _joined(
+        self, parts: Sequence[Mapping[str, np.ndarray]], meta: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The whole cache's state (``load_state_dict``'s) of every saving
+        process's parts, checked as ``check_state_arrays`` says."""
+        missing = [
+            f"{key} of process {i}"
+            for i, part in enumerate(parts)
+            for key in ("planner.id_of_slot", "planner.last_use")
+            if key not in part
+        ]
+        if not parts or missing or "next_index" not in meta:
+            lacking = missing[0] if missing else "next_index" if parts else "every process's part"
+            raise ValueError(f"the saved planner state lacks {lacking}; it is incomplete.")
+        shards, n = len(parts), self.config.num_embeddings
+
+        def joined(key: str) -> np.ndarray:  # every process's slot blocks, in order
+            values = [np.asarray(part[key]) for part in parts]
+            return values[0] if shards == 1 else np.concatenate(values)
+
+        policy: dict[str, Any] = {"name": meta.get("policy")}
+        for key in parts[0]:
+            if key.startswith("policy."):  # one array, or each process's share
+                values = [part[key] for part in parts]
+                policy[key.removeprefix("policy.")] = values[0] if shards == 1 else values
+        state = {
+            "id_of_slot": joined("planner.id_of_slot"),
+            "last_use": joined("planner.last_use"),
+            "next_index": int(meta["next_index"]),
+            "policy": policy,
+        }
+        check_state({**state, "policy": {}}, n)
+        for key in _per_id_keys(policy, self.planners[0].policy.per_id):
+            shares = [policy[key]] if shards == 1 else policy[key]
+            rows = sum(np.shape(share)[0] if np.ndim(share) else 0 for share in shares)
+            if rows != n:
+                raise ValueError(
+                    f"the saved policy's {key} cover {rows} ids but the table has {n} rows; is "
+                    "this the same table?"
+                )
+        return state
+
     def policy_state(self) -> dict[str, Any]:
         """What the policies learned: ``{"name": ..., per-id arrays}`` over this
         process's ids (all ids in one process), in id order, and the
@@ -603,3 +724,30 @@ def _per_id_keys(policy_state: dict[str, Any], per_id: tuple[str, ...]) -> tuple
     """The policy state's arrays with one entry per id: those the policy
     declares (``per_id``), and the access counts of any counting policy."""
     return tuple(key for key in policy_state if key in per_id or key == "counts")
+
+
+def check_invariants(cache: EmbeddingCache) -> None:
+    """Checks the host bookkeeping of ``cache``; raises ``AssertionError`` if broken.
+
+    In every device partition of this process: the directory is a bijection
+    between resident ids and their slots, ids are in range (local ids of the
+    partition), only resident rows are dirty, recency never runs ahead of the
+    plans, and a counting policy's per-slot counts mirror its per-id counts.
+    ``O(N + C)``.
+
+    Args:
+      cache: the cache to check (take it between steps).
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8))
+      >>> state, _ = cache.prepare(cache.init_state(), np.array([3, 5, 3]))
+      >>> jaxcache.testing.check_invariants(cache)
+      >>> cache.planner.planners[0].slot_of_id[7] = 0  # corrupt the directory
+      >>> try:
+      ...     jaxcache.testing.check_invariants(cache)
+      ... except AssertionError as error:
+      ...     print(error)
+      table 'embedding': 3 ids map to a slot but 2 slots hold an id
+    """
+    cache.planner.check_invariants(cache.name)

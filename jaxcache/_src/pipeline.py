@@ -37,16 +37,17 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
 
-from jaxcache._src.device_ops import CacheState, Lookup
+from jaxcache._src.device_ops import Lookup
 from jaxcache._src.engine import EmbeddingCache, HostStaged, Staged
+from jaxcache._src.holder import CacheHolder
 from jaxcache._src.planner import CapacityError
 
-__all__ = ["CacheHolder", "Prefetcher", "prefetch"]
+__all__ = ["Prefetcher", "prefetch"]
 
 _POLL_SECONDS = 0.05
 _OPEN: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
@@ -90,33 +91,6 @@ class _SwitchInterval:
 
 
 _SWITCH = _SwitchInterval()
-
-
-class CacheHolder(Protocol):
-    """What the pipeline needs of a table: its engine and its device state.
-
-    ``jaxcache.nnx.CachedEmbed`` is one; ``jaxcache.linen.Holder`` makes one of
-    a Linen model's variables.
-
-    Examples:
-      >>> import jaxcache
-      >>> class Holder:  # a plain container works too
-      ...     def __init__(self, cache):
-      ...         self.cache, self.state = cache, cache.init_state()
-      ...     def get_state(self):
-      ...         return self.state
-      ...     def set_state(self, state):
-      ...         self.state = state
-      >>> holder = Holder(jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8)))
-      >>> [b["ids"].shape for b in jaxcache.prefetch([{"ids": [[1, 2]]}], {"ids": holder})]
-      [(1, 2)]
-    """
-
-    cache: EmbeddingCache
-
-    def get_state(self) -> CacheState: ...
-
-    def set_state(self, state: CacheState) -> None: ...
 
 
 class PipelineStopped(Exception):

@@ -241,6 +241,46 @@ class Planner:
         """Ids currently in a slot, in slot order."""
         return self.id_of_slot[self.id_of_slot >= 0]
 
+    def check_invariants(self, name: str = "planner") -> None:
+        """Checks the bookkeeping; raises ``AssertionError`` naming ``name`` if broken.
+
+        The directory is a bijection between resident ids and their slots,
+        ids are in range, only resident rows are dirty, recency never runs
+        ahead of the plans, and a counting policy's per-slot counts mirror
+        its per-id counts. ``O(N + C)``: for tests and soak runs.
+        """
+        n, capacity = self.config.num_embeddings, self.capacity
+        ids = self.id_of_slot
+        occupied = np.flatnonzero(ids >= 0)
+        resident = ids[occupied]
+
+        def fail(message: str) -> None:
+            raise AssertionError(f"{name}: {message}")
+
+        if ids.size != capacity or ids.min(initial=0) < -1 or ids.max(initial=-1) >= n:
+            fail(f"slots hold ids outside [0, {n})")
+        if np.unique(resident).size != resident.size:
+            fail("an id is held by two slots")
+        mapped = np.count_nonzero(self.slot_of_id >= 0)
+        if mapped != resident.size:
+            fail(f"{mapped} ids map to a slot but {resident.size} slots hold an id")
+        if not np.array_equal(self.slot_of_id[resident], occupied):
+            fail("slot_of_id and id_of_slot disagree")
+        if self.slot_of_id.max(initial=-1) >= capacity:
+            fail(f"an id maps to a slot beyond the capacity {capacity}")
+        if self.dirty[ids < 0].any():
+            fail("a free slot is marked dirty")
+        if self.last_use.max(initial=-1) >= self.next_index:
+            fail("a slot was used by a plan that does not exist yet")
+        if self.released >= self.next_index:
+            fail("a plan was released before it was made")
+        slot_counts = getattr(self.policy, "slot_counts", None)
+        if slot_counts is not None and not np.array_equal(
+            slot_counts[occupied],
+            self.policy.counts[resident],  # type: ignore[attr-defined]
+        ):
+            fail("the policy's per-slot counts disagree with its per-id counts")
+
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The planner's state for a checkpoint: directory, recency and policy.

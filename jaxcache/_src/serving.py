@@ -28,7 +28,8 @@ from flax import nnx
 
 from jaxcache._src import optimizers
 from jaxcache._src.config import CacheConfig
-from jaxcache._src.pipeline import CacheHolder, prefetch
+from jaxcache._src.holder import CacheHolder
+from jaxcache._src.pipeline import prefetch
 
 __all__ = ["ReadOnly", "Server", "serving_config"]
 

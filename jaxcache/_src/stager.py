@@ -15,7 +15,8 @@ rows moved per device, ``C_l`` slots per device.
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -193,6 +194,20 @@ class Stager:
                 )
             )
             return HostStaged(step, ids, moves, route, deferred)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The padded sizes in use (they fix the compiled shapes), for a checkpoint."""
+        route = list(self.route_buckets)
+        return {"fetch": self.fetch_bucket, "route": route, "bag": self.bag_bucket}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Takes over the padded sizes of a ``state_dict``; a route of another
+        length (saved by another version) leaves the route's sizes as they are."""
+        self.fetch_bucket = int(state["fetch"])
+        route = tuple(int(size) for size in state["route"])
+        if len(route) == len(self.route_buckets):
+            self.route_buckets = cast(tuple[int, int, int], route)
+        self.bag_bucket = int(state.get("bag", self.bag_bucket))
 
     def check_batch(self, shape: tuple[int, ...]) -> None:
         """Refuses ids whose batch (leading) axis does not split over the devices."""

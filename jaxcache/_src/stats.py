@@ -6,7 +6,8 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import jax
 
@@ -198,6 +199,45 @@ class CacheStats:
     def compilations(self) -> int:
         """XLA compilations in the process since this cache was built."""
         return compilations() - self._compilations_at_start
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters as JSON-serialisable values, for a checkpoint.
+
+        The timers and the compilation count describe this process, not the
+        cache, and are not part of it.
+
+        Examples:
+          >>> import jaxcache
+          >>> stats = jaxcache.CacheStats(row_bytes=64)
+          >>> stats.record(jaxcache.stats.StepStats(lookups=10, distinct=4, hits=3))
+          >>> again = jaxcache.CacheStats(row_bytes=64)
+          >>> again.load_state_dict(stats.state_dict())
+          >>> again.steps, again.total.hits
+          (1, 3)
+        """
+        return {
+            "total": dataclasses.asdict(self.total),
+            "last": dataclasses.asdict(self.last),
+            "steps": self.steps,
+            "write_back_waits": self.write_back_waits,
+            "deferred_fetches": self.deferred_fetches,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Takes over the counters of a ``state_dict`` (possibly read back from JSON).
+
+        Raises:
+          ValueError: ``state`` lacks a counter (nothing changed).
+        """
+        fields = [f.name for f in dataclasses.fields(StepStats)]
+        try:
+            total = StepStats(**{k: int(state["total"].get(k, 0)) for k in fields})
+            last = StepStats(**{k: int(state["last"].get(k, 0)) for k in fields})
+            steps, waits = int(state["steps"]), int(state["write_back_waits"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"saved statistics are incomplete or corrupt: {error!r}.") from None
+        self.total, self.last, self.steps, self.write_back_waits = total, last, steps, waits
+        self.deferred_fetches = int(state.get("deferred_fetches", 0))
 
     def as_dict(self) -> dict[str, float]:
         """Cumulative counters and rates as a flat dict (for logging)."""
