@@ -201,18 +201,29 @@ def test_a_holder_refuses_variables_without_its_table():
         jaxcache.linen.Holder(cache, variables).for_cache(other)
 
 
-def test_lookup_ids_inside_the_step_matches_prepare_bit_for_bit():
-    # The host-callback form: raw ids go into the jitted step.
+def _prepared_run_and_a_second_tower(batches):
+    """Trains ``make_linen`` over ``batches`` (ids prepared on the host) and
+    builds a second tower of the same configuration, to be trained otherwise.
+
+    Returns ``(cache, held, losses)`` of the first and ``(cache, held, model,
+    tx)`` of the second.
+    """
     cfg = jaxcache.CacheConfig(N, D, capacity=130, policy="lru", optimizer=jaxcache.adam(0.05))
-    batches = list(zipf_batches(N, B, F, 8, seed=4))
     cache = jaxcache.EmbeddingCache(cfg)
     held, train = make_linen(cache)
     losses = [float(train(ids, labels)) for ids, labels in batches]
+    other = jaxcache.EmbeddingCache(cfg)
+    other_held, _ = make_linen(other)
+    model = Tower(jaxcache.linen.CachedEmbed(other))
+    return (cache, held, losses), (other, other_held, model, optax.adam(1e-2))
 
-    ids_cache = jaxcache.EmbeddingCache(cfg)
-    ids_held, _ = make_linen(ids_cache)
-    model = Tower(jaxcache.linen.CachedEmbed(ids_cache))
-    tx = optax.adam(1e-2)
+
+def test_lookup_ids_inside_the_step_matches_prepare_bit_for_bit():
+    # The host-callback form: raw ids go into the jitted step.
+    batches = list(zipf_batches(N, B, F, 8, seed=4))
+    (cache, held, losses), (ids_cache, ids_held, model, tx) = _prepared_run_and_a_second_tower(
+        batches
+    )
 
     @jax.jit
     def step(params, opt_state, cache_vars, ids, labels):
@@ -245,16 +256,10 @@ def test_lookup_ids_inside_the_step_matches_prepare_bit_for_bit():
 
 
 def test_update_if_finite_trains_as_value_and_grad_and_skips_a_nonfinite_step():
-    cfg = jaxcache.CacheConfig(N, D, capacity=130, policy="lru", optimizer=jaxcache.adam(0.05))
     batches = list(zipf_batches(N, B, F, 6, seed=5))
-    cache = jaxcache.EmbeddingCache(cfg)
-    held, train = make_linen(cache)
-    plain = [float(train(ids, labels)) for ids, labels in batches]
-
-    guarded_cache = jaxcache.EmbeddingCache(cfg)
-    guarded, _ = make_linen(guarded_cache)
-    model = Tower(jaxcache.linen.CachedEmbed(guarded_cache))
-    tx = optax.adam(1e-2)
+    (cache, held, plain), (guarded_cache, guarded, model, tx) = _prepared_run_and_a_second_tower(
+        batches
+    )
 
     def loss_fn(params, cache_vars, lookup, labels):
         logits = model.apply({"params": params, jaxcache.linen.COLLECTION: cache_vars}, lookup)
