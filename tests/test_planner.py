@@ -216,7 +216,7 @@ def test_frequency_policy_evicts_the_rarest_row():
     cfg = jaxcache.CacheConfig(6, 2, 3, policy="frequency")
     cache = jaxcache.EmbeddingCache(cfg, frequencies=freq)
     assert sorted(cache.planner.resident_ids().tolist()) == [0, 2, 3]  # warmed with hottest
-    cache.planner.release(cache.planner.next_index - 1)
+    cache.lifecycle.release_all()
     plan = cache.planner.plan(np.array([4])).plans[0]
     assert plan.fetch_ids.tolist() == [4]
     assert 3 not in cache.planner.resident_ids().tolist()
