@@ -54,7 +54,7 @@ Examples:
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -201,10 +201,9 @@ def prepare(
       >>> lookup.shape, cache.stats.last.misses
       ((1, 3), 2)
     """
-    collection, rebuild = _split(variables)
-    path = _locate(collection, cache.name)
-    state, lookup = cache.prepare(_get_state(collection, path), ids, train=train)
-    return rebuild(_set_state(collection, path, state)), lookup
+    states, put = _table_states(variables, [cache.name])
+    state, lookup = cache.prepare(states[cache.name], ids, train=train)
+    return put({cache.name: state}), lookup
 
 
 def value_and_grad(
@@ -258,12 +257,8 @@ def value_and_grad(
 
     def wrapped(params: Any, variables: Variables, *args: Any) -> tuple[Any, Any, Variables]:
         value, grads, row_grads = grads_of(params, variables, args)
-        collection, rebuild = _split(variables)
-        paths = {table: _locate(collection, table) for table in row_grads}
-        states = {table: _get_state(collection, path) for table, path in paths.items()}
-        for table, state in sparse_grad.apply_rows(states, row_grads, optimizers).items():
-            collection = _set_state(collection, paths[table], state)
-        return value, grads, rebuild(collection)
+        states, put = _table_states(variables, row_grads)
+        return value, grads, put(sparse_grad.apply_rows(states, row_grads, optimizers))
 
     return wrapped
 
@@ -336,12 +331,9 @@ def lookup_ids(
       >>> pooled.shape, cache.stats.last.misses
       ((1, 4), 2)
     """
-    collection, rebuild = _split(variables)
-    path = _locate(collection, cache.name)
-    state, lookup = host_callback.lookup_in_step(
-        cache, _get_state(collection, path), ids, train=train
-    )
-    return rebuild(_set_state(collection, path, state)), lookup
+    states, put = _table_states(variables, [cache.name])
+    state, lookup = host_callback.lookup_in_step(cache, states[cache.name], ids, train=train)
+    return put({cache.name: state}), lookup
 
 
 def update_if_finite(
@@ -395,9 +387,7 @@ def update_if_finite(
 
     def step(params: Any, opt_state: Any, variables: Variables, *args: Any):
         value, grads, row_grads = grads_of(params, variables, args)
-        collection, rebuild = _split(variables)
-        paths = {table: _locate(collection, table) for table in row_grads}
-        states = {table: _get_state(collection, path) for table, path in paths.items()}
+        states, put = _table_states(variables, row_grads)
         check = sparse_grad.finite_check(value[0] if has_aux else value, grads, row_grads, states)
 
         def apply(params, opt_state, states):
@@ -409,9 +399,7 @@ def update_if_finite(
             return params, opt_state, states
 
         params, opt_state, states = jax.lax.cond(check.ok(), apply, skip, params, opt_state, states)
-        for table, state in states.items():
-            collection = _set_state(collection, paths[table], state)
-        return value, params, opt_state, rebuild(collection), check
+        return value, params, opt_state, put(states), check
 
     return step
 
@@ -630,6 +618,23 @@ def _is_table_state(node: Any) -> bool:
         and isinstance(node["opt"], Mapping)
         and not isinstance(node["rows"], Mapping)
     )
+
+
+def _table_states(
+    variables: Variables, tables: Iterable[str]
+) -> tuple[dict[str, CacheState], Callable[[Mapping[str, CacheState]], Variables]]:
+    """The device state of each of ``tables`` in ``variables``, and ``put``:
+    ``put(states)`` is ``variables`` (of the same kind) with those replaced."""
+    collection, rebuild = _split(variables)
+    paths = {table: _locate(collection, table) for table in tables}
+
+    def put(states: Mapping[str, CacheState]) -> Variables:
+        out = collection
+        for table, state in states.items():
+            out = _set_state(out, paths[table], state)
+        return rebuild(out)
+
+    return {table: _get_state(collection, path) for table, path in paths.items()}, put
 
 
 def _split(variables: Variables) -> tuple[Variables, Callable[[Variables], Variables]]:

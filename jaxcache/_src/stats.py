@@ -128,8 +128,7 @@ class PhaseTimers:
         try:
             yield
         finally:
-            self.seconds[phase] += time.perf_counter() - start
-            self.counts[phase] += 1
+            self.add(phase, time.perf_counter() - start)
 
     def add(self, phase: str, seconds: float) -> None:
         """Adds one occurrence of ``phase`` that took ``seconds`` (timed elsewhere)."""
