@@ -172,6 +172,48 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
             assert (Layout(devices=devices).global_ids(d, held) == ids[real_at]).all()
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    devices=st.sampled_from([2, 4, 8]),
+    processes=st.sampled_from([2, 4]),
+    steps=st.integers(1, 4),
+)
+def test_processes_rank_what_crosses_between_them_alike(seed, devices, processes, steps):
+    # A source ranks the ids it sends another process's device with a hash
+    # table; that owner ranks them in its planner. Both must agree on every
+    # rank (the row each entry reads) and on how many rows cross.
+    if devices % processes:
+        processes = devices
+    rng = np.random.default_rng(seed)
+    n = 64
+    cfg = jaxcache.CacheConfig(n, 1, n, policy="lru", padding_id=-1)  # every row fits
+    parts = [Partitions(cfg, Layout(devices, processes, p)) for p in range(processes)]
+    for _ in range(steps):
+        ids = rng.integers(0, n, size=(devices * int(rng.integers(1, 12)), 2))
+        ids = np.where(rng.random(ids.shape) < 0.2, -1, ids)
+        plans = [part.plan(ids) for part in parts]
+        for part in parts:
+            part.release_all()
+        for home, plan in zip(parts, plans, strict=True):
+            for row, device in enumerate(home.devices):
+                residue = home.layout.residue(device)
+                for sender, sent in zip(parts, plans, strict=True):
+                    for source in sender.devices:
+                        if sender is home:
+                            continue
+                        out = sent.sent_out[sender.devices.index(source), device]
+                        assert out == plan.sent[row, source]
+                        lo, hi = (c[source] for c in sent.split.chunks(residue))
+                        mine_lo, mine_hi = (c[source] for c in plan.split.chunks(residue))
+                        np.testing.assert_array_equal(
+                            sent.split.ranks[lo:hi], plan.split.ranks[mine_lo:mine_hi]
+                        )
+                        np.testing.assert_array_equal(
+                            sent.split.local[lo:hi], plan.split.local[mine_lo:mine_hi]
+                        )
+
+
 def _check_fits_after(planner, ids, sizes):
     """A refused plan names the first release after which it fits, exactly."""
     with pytest.raises(jaxcache.CapacityError) as info:

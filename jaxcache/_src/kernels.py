@@ -415,13 +415,16 @@ def distinct_ranks(local, lo, hi, keys, values, ranks):
     For the ids a source sends an owner of another process, which ranks them
     the same way (``lookup_entries``). ``keys`` and ``values`` are scratch: an
     open-addressing hash table of at least twice ``hi - lo`` entries, a power
-    of two, ``keys`` filled with ``-1``; they are left that way again.
+    of two, ``keys`` filled with ``-1``; they are left that way again, by
+    clearing only the buckets this call filled (one per distinct id, not one
+    probe per entry again).
     """
     mask = keys.size - 1
     bits = 0
     while (1 << bits) < keys.size:
         bits += 1
     shift = 64 - bits
+    filled = np.empty(hi - lo, np.int64)
     count = 0
     for j in range(lo, hi):
         v = local[j]
@@ -435,14 +438,12 @@ def distinct_ranks(local, lo, hi, keys, values, ranks):
                 keys[h] = v
                 values[h] = count
                 ranks[j] = count
+                filled[count] = h
                 count += 1
                 break
             h = (h + 1) & mask
-    for j in range(lo, hi):  # clear what was set
-        h = ((local[j] * _GOLDEN) >> shift) & mask
-        while keys[h] >= 0:
-            keys[h] = -1
-            h = (h + 1) & mask
+    for q in range(count):
+        keys[filled[q]] = -1
     return count
 
 
