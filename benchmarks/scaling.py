@@ -10,9 +10,16 @@ One run measures, on a Criteo-shaped table of about 4M rows x 16 (LFU,
 1. **Weak scaling** in one process: 1, 2, 4, 8 simulated CPU devices, the
    per-device batch fixed, one host thread: staging CPU per step and per
    device partition. ``partition_cpu_8_over_1``: CPU per partition at 8
-   devices over that at 1.
-2. **Threads**: 8 devices, staging wall time with 1, 2 and 4 host threads,
-   the caches staged in turn batch by batch. ``threads_2_over_1``.
+   devices over that at 1. For reference, 8 independent one-device caches
+   (batches of their own) staged in turn on the same thread: what one
+   thread pays per cache once 8 caches' planner state share its CPU caches,
+   with no split and no route (``caches_8_in_turn_over_1``).
+2. **Threads**: 8 devices, staging wall time with 1, 2 and 4 host threads.
+   The three caches take turns in blocks of ``BLOCK`` steps, so that a
+   change of load on the machine falls on all of them while each block
+   runs with its own cache's state in the CPU caches, as a real run does
+   (turns of one step would start every step on another cache's state).
+   ``threads_2_over_1``.
 3. **Processes**: the staging CPU of one process of 2 processes x 4 devices
    against 1 process x 8 devices. Process 0's share is staged here by a
    stager of that layout (its planners, its share of the host table), with
@@ -29,7 +36,7 @@ Medians over the timed steps; ratios printed as ``name=value``. On a CPU the
 "devices" are simulated on the host's cores; run it with the machine
 otherwise idle.
 
-    python benchmarks/scaling.py            # about 3 minutes on 2 cores
+    python benchmarks/scaling.py            # under a minute on 2 cores
     python benchmarks/scaling.py --quick    # fewer steps
 """
 
@@ -58,6 +65,7 @@ from jaxcache._src.write_back import WriteBacks
 SCALE = 0.12  # of the Criteo Kaggle cardinalities: about 4.05M rows
 PER_DEVICE = 2048  # samples per device and step
 CAPACITY = 40_000  # rows per device
+BLOCK = 10  # steps a cache stages before the next takes its turn (threads)
 
 
 def _config(
@@ -101,7 +109,7 @@ class Runner:
         cache.land_write_backs()
 
 
-def weak_scaling(args: argparse.Namespace) -> float:
+def weak_scaling(args: argparse.Namespace) -> tuple[float, float]:
     print(f"1. weak scaling: {PER_DEVICE} samples x 26 ids per device, 1 host thread")
     print(
         f"   {'devices':>7} {'ids/step':>9} {'CPU ms/step':>12} {'ms/partition':>13} {'M ids/s':>8}"
@@ -121,20 +129,41 @@ def weak_scaling(args: argparse.Namespace) -> float:
             f"   {devices:>7} {ids:>9,} {1e3 * cpu:>12.2f} {1e3 * cpu / devices:>13.2f} "
             f"{ids / cpu / 1e6:>8.1f}"
         )
-    return per_partition[8] / per_partition[1]
+    in_turn = caches_in_turn(args, 8)
+    print(
+        f"   8 one-device caches staged in turn: {1e3 * in_turn:.2f} ms per cache and step "
+        f"({in_turn / per_partition[1]:.2f}x one cache alone)"
+    )
+    return per_partition[8] / per_partition[1], in_turn / per_partition[1]
+
+
+def caches_in_turn(args: argparse.Namespace, count: int) -> float:
+    """Median CPU per step of ``count`` independent one-device caches, each
+    with batches of its own, staged one after another on one thread."""
+    sources = [
+        jaxcache.synthetic.SyntheticCriteo(scale=SCALE, batch_size=PER_DEVICE, seed=seed)
+        for seed in range(count)
+    ]
+    runners = [Runner(_cache(_config(data, CAPACITY), 1, threads=1)) for data in sources]
+    for index in range(args.warmup + args.steps):
+        for data, runner in zip(sources, runners, strict=True):
+            runner.step(data.batch(index)["sparse"], index >= args.warmup)
+    return float(np.median(np.concatenate([runner.cpu for runner in runners])))
 
 
 def thread_scaling(args: argparse.Namespace) -> float:
     devices = 8
     counts = (1, 2, 4)
-    print(f"2. threads: {devices} devices, staging wall time, caches staged in turn")
+    print(f"2. threads: {devices} devices, staging wall time, caches in turns of {BLOCK} steps")
     data = jaxcache.synthetic.SyntheticCriteo(scale=SCALE, batch_size=PER_DEVICE * devices, seed=0)
     cfg = _config(data, CAPACITY * devices)
     runners = {t: Runner(_cache(cfg, devices, threads=t)) for t in counts}
-    for index in range(args.warmup + args.steps):
-        ids = data.batch(index)["sparse"]
+    total = args.warmup + args.steps
+    for start in range(0, total, BLOCK):
+        block = [data.batch(index)["sparse"] for index in range(start, min(start + BLOCK, total))]
         for runner in runners.values():
-            runner.step(ids, index >= args.warmup)
+            for index, ids in enumerate(block, start):
+                runner.step(ids, index >= args.warmup)
     one = float(np.median(runners[1].wall))
     print(f"   {'threads':>7} {'wall ms/step':>13} {'vs 1 thread':>12}")
     for threads, runner in runners.items():
@@ -207,13 +236,14 @@ def main() -> None:
     args = parser.parse_args()
     args.steps = args.steps or (10 if args.quick else 30)
     print(f"{_harness.machine()}; {args.steps} timed steps after {args.warmup} warm-up; medians")
-    partition = weak_scaling(args)
+    partition, in_turn = weak_scaling(args)
     threads = thread_scaling(args)
     processes = process_scaling(args)
     ids_per_s = heavy_batch(args)
     _harness.print_results(
         {
             "partition_cpu_8_over_1": partition,
+            "caches_8_in_turn_over_1": in_turn,
             "threads_2_over_1": threads,
             "per_process_2_over_1": processes,
         }
