@@ -196,22 +196,19 @@ def test_processes_rank_what_crosses_between_them_alike(seed, devices, processes
         for part in parts:
             part.release_all()
         for home, plan in zip(parts, plans, strict=True):
+            others = [(s, p) for s, p in zip(parts, plans, strict=True) if s is not home]
             for row, device in enumerate(home.devices):
                 residue = home.layout.residue(device)
-                for sender, sent in zip(parts, plans, strict=True):
-                    for source in sender.devices:
-                        if sender is home:
-                            continue
-                        out = sent.sent_out[sender.devices.index(source), device]
-                        assert out == plan.sent[row, source]
-                        lo, hi = (c[source] for c in sent.split.chunks(residue))
-                        mine_lo, mine_hi = (c[source] for c in plan.split.chunks(residue))
-                        np.testing.assert_array_equal(
-                            sent.split.ranks[lo:hi], plan.split.ranks[mine_lo:mine_hi]
-                        )
-                        np.testing.assert_array_equal(
-                            sent.split.local[lo:hi], plan.split.local[mine_lo:mine_hi]
-                        )
+                got_lo, got_hi = plan.split.chunks(residue)
+                for sender, sent in others:
+                    lo, hi = sent.split.chunks(residue)
+                    for at, source in enumerate(sender.devices):
+                        assert sent.sent_out[at, device] == plan.sent[row, source]
+                        for field in ("ranks", "local"):
+                            np.testing.assert_array_equal(
+                                getattr(sent.split, field)[lo[source] : hi[source]],
+                                getattr(plan.split, field)[got_lo[source] : got_hi[source]],
+                            )
 
 
 def _check_fits_after(planner, ids, sizes):
