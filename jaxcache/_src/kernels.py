@@ -37,7 +37,10 @@ from typing import Any
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
 from numba.cpython.unsafe.numbers import leading_zeros
+from numba.extending import intrinsic
 
 __all__ = [
     "IdIndex",
@@ -64,6 +67,43 @@ __all__ = [
 ]
 
 _JIT: dict[str, Any] = {"nogil": True, "cache": True, "boundscheck": False}
+
+
+# How far ahead the directory passes ask for what they will read: the
+# directory entry of the id ``_AHEAD`` positions on, and the slot state of the
+# id ``_AHEAD_SLOT`` on (its directory entry asked for ``_AHEAD - _AHEAD_SLOT``
+# positions earlier). A directory read misses the CPU caches (a random entry
+# of megabytes, the caches full of the step's other work) and waits ~100 ns;
+# a pass spends a few ns per id, so the reads it waits on must be asked for
+# dozens of ids before. Measured in place on the scaling benchmark's batches:
+# 16/8 ahead saved a quarter of the pass, 128/48 more than half.
+_AHEAD = 128
+_AHEAD_SLOT = 48
+
+
+def _prefetch_intrinsic(typingctx, array, index):
+    """``_prefetch(array, index)``: asks the CPU to bring ``array[index]``
+    into its caches; changes nothing else and never faults (``llvm.prefetch``:
+    a read, kept in all cache levels)."""
+
+    def codegen(context, builder, signature, args):
+        array_type = signature.args[0]
+        view = context.make_array(array_type)(context, builder, args[0])
+        pointer = cgutils.get_item_pointer(
+            context, builder, array_type, view, [args[1]], wraparound=False
+        )
+        byte = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        kind = ir.FunctionType(ir.VoidType(), [byte, i32, i32, i32])
+        # LLVM mangles the name with the pointer type as it needs it.
+        function = cgutils.get_or_insert_function(builder.module, kind, "llvm.prefetch")
+        builder.call(function, [builder.bitcast(pointer, byte), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(array, index), codegen
+
+
+_prefetch: Any = intrinsic(_prefetch_intrinsic)
 
 
 def as_index_array(ids: np.ndarray) -> np.ndarray:
@@ -112,7 +152,19 @@ def lookup(
     m = 0
     missed = 0
     valid = 0
-    for p in range(flat.size):
+    size = flat.size
+    for p in range(size):
+        if p + _AHEAD < size:
+            ahead = flat[p + _AHEAD]
+            if 0 <= ahead < num_embeddings:
+                _prefetch(slot_of_id, ahead)
+        if p + _AHEAD_SLOT < size:
+            ahead = flat[p + _AHEAD_SLOT]
+            if 0 <= ahead < num_embeddings:
+                slot = slot_of_id[ahead]
+                if slot >= 0:
+                    _prefetch(mark, slot)
+                    _prefetch(rank, slot)
         i = flat[p]
         if i == pad:
             inverse[p] = -1
@@ -195,7 +247,17 @@ def lookup_entries(
     for s in range(chunk_lo.size):
         k = 0
         tag = source_stamp + s
-        for j in range(chunk_lo[s], chunk_hi[s]):
+        hi = chunk_hi[s]
+        for j in range(chunk_lo[s], hi):
+            if j + _AHEAD < hi:
+                _prefetch(slot_of_id, local[j + _AHEAD])
+            if j + _AHEAD_SLOT < hi:
+                slot = slot_of_id[local[j + _AHEAD_SLOT]]
+                if slot >= 0:
+                    _prefetch(mark, slot)
+                    _prefetch(rank, slot)
+                    _prefetch(source_mark, slot)
+                    _prefetch(source_rank, slot)
             i = local[j]
             v = slot_of_id[i]
             if v >= 0:
