@@ -48,6 +48,7 @@ __all__ = [
     "adaptive_record",
     "as_index_array",
     "copy_rows",
+    "count_lookups",
     "distinct_ranks",
     "fill_inverse",
     "fill_negative",
@@ -381,6 +382,23 @@ def victim_candidates(reserve, mark, stamp, last_use, finished, id_of_slot, prio
         keys[k] = -1 if id_of_slot[s] < 0 else priority[s]
         k += 1
     return slots[:k], keys[:k]
+
+
+@numba.njit(**_JIT)
+def count_lookups(unique_slots, id_of_slot, lookups, counts, slot_counts):
+    """Adds each distinct slot's ``lookups`` to the per-id ``counts`` of the
+    row it holds and mirrors the new count into ``slot_counts`` (LFU)."""
+    n = unique_slots.size
+    for k in range(n):
+        if k + _AHEAD < n:
+            _prefetch(id_of_slot, unique_slots[k + _AHEAD])
+        if k + _AHEAD_SLOT < n:
+            _prefetch(counts, id_of_slot[unique_slots[k + _AHEAD_SLOT]])
+        s = unique_slots[k]
+        i = id_of_slot[s]
+        c = counts[i] + lookups[k]
+        counts[i] = c
+        slot_counts[s] = c
 
 
 @numba.njit(**_JIT)

@@ -140,9 +140,9 @@ class LFUPolicy(_CountPolicy):
     needs_counts = True
 
     def record(self, planner, unique_slots, counts):
-        ids = planner.id_of_slot[unique_slots]
-        self.counts[ids] += counts
-        self.slot_counts[unique_slots] = self.counts[ids]
+        kernels.count_lookups(
+            unique_slots, planner.id_of_slot, counts, self.counts, self.slot_counts
+        )
 
 
 # floor(256 * log2(1 + i / 256)): the mantissa part of kernels.log2_fixed.
