@@ -2,7 +2,7 @@
 
 A step's host work splits into independent pieces, one per source slice of
 the batch or per device partition of the cache. Each piece is a compiled
-kernel or NumPy call that releases the GIL, so a small pool of threads runs
+kernel or NumPy call that releases the GIL, so a few threads run
 them truly in parallel. Every piece writes only its own outputs and every
 reduction over pieces runs afterwards in a fixed order, so results never
 depend on the number of threads or on their timing.
