@@ -97,6 +97,7 @@ class HostThreads:
                 job.work()
                 job.finished.wait()
             finally:
+                crew.clear()
                 crew.busy.release()
         else:  # one thread, or the crew works on another map: this thread alone
             job.work()
@@ -151,6 +152,12 @@ class _Crew:
             self._generation += 1
             self._wake.notify_all()
 
+    def clear(self) -> None:
+        """Drops the finished job: the crew holds no pieces (nor the arrays
+        they use) between maps."""
+        with self._wake:
+            self._job = None
+
     def _serve(self) -> None:
         seen = 0
         while True:
@@ -158,8 +165,8 @@ class _Crew:
                 while self._generation == seen:
                     self._wake.wait()
                 seen, job = self._generation, self._job
-            assert job is not None, "a crew is woken with a job"
-            job.work()
+            if job is not None:  # a helper woken late finds the map done or none
+                job.work()
 
 
 _CREWS: dict[int, _Crew] = {}
