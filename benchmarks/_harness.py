@@ -19,15 +19,10 @@ from typing import TypeVar
 import jax
 import numpy as np
 
+from jaxcache._src.threads import cores
+
 Key = TypeVar("Key")
 Result = TypeVar("Result")
-
-
-def cores() -> int:
-    """The cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def machine() -> str:

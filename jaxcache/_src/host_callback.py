@@ -11,14 +11,13 @@ step, and a second callback lands its evicted rows (``write_back``).
 from __future__ import annotations
 
 import functools
-import os
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 from jax.experimental import io_callback
 
-from jaxcache._src import device_ops
+from jaxcache._src import device_ops, threads
 from jaxcache._src.device_ops import CacheState, Lookup
 from jaxcache._src.host_table import pad_rows, take_rows
 from jaxcache._src.lifecycle import Lifecycle
@@ -59,10 +58,7 @@ class HostCallbacks:
         """
         if self._platform != "cpu":
             return
-        if hasattr(os, "sched_getaffinity"):
-            cores = len(os.sched_getaffinity(0))
-        else:
-            cores = os.cpu_count() or 1
+        cores = threads.cores()
         if cores < 2:
             raise RuntimeError(
                 f"the host-callback form (CachedEmbed.lookup_ids) needs at least 2 CPU cores "

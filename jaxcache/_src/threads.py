@@ -25,13 +25,14 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
-__all__ = ["HostThreads", "default_threads"]
+__all__ = ["HostThreads", "cores", "default_threads"]
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 
-def _cores() -> int:
+def cores() -> int:
+    """The cores this process may run on (its affinity, where the OS has one)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
@@ -49,8 +50,8 @@ def default_threads(platform: str, partitions: int) -> int:
       >>> default_threads("gpu", 1)
       1
     """
-    cores = _cores()
-    spare = cores // 2 if platform == "cpu" else cores - 1
+    count = cores()
+    spare = count // 2 if platform == "cpu" else count - 1
     return max(1, min(partitions, spare))
 
 
@@ -89,7 +90,7 @@ class HostThreads:
         """Like ``map``, but a call that raises leaves a ``_Raised`` (its
         ``error``) in its place instead of raising."""
         job = _Job(fn, items)
-        helpers = min(self.count, _cores(), len(items)) - 1
+        helpers = min(self.count, cores(), len(items)) - 1
         crew = _crew(helpers) if helpers > 0 else None
         if crew is not None and crew.busy.acquire(blocking=False):
             try:
