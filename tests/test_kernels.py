@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxcache._src.kernels import IdIndex, copy_rows
+from jaxcache._src.kernels import IdIndex, copy_rows, split_by_home
 
 # Ids as they come: anywhere in int64, in runs, or on a stride of a power of
 # two (which a hash of the low bits alone would pile into one bucket).
@@ -72,3 +72,40 @@ def test_copy_rows_refuses_before_writing():
         copy_rows(dst, np.array([0]), src.astype(np.float64), np.array([0]))
     with pytest.raises(ValueError, match="destination rows must be C-contiguous"):
         copy_rows(np.zeros((4, 4), np.float32)[:, :2], np.array([0]), src, np.array([0]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    data=st.data(),
+    devices=st.sampled_from([1, 2, 3, 4, 6, 8]),
+    pad=st.sampled_from([-1, 7, np.iinfo(np.int64).min]),
+)
+def test_split_by_home_groups_like_a_stable_sort(data, devices, pad):
+    n = 50
+    ids = np.array(data.draw(st.lists(st.integers(-1, n - 1), max_size=60)), np.int64)
+    ids[ids == -1] = pad  # padding wherever the draw says
+    lo = data.draw(st.integers(0, ids.size))
+    hi = data.draw(st.integers(lo, ids.size))
+    keep = np.array(data.draw(st.lists(st.booleans(), min_size=devices, max_size=devices)))
+    local = np.full(hi - lo, -5, np.int64)
+    at = np.full(hi - lo, -5, np.int32)
+    starts = np.empty(devices + 1, np.int64)
+    assert split_by_home(ids, lo, hi, pad, n, devices, keep, local, at, starts) == -1
+    real = [(int(i), p) for p, i in enumerate(ids[lo:hi].tolist(), lo) if i != pad]
+    kept = [(i % devices, i // devices, p) for i, p in real if keep[i % devices]]
+    expected = sorted(kept, key=lambda entry: entry[0])  # stable: in order within a group
+    groups = [sum(1 for r, _, _ in expected if r == g) for g in range(devices)]
+    assert starts.tolist() == np.concatenate([[0], np.cumsum(groups)]).tolist()
+    assert local[: len(expected)].tolist() == [q for _, q, _ in expected]
+    if keep.all():  # positions only for a slice split for every residue
+        assert at[: len(expected)].tolist() == [p for _, _, p in expected]
+
+
+@pytest.mark.parametrize("keep_all", [True, False])
+def test_split_by_home_finds_the_first_id_out_of_range(keep_all):
+    ids = np.array([3, 9, 12, -4, 20], np.int64)
+    keep = np.array([keep_all, True])
+    out = np.empty(5, np.int64), np.empty(5, np.int32), np.empty(3, np.int64)
+    assert split_by_home(ids, 0, 5, -1, 12, 2, keep, *out) == 2  # 12 >= 12
+    assert split_by_home(ids, 3, 5, 20, 12, 2, keep, *out) == 3  # -4; 20 is padding
+    assert split_by_home(ids, 0, 2, -1, 12, 2, keep, *out) == -1

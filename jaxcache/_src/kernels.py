@@ -435,56 +435,93 @@ def split_by_home(flat, lo, hi, pad, num_embeddings, devices, keep, local, at, s
 
     Writes, grouped by residue and in order within each group, the local id
     (``id // devices``) of every real id whose residue ``r`` has ``keep[r]``
-    into ``local`` and its position in ``flat`` into ``at``; ``starts[r]`` is
-    where residue ``r``'s group begins (``starts[devices]`` where the last
-    ends). ``local`` and ``at`` need room for ``hi - lo`` entries plus one,
-    the last, where the entries not kept are written over and over (no
-    branch on ``keep``: on random residues it mispredicts half the time).
-    Every id is range-checked, kept or not.
+    into ``local``; ``starts[r]`` is where residue ``r``'s group begins
+    (``starts[devices]`` where the last ends). When every residue is kept,
+    each entry's position in ``flat`` goes to ``at`` too (a slice split
+    for only some residues, another process's, needs no positions, and
+    ``at`` is left as it was). ``local`` and ``at`` need room for ``hi - lo``
+    entries. Every id is range-checked, kept or not.
+
+    All kept: one pass counts the residues, a second writes each entry to
+    its group. Some kept: the first pass also writes the kept ids, in
+    order, to a scratch list (branch-free: an id not kept is overwritten by
+    the next), and the second groups only that list, so a slice that keeps
+    few residues costs about one read of its ids.
 
     Returns:
       The first position holding an id outside ``[0, num_embeddings)``
       (then the outputs are incomplete), else ``-1``.
     """
     counts = np.zeros(devices + 1, np.int64)
-    power = devices & (devices - 1) == 0
-    mask = devices - 1
-    shift = 0
-    while (1 << shift) < devices:
-        shift += 1
+    if devices & (devices - 1):  # not a power of two: divide
+        mask, shift = -1, -1
+    else:
+        mask, shift = devices - 1, 0
+        while (1 << shift) < devices:
+            shift += 1
+    kept = 0
+    for r in range(devices):
+        kept += 1 if keep[r] else 0
+    if kept == devices:
+        for p in range(lo, hi):
+            i = flat[p]
+            if i == pad:
+                continue
+            if i < 0 or i >= num_embeddings:
+                return p
+            r = (i & mask) if shift >= 0 else i % devices
+            counts[r + 1] += 1
+        _starts(counts, starts)
+        for p in range(lo, hi):
+            i = flat[p]
+            if i == pad:
+                continue
+            if shift >= 0:
+                r, q = i & mask, i >> shift
+            else:
+                r, q = i % devices, i // devices
+            c = counts[r]
+            local[c] = q
+            at[c] = p
+            counts[r] = c + 1
+        return -1
+    step = np.zeros(devices, np.int64)
+    for r in range(devices):
+        if keep[r]:
+            step[r] = 1
+    scratch = np.empty(hi - lo + 1, np.int64)
+    j = 0
     for p in range(lo, hi):
         i = flat[p]
         if i == pad:
             continue
         if i < 0 or i >= num_embeddings:
             return p
-        r = (i & mask) if power else i % devices
-        counts[r + 1] += keep[r]
-    for r in range(devices):
-        counts[r + 1] += counts[r]
-    for r in range(devices + 1):
-        starts[r] = counts[r]
-    trash = local.size - 1
-    step = np.empty(devices, np.int64)
-    for r in range(devices):
-        step[r] = 1 if keep[r] else 0
-        if not keep[r]:
-            counts[r] = trash
-    for p in range(lo, hi):
-        i = flat[p]
-        if i == pad:
-            continue
-        if power:
-            r = i & mask
-            q = i >> shift
+        r = (i & mask) if shift >= 0 else i % devices
+        scratch[j] = i
+        counts[r + 1] += step[r]
+        j += step[r]
+    _starts(counts, starts)
+    for k in range(j):
+        i = scratch[k]
+        if shift >= 0:
+            r, q = i & mask, i >> shift
         else:
-            r = i % devices
-            q = i // devices
+            r, q = i % devices, i // devices
         c = counts[r]
         local[c] = q
-        at[c] = p
-        counts[r] = c + step[r]
+        counts[r] = c + 1
     return -1
+
+
+@numba.njit(**_JIT)
+def _starts(counts, starts):
+    """Turns per-residue counts (``counts[r + 1]``) into group starts, in
+    ``starts`` and in ``counts`` (each group's next free entry)."""
+    for r in range(counts.size - 1):
+        counts[r + 1] += counts[r]
+    for r in range(counts.size):
+        starts[r] = counts[r]
 
 
 @numba.njit(**_JIT)

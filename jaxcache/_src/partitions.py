@@ -58,13 +58,14 @@ class Split(NamedTuple):
     """A batch's real ids grouped by source slice, then by residue (home).
 
     Source ``s``'s entries of residue ``r`` are ``[s S + starts[s, r],
-    s S + starts[s, r + 1])`` of each array (``S`` the slice length, plus
-    one slot of scratch per source); the sources of other processes keep
-    only the residues homed here.
+    s S + starts[s, r + 1])`` of each array (``S`` the slice length); the
+    sources of other processes keep only the residues homed here, and no
+    positions.
 
     Attributes:
       local: ``int64``: each entry's local id (``id // n``).
-      at: ``int32``: its position in the flattened batch.
+      at: ``int32``: its position in the flattened batch (this process's
+        sources only).
       starts: ``int64 [n, n + 1]``: where each (source, residue) group starts.
       ranks: ``int32``: each entry's rank among the distinct ids its source
         sends its home device, in order of first appearance.
@@ -77,7 +78,7 @@ class Split(NamedTuple):
 
     @property
     def share(self) -> int:
-        """``S + 1``: the room of a source's entries (its slice and one scratch slot)."""
+        """``S``: the room of a source's entries (its slice's length)."""
         return self.local.size // self.starts.shape[0]
 
     def chunks(self, residue: int) -> tuple[np.ndarray, np.ndarray]:
@@ -399,7 +400,7 @@ class Partitions:
         cfg, n = self.config, self.layout.devices
         share = flat.size // n
         pad = _NO_PAD if cfg.padding_id is None else cfg.padding_id
-        room = share + 1  # each source's slice, and a slot for the ids not kept
+        room = share  # each source's slice
         local = np.empty(n * room, np.int64)
         at = np.empty(n * room, np.int32)
         starts = np.empty((n, n + 1), np.int64)

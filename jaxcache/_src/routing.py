@@ -27,6 +27,8 @@ rows an owner serves, ``C_l`` slots per device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -194,10 +196,10 @@ def build_route(
                 at = np.searchsorted(overflow, device * cl + plan.unique_slots[rows])
                 owner_inverse[e, n * k + at] = rows
 
-    threads.map(fill_owner, owners)
     out_inverse = np.empty(flat.size, np.int32)
     split = step.split
     if split is None:  # one device: the plan's ranks, -1 for padding
+        threads.map(fill_owner, owners)
         out_inverse[:] = kernels.fill_negative(
             np.ascontiguousarray(step.plans[0].inverse, dtype=np.int32).reshape(-1), received
         )
@@ -217,7 +219,11 @@ def build_route(
                 split.at, split.ranks, entries, split.starts[source], base, out_inverse
             )
 
-        threads.map(fill_source, layout.own)
+        # One map for both: the sources' pieces first (the longer ones),
+        # then the owners' fill the tail.
+        pieces: list[Callable[[], None]] = [partial(fill_source, source) for source in layout.own]
+        pieces += [partial(fill_owner, owner) for owner in owners]
+        threads.map(lambda piece: piece(), pieces)
         if overflow.size:  # one process (see EmbeddingCache): every source is here
             for device, plan, first, bounds, _ in _owners(step, layout):
                 lo, hi = split.chunks(layout.residue(device))
