@@ -142,3 +142,21 @@ def test_gather_into_and_scatter_from_positions():
     with pytest.raises(IndexError, match="nothing was copied"):
         table.scatter(np.array([4, 100]), rows, state, at=np.array([0, 1]))
     np.testing.assert_array_equal(table.rows[4], before["rows"][93])
+
+
+@pytest.mark.parametrize("at", [[2, 3, 4], [4, 2, 3]], ids=["run", "scattered"])
+def test_gather_into_places_rows_and_refuses_bad_ids_before_writing(at):
+    cfg = jaxcache.CacheConfig(100, 3, 10, optimizer=jaxcache.rowwise_adagrad(0.1))
+    table = jaxcache.HostTable(cfg, seed=2)
+    ids, at = np.array([99, 0, 41]), np.array(at)
+    rows = np.full((6, 3), -1.0, np.float32)
+    state = {k: np.full((6, *v.shape[1:]), -1, v.dtype) for k, v in table.state.items()}
+    table.gather_into(ids, rows, state, at)
+    np.testing.assert_array_equal(rows[at], table.rows[ids])
+    assert (rows[[0, 1, 5]] == -1).all()
+    for name, values in state.items():
+        np.testing.assert_array_equal(values[at], table.state[name][ids])
+    fresh = np.full((6, 3), -1.0, np.float32)
+    with pytest.raises(IndexError, match=r"\[100\]|100"):
+        table.gather_into(np.array([1, 100, 2]), fresh, state, at)
+    assert (fresh == -1).all()

@@ -27,7 +27,7 @@ rows an owner serves, ``C_l`` slots per device.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import NamedTuple
 
@@ -137,6 +137,7 @@ def build_route(
     owner_size: int,
     pad: int,
     threads: HostThreads,
+    alongside: Sequence[Callable[[], None]] = (),
 ) -> HostRoute:
     """The padded route of a planned batch.
 
@@ -151,6 +152,8 @@ def build_route(
       owner_size: ``V``, padded distinct rows per owner.
       pad: the padding id (a value no id takes when there is none).
       threads: the host threads; owners and sources are filled in parallel.
+      alongside: other pieces of the step (the gather of its rows), run in
+        the same map as the route's, so the threads start once for both.
 
     Returns:
       The ``HostRoute``.
@@ -199,7 +202,7 @@ def build_route(
     out_inverse = np.empty(flat.size, np.int32)
     split = step.split
     if split is None:  # one device: the plan's ranks, -1 for padding
-        threads.map(fill_owner, owners)
+        _run(threads, [*alongside, *(partial(fill_owner, o) for o in owners)])
         out_inverse[:] = kernels.fill_negative(
             np.ascontiguousarray(step.plans[0].inverse, dtype=np.int32).reshape(-1), received
         )
@@ -219,11 +222,9 @@ def build_route(
                 split.at, split.ranks, entries, split.starts[source], base, out_inverse
             )
 
-        # One map for both: the sources' pieces first (the longer ones),
-        # then the owners' fill the tail.
-        pieces: list[Callable[[], None]] = [partial(fill_source, source) for source in layout.own]
-        pieces += [partial(fill_owner, owner) for owner in owners]
-        threads.map(lambda piece: piece(), pieces)
+        # One map for all: the longer pieces first, the owners' fill the tail.
+        sources = [partial(fill_source, source) for source in layout.own]
+        _run(threads, [*alongside, *sources, *(partial(fill_owner, o) for o in owners)])
         if overflow.size:  # one process (see EmbeddingCache): every source is here
             for device, plan, first, bounds, _ in _owners(step, layout):
                 lo, hi = split.chunks(layout.residue(device))
@@ -319,3 +320,8 @@ def routed_apply(
         return array.at[slots].set(values.astype(array.dtype), mode="drop")
 
     return write(rows, new_rows), {k: write(v, new_opt[k]) for k, v in opt.items()}
+
+
+def _run(threads: HostThreads, pieces: Sequence[Callable[[], None]]) -> None:
+    """Runs ``pieces`` (calls without arguments) as one map of ``threads``."""
+    threads.map(lambda piece: piece(), pieces)

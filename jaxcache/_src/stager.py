@@ -15,7 +15,8 @@ rows moved per device, ``C_l`` slots per device.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, NamedTuple, cast
 
 import numpy as np
@@ -176,10 +177,12 @@ class Stager:
             with timers.time("plan"):
                 step = self.partitions.plan(ids, train=train, released=released, max_distinct=size)
                 sizes = self._sizes(step, ids, size)
-                route = self._route(step, ids, sizes)
             moves = deferred = None
+            gathers: list[Callable[[], None]] = []
             if sizes.moves:
-                moves, deferred = self._moves(step, defer, sizes.moves)
+                moves, deferred, gathers = self._moves(step, defer, sizes.moves)
+            with timers.time("gather"):  # the fetched rows, and the route filled alongside
+                route = self._route(step, ids, sizes, gathers)
             self.stats.record(
                 StepStats(
                     lookups=step.total("lookups"),
@@ -253,8 +256,11 @@ class Stager:
         return _Sizes(k, v, o, moves, bags)
 
     # ----------------------------------------------------------------- route
-    def _route(self, step: StepPlan, ids: np.ndarray, sizes: _Sizes) -> routing.HostRoute:
-        """Routes ``step`` over the devices, padded to ``sizes``."""
+    def _route(
+        self, step: StepPlan, ids: np.ndarray, sizes: _Sizes, gathers: list[Callable[[], None]]
+    ) -> routing.HostRoute:
+        """Routes ``step`` over the devices, padded to ``sizes``; ``gathers``
+        run in the same map as the route's pieces (one start of the threads)."""
         cl, k = self.local_capacity, sizes.per_destination
         overflow = np.zeros(0, np.int64)
         if sizes.overflow:
@@ -271,6 +277,7 @@ class Stager:
             owner_size=sizes.owner,
             pad=pad,
             threads=self.threads,
+            alongside=gathers,
         )
         if not sizes.bags:
             return route
@@ -293,24 +300,20 @@ class Stager:
         return positions
 
     # ----------------------------------------------------------------- moves
-    def _moves(self, step: StepPlan, defer: bool, size: int) -> tuple[Moves, Deferred | None]:
-        """This process's blocks of ``step``'s swap and the fetches deferred
-        to the transfer; lands the write-backs it needs first (or defers the
-        rows that wait for one) and queues its own evictions' write-back."""
+    def _moves(
+        self, step: StepPlan, defer: bool, size: int
+    ) -> tuple[Moves, Deferred | None, list[Callable[[], None]]]:
+        """This process's blocks of ``step``'s swap, the fetches deferred to
+        the transfer, and the pieces that fill the blocks (one per device,
+        for the host threads); lands the write-backs the fetches need first
+        (or defers the rows that wait for one) and queues its own evictions'
+        write-back."""
         timers, layout, cl = self.stats.timers, self.layout, self.local_capacity
         blocks = len(step.plans)
-        evict_slots = np.full(blocks * size, cl, np.int32)
-        fetch_slots = np.full(blocks * size, cl, np.int32)
-        evict_ids, evict_at, fetch_ids, fetch_at = [], [], [], []
-        for block, (device, plan) in enumerate(zip(layout.own, step.plans, strict=True)):
-            start = block * size
-            evict_slots[start : start + len(plan.evict_slots)] = plan.evict_slots
-            fetch_slots[start : start + plan.misses] = plan.fetch_slots
-            evict_ids.append(layout.global_ids(device, plan.evict_ids))
-            evict_at.append(start + np.arange(len(plan.evict_ids)))
-            fetch_ids.append(layout.global_ids(device, plan.fetch_ids))
-            fetch_at.append(start + np.arange(plan.misses))
+        own = list(zip(layout.own, step.plans, strict=True))
+        fetch_ids = [layout.global_ids(device, plan.fetch_ids) for device, plan in own]
         wanted = np.concatenate(fetch_ids)
+        home = [np.ones(ids.size, bool) for ids in fetch_ids]  # gathered now
         deferred = None
         with timers.time("write_back"):
             if defer:
@@ -318,24 +321,43 @@ class Stager:
                 plans, read_out = self.ledger.pending(wanted)
                 late = plans >= 0
                 if late.any():
-                    at = np.concatenate(fetch_at)
+                    at = np.concatenate(
+                        [b * size + np.arange(ids.size) for b, ids in enumerate(fetch_ids)]
+                    )
                     deferred = Deferred(wanted[late], at[late], plans[late], read_out[late])
                     self.stats.deferred_fetches += int(late.sum())
-                    # Only the rows that are home now are gathered below.
                     home = np.split(~late, np.cumsum([ids.size for ids in fetch_ids])[:-1])
-                    fetch_ids = [ids[keep] for ids, keep in zip(fetch_ids, home, strict=True)]
-                    fetch_at = [at_d[keep] for at_d, keep in zip(fetch_at, home, strict=True)]
             else:
                 self.ledger.land_for(wanted)
-        evicted = np.concatenate(evict_ids)
-        if evicted.size:  # after landing: a plan never fetches what it evicts
-            self.ledger.register(step.index, evicted, np.concatenate(evict_at))
-        with timers.time("gather"):  # into fresh buffers: the device may alias them
-            table, total = self.table, blocks * size
-            rows = np.zeros((total, *table.rows.shape[1:]), table.rows.dtype)
-            opt = {k: np.zeros((total, *v.shape[1:]), v.dtype) for k, v in table.state.items()}
-            self.threads.map(
-                lambda item: table.gather_into(item[0], rows, opt, item[1]),
-                [(ids, at) for ids, at in zip(fetch_ids, fetch_at, strict=True) if ids.size],
+        evicted = [layout.global_ids(device, plan.evict_ids) for device, plan in own]
+        if sum(ids.size for ids in evicted):  # after landing: a plan never fetches what it evicts
+            self.ledger.register(
+                step.index,
+                np.concatenate(evicted),
+                _block_positions(evicted, size),
             )
-        return (evict_slots, fetch_slots, rows, opt), deferred
+        # Fresh buffers (the device may alias them); the rows gathered by
+        # the host threads, one piece per block with rows to fetch.
+        table, total = self.table, blocks * size
+        evict_slots = np.full(total, cl, np.int32)
+        fetch_slots = np.full(total, cl, np.int32)
+        for block, plan in enumerate(step.plans):
+            evict_slots[block * size : block * size + len(plan.evict_slots)] = plan.evict_slots
+            fetch_slots[block * size : block * size + plan.misses] = plan.fetch_slots
+        rows = np.zeros((total, *table.rows.shape[1:]), table.rows.dtype)
+        opt = {k: np.zeros((total, *v.shape[1:]), v.dtype) for k, v in table.state.items()}
+
+        def gather(block: int) -> None:
+            keep = home[block]
+            at = block * size + np.flatnonzero(keep)
+            table.gather_into(fetch_ids[block][keep], rows, opt, at)
+
+        pieces: list[Callable[[], None]] = [
+            partial(gather, block) for block in range(blocks) if home[block].any()
+        ]
+        return (evict_slots, fetch_slots, rows, opt), deferred, pieces
+
+
+def _block_positions(per_block: list[np.ndarray], size: int) -> np.ndarray:
+    """Where each entry of ``per_block`` sits in blocks of ``size`` rows, one per list."""
+    return np.concatenate([b * size + np.arange(ids.size) for b, ids in enumerate(per_block)])
