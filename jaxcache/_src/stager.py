@@ -304,10 +304,10 @@ class Stager:
         self, step: StepPlan, defer: bool, size: int
     ) -> tuple[Moves, Deferred | None, list[Callable[[], None]]]:
         """This process's blocks of ``step``'s swap, the fetches deferred to
-        the transfer, and the pieces that fill the blocks (one per device,
-        for the host threads); lands the write-backs the fetches need first
-        (or defers the rows that wait for one) and queues its own evictions'
-        write-back."""
+        the transfer, and the pieces that gather the fetched rows into the
+        blocks (one per block with rows to gather now, for the host threads);
+        lands the write-backs the fetches need first (or defers the rows that
+        wait for one) and queues its own evictions' write-back."""
         timers, layout, cl = self.stats.timers, self.layout, self.local_capacity
         blocks = len(step.plans)
         own = list(zip(layout.own, step.plans, strict=True))
@@ -321,9 +321,7 @@ class Stager:
                 plans, read_out = self.ledger.pending(wanted)
                 late = plans >= 0
                 if late.any():
-                    at = np.concatenate(
-                        [b * size + np.arange(ids.size) for b, ids in enumerate(fetch_ids)]
-                    )
+                    at = _block_positions(fetch_ids, size)
                     deferred = Deferred(wanted[late], at[late], plans[late], read_out[late])
                     self.stats.deferred_fetches += int(late.sum())
                     home = np.split(~late, np.cumsum([ids.size for ids in fetch_ids])[:-1])
