@@ -289,3 +289,22 @@ def test_a_directory_saved_with_other_devices_is_placed_by_home():
     # Four fit in device 0's slots (0-3); the hottest others would need device 1.
     assert (two.id_of_slot[slots] % 2 == slots // 4).all()
     assert sorted(two.resident_ids().tolist()) == [0, 2, 4, 6]
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_victim_reserve_shrinks_once_the_cache_has_filled(policy):
+    # Filling the cache needs a reserve of every slot; kept, it would make
+    # every later step scan all of them. The choice is that of a planner
+    # that always scans every slot.
+    cfg = jaxcache.CacheConfig(100_000, 1, 2000, policy=policy)
+    small = jaxcache.planning.Planner(cfg, reserve=64)
+    everything = jaxcache.planning.Planner(cfg, reserve=10**9)
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 100_000, 1500)] + [rng.zipf(1.3, 60) % 100_000 for _ in range(40)]
+    for planner in (small, everything):
+        for batch in batches:
+            planner.release(planner.next_index - 1)
+            planner.plan(batch)
+    np.testing.assert_array_equal(small.id_of_slot, everything.id_of_slot)
+    assert everything._candidates.size == 2000
+    assert small._candidates.size < 2000 // 4

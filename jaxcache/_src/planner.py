@@ -717,7 +717,12 @@ class Planner:
         if count == 0:
             return np.empty(0, np.int64)
         size = max(self.reserve, 2 * count, math.isqrt(self.capacity * count))
-        if self._candidates is None or self._candidates.size < count:
+        # A reserve of every slot (grown while many slots were protected, or
+        # while the cache filled) is dropped once a smaller one will do:
+        # kept, it would make every later step scan all C slots.
+        everything = self._threshold is None and size < self.capacity
+        fresh = self._candidates is None or self._candidates.size < count or everything
+        if fresh:
             self._snapshot(size)
         while True:
             reserve, threshold = self._candidates, self._threshold
@@ -743,5 +748,9 @@ class Planner:
                     f"{count} victims needed but only {candidates.size} slots are "
                     "unprotected; the planner's room check is wrong."
                 )
-            size = max(size, 2 * reserve.size)
+            # A reserve left from earlier steps gets a fresh one of the usual
+            # size; only a fresh one that failed (too many protected) grows.
+            if fresh:
+                size *= 2
             self._snapshot(size)
+            fresh = True
