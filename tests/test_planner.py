@@ -155,9 +155,12 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
                 rows = plan.inverse.reshape(-1)[real_at]
             else:
                 source = real_at // (ids.size // devices)
-                split = step.split  # the entries of each source, then its unused room
+                split = step.split  # each source's groups, apart in its room
                 filled = np.concatenate(
-                    [s * split.share + np.arange(split.starts[s, -1]) for s in range(devices)]
+                    [
+                        np.arange(b, e)
+                        for b, e in zip(split.begin.ravel(), split.end.ravel(), strict=True)
+                    ]
                 )
                 ranks = np.empty(ids.size, np.int64)
                 ranks[split.at[filled]] = split.ranks[filled]  # by position in the batch

@@ -57,34 +57,29 @@ __all__ = ["Partitions", "Split", "StepPlan", "check_invariants"]
 class Split(NamedTuple):
     """A batch's real ids grouped by source slice, then by residue (home).
 
-    Source ``s``'s entries of residue ``r`` are ``[s S + starts[s, r],
-    s S + starts[s, r + 1])`` of each array (``S`` the slice length); the
-    sources of other processes keep only the residues homed here, and no
-    positions.
+    Source ``s``'s entries of residue ``r`` are ``[begin[s, r], end[s, r])``
+    of each array (each source's in a room of its own, with gaps between the
+    groups); the sources of other processes keep only the residues homed
+    here (the others' groups are empty).
 
     Attributes:
       local: ``int64``: each entry's local id (``id // n``).
-      at: ``int32``: its position in the flattened batch (this process's
-        sources only).
-      starts: ``int64 [n, n + 1]``: where each (source, residue) group starts.
+      at: ``int32``: its position in the flattened batch.
+      begin: ``int64 [n, n]``: where each (source, residue) group begins.
+      end: ``int64 [n, n]``: where it ends.
       ranks: ``int32``: each entry's rank among the distinct ids its source
         sends its home device, in order of first appearance.
     """
 
     local: np.ndarray
     at: np.ndarray
-    starts: np.ndarray
+    begin: np.ndarray
+    end: np.ndarray
     ranks: np.ndarray
-
-    @property
-    def share(self) -> int:
-        """``S``: the room of a source's entries (its slice's length)."""
-        return self.local.size // self.starts.shape[0]
 
     def chunks(self, residue: int) -> tuple[np.ndarray, np.ndarray]:
         """``(lo, hi)``, each ``[n]``: every source's entries of ``residue``."""
-        offsets = np.arange(self.starts.shape[0]) * self.share
-        return offsets + self.starts[:, residue], offsets + self.starts[:, residue + 1]
+        return self.begin[:, residue], self.end[:, residue]
 
 
 class StepPlan(NamedTuple):
@@ -364,7 +359,7 @@ class Partitions:
             tuple(plans),
             tuple(c.bounds for c in checked),
             np.stack([c.sent for c in checked]),
-            split.starts[np.array(self.devices), -1].copy(),
+            (split.end - split.begin)[np.array(self.devices)].sum(1),
             self._rank_foreign(split),
             split,
         )
@@ -375,18 +370,18 @@ class Partitions:
         layout = self.layout
         if layout.processes == 1:
             return None
-        n, starts, share = layout.devices, split.starts, split.share
+        n, begin, end = layout.devices, split.begin, split.end
         sent_out = np.zeros((len(self.devices), n), np.int64)
         foreign = [d for d in range(n) if d not in layout.own]
 
         def rank(item) -> None:
             row, source = item
-            most = int(max(starts[source, r + 1] - starts[source, r] for r in range(n)))
+            most = int((end[source] - begin[source]).max())
             keys = np.full(1 << max(4, (2 * most).bit_length()), -1, np.int64)
             values = np.empty(keys.size, np.int32)
             for device in foreign:
                 r = layout.residue(device)
-                lo, hi = source * share + starts[source, r], source * share + starts[source, r + 1]
+                lo, hi = begin[source, r], end[source, r]
                 sent_out[row, device] = kernels.distinct_ranks(
                     split.local, lo, hi, keys, values, split.ranks
                 )
@@ -400,10 +395,11 @@ class Partitions:
         cfg, n = self.config, self.layout.devices
         share = flat.size // n
         pad = _NO_PAD if cfg.padding_id is None else cfg.padding_id
-        room = share  # each source's slice
+        room = n * int(kernels.region(share, n)) + 1  # each source's (see split_by_home)
         local = np.empty(n * room, np.int64)
         at = np.empty(n * room, np.int32)
-        starts = np.empty((n, n + 1), np.int64)
+        begin = np.empty((n, n), np.int64)
+        end = np.empty((n, n), np.int64)
         # A source of this process needs every residue ranked; another
         # process's source only the residues homed here.
         mine = np.zeros(n, bool)
@@ -415,14 +411,18 @@ class Partitions:
             keep = everything if source in self.layout.own else mine
             out = slice(source * room, (source + 1) * room)
             return kernels.split_by_home(
-                flat, lo, hi, pad, cfg.num_embeddings, n, keep, local[out], at[out], starts[source]
-            )
+                flat, lo, hi, pad, cfg.num_embeddings, n, keep, local[out], at[out],
+                begin[source], end[source],
+            )  # fmt: skip
 
         bad = [p for p in self.threads.map(split, range(n)) if p >= 0]
         if bad:  # check_ids words the error; the kernel found where
             validation.check_ids(array, cfg.num_embeddings, cfg.padding_id, "ids")
             raise ValueError(f"ids hold {flat[bad[0]]}, outside [0, {cfg.num_embeddings}).")
-        return Split(local, at, starts, np.empty(n * room, np.int32))
+        offsets = room * np.arange(n)[:, None]
+        begin += offsets
+        end += offsets
+        return Split(local, at, begin, end, np.empty(n * room, np.int32))
 
     def _raise_refusals(self, checked: list[Any], max_distinct: int | None) -> None:
         """Raises the error of a partition that refused the batch, or when the

@@ -217,9 +217,8 @@ def build_route(
 
         def fill_source(source: int) -> None:
             out_inverse[source * size : (source + 1) * size] = received  # unless a real id's
-            entries = source * split.share
             kernels.fill_inverse(
-                split.at, split.ranks, entries, split.starts[source], base, out_inverse
+                split.at, split.ranks, split.begin[source], split.end[source], base, out_inverse
             )
 
         # One map for all: the longer pieces first, the owners' fill the tail.
