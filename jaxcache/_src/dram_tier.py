@@ -28,13 +28,13 @@ import math
 import threading
 from typing import Any, NamedTuple, Protocol
 
-import numba
 import numpy as np
 from numba import types
 
+from jaxcache._src.compiled import kernel
+
 __all__ = ["DramTier", "Fields", "TierStats", "fields", "pack"]
 
-_JIT: dict[str, Any] = {"nogil": True, "cache": True, "boundscheck": False}
 _REFERENCED, _DIRTY = 1, 2
 # Slots a shard frees per eviction sweep: about this many bytes of records,
 # at most a thirty-second of the shard (then it keeps few slots idle).
@@ -342,7 +342,7 @@ def pack(arrays: list[np.ndarray], offsets: np.ndarray, record_bytes: int) -> np
 _memcpy = types.ExternalFunction("memcpy", types.int64(types.int64, types.int64, types.uint64))
 
 
-@numba.njit(**_JIT)
+@kernel
 def _group(rows, shards):
     """Positions of ``rows`` grouped by ``row % shards`` (counting sort)."""
     starts = np.zeros(shards + 1, np.int64)
@@ -359,21 +359,21 @@ def _group(rows, shards):
     return order, starts
 
 
-@numba.njit(**_JIT)
+@kernel
 def _copy_out(record, x, address, stride, offset, width):
     """Record at ``record`` into row ``x`` of each field."""
     for f in range(address.size):
         _memcpy(address[f] + x * stride[f], record + offset[f], width[f])
 
 
-@numba.njit(**_JIT)
+@kernel
 def _copy_in(record, x, address, stride, offset, width):
     """Row ``x`` of each field into the record at ``record``."""
     for f in range(address.size):
         _memcpy(record + offset[f], address[f] + x * stride[f], width[f])
 
 
-@numba.njit(**_JIT)
+@kernel
 def _read_hits(
     chosen,
     rows,
@@ -401,19 +401,19 @@ def _read_hits(
     return m
 
 
-@numba.njit(**_JIT)
+@kernel
 def _unpack(records, record_bytes, at, address, stride, offset, width):
     for j in range(at.size):
         _copy_out(records + j * record_bytes, at[j], address, stride, offset, width)
 
 
-@numba.njit(**_JIT)
+@kernel
 def _pack(n, address, stride, offset, width, out, record_bytes):
     for j in range(n):
         _copy_in(out + j * record_bytes, j, address, stride, offset, width)
 
 
-@numba.njit(**_JIT)
+@kernel
 def _write_rows(
     chosen,
     rows,
@@ -459,7 +459,7 @@ def _write_rows(
     return chosen.size, inserted, d
 
 
-@numba.njit(**_JIT)
+@kernel
 def _insert(
     chosen,
     rows,
@@ -492,7 +492,7 @@ def _insert(
     return chosen.size
 
 
-@numba.njit(**_JIT)
+@kernel
 def _reclaim(
     lo,
     hi,

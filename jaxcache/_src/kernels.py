@@ -35,12 +35,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.cpython.unsafe.numbers import leading_zeros
 from numba.extending import intrinsic
+
+from jaxcache._src.compiled import kernel
 
 __all__ = [
     "IdIndex",
@@ -67,8 +68,6 @@ __all__ = [
     "touch_rows",
     "victim_candidates",
 ]
-
-_JIT: dict[str, Any] = {"nogil": True, "cache": True, "boundscheck": False}
 
 
 # How far ahead the directory passes ask for what they will read: the
@@ -122,7 +121,7 @@ def as_index_array(ids: np.ndarray) -> np.ndarray:
     return flat
 
 
-@numba.njit(**_JIT)
+@kernel
 def lookup(
     flat,
     pad,
@@ -208,7 +207,7 @@ def lookup(
     return h, m, missed, valid, -1
 
 
-@numba.njit(**_JIT)
+@kernel
 def lookup_entries(
     local,
     chunk_lo,
@@ -304,7 +303,7 @@ def lookup_entries(
     return h, m
 
 
-@numba.njit(**_JIT)
+@kernel
 def place_rows(victims, miss_ids, slot_of_id, id_of_slot, dirty, evicted_ids, evicted_slots):
     """Puts misses ``miss_ids`` into slots ``victims``, in one pass.
 
@@ -331,7 +330,7 @@ def place_rows(victims, miss_ids, slot_of_id, id_of_slot, dirty, evicted_ids, ev
     return evictions, written
 
 
-@numba.njit(**_JIT)
+@kernel
 def touch_rows(slots, last_use, index, dirty, train):
     """The plan ``index`` uses ``slots``: their recency, and dirty if it trains."""
     for s in slots:
@@ -340,14 +339,14 @@ def touch_rows(slots, last_use, index, dirty, train):
             dirty[s] = True
 
 
-@numba.njit(**_JIT)
+@kernel
 def restore_misses(slot_of_id, miss_ids, m):
     """Clears the codes ``lookup`` left in the directory for ``miss_ids[:m]``."""
     for q in range(m):
         slot_of_id[miss_ids[q]] = -1
 
 
-@numba.njit(**_JIT)
+@kernel
 def resolve_first(first, bounds, sent, hits):
     """Turns the misses' codes ``-1 - q`` of ``lookup_entries``' ranks into
     their rows ``hits + q`` (the misses follow the hits)."""
@@ -359,7 +358,7 @@ def resolve_first(first, bounds, sent, hits):
                 first[j] = hits - 1 - code
 
 
-@numba.njit(**_JIT)
+@kernel
 def mark_new(slots, mark, stamp, group_capacity, counts):
     """Marks ``slots`` with ``stamp``; adds the newly marked ones per group to ``counts``."""
     for s in slots:
@@ -368,7 +367,7 @@ def mark_new(slots, mark, stamp, group_capacity, counts):
             counts[s // group_capacity] += 1
 
 
-@numba.njit(**_JIT)
+@kernel
 def victim_candidates(reserve, mark, stamp, last_use, finished, id_of_slot, priority):
     """The slots of ``reserve`` a plan may evict, with their eviction keys.
 
@@ -391,7 +390,7 @@ def victim_candidates(reserve, mark, stamp, last_use, finished, id_of_slot, prio
     return slots[:k], keys[:k]
 
 
-@numba.njit(**_JIT)
+@kernel
 def count_lookups(unique_slots, id_of_slot, lookups, counts, slot_counts):
     """Adds each distinct slot's ``lookups`` to the per-id ``counts`` of the
     row it holds and mirrors the new count into ``slot_counts`` (LFU)."""
@@ -408,7 +407,7 @@ def count_lookups(unique_slots, id_of_slot, lookups, counts, slot_counts):
         slot_counts[s] = c
 
 
-@numba.njit(**_JIT)
+@kernel
 def fill_negative(values, fill):
     """A copy of 1-D ``values`` with every negative entry (padding) set to ``fill``."""
     out = np.empty_like(values)
@@ -418,7 +417,7 @@ def fill_negative(values, fill):
     return out
 
 
-@numba.njit(**_JIT)
+@kernel
 def real_positions(values, limit, out):
     """Where the real entries (``< limit``) of one device's share ``values``
     are, in order, into ``out`` (the rest of it padded with the share's
@@ -436,7 +435,7 @@ def real_positions(values, limit, out):
     return j
 
 
-@numba.njit(**_JIT)
+@kernel
 def split_by_home(flat, lo, hi, pad, num_embeddings, devices, keep, local, at, begin, end):
     """Groups the real ids of ``flat[lo:hi]`` by residue ``id % devices``.
 
@@ -505,14 +504,14 @@ def split_by_home(flat, lo, hi, pad, num_embeddings, devices, keep, local, at, b
     return -1
 
 
-@numba.njit(**_JIT)
+@kernel
 def region(entries, devices):
     """Entries of each residue's region in ``split_by_home``'s output, for a
     slice of ``entries`` ids: twice an even share, and a little more."""
     return 2 * ((entries + devices - 1) // devices) + 16
 
 
-@numba.njit(**_JIT)
+@kernel
 def _split_counted(flat, lo, hi, pad, devices, keep, local, at, begin, end):
     """``split_by_home`` in two passes, when a region overflowed: each kept
     group's size counted first, then the groups written back to back (the
@@ -538,7 +537,7 @@ def _split_counted(flat, lo, hi, pad, devices, keep, local, at, begin, end):
         end[r] = counts[r]
 
 
-@numba.njit(**_JIT)
+@kernel
 def distinct_ranks(local, lo, hi, keys, values, ranks):
     """Ranks the distinct ids of ``local[lo:hi]`` in order of appearance,
     writing each entry's rank to ``ranks[j]``; returns how many there are.
@@ -578,7 +577,7 @@ def distinct_ranks(local, lo, hi, keys, values, ranks):
     return count
 
 
-@numba.njit(**_JIT)
+@kernel
 def owner_route(unique_slots, first, bounds, sent, per_destination, requests, owner_inverse):
     """One owner's share of a route: ``requests[s, k]``, the local slot of the
     k-th row it serves source ``s``, and ``owner_inverse[s K + k]``, that
@@ -592,7 +591,7 @@ def owner_route(unique_slots, first, bounds, sent, per_destination, requests, ow
             owner_inverse[s * per_destination + k] = u
 
 
-@numba.njit(**_JIT)
+@kernel
 def fill_inverse(at, ranks, begin, end, base, out):
     """One source's ids' rows in its device's received buffer: for the
     entries of residue ``r`` (``begin[r]`` to ``end[r]`` of the split's
@@ -609,7 +608,7 @@ def fill_inverse(at, ranks, begin, end, base, out):
 _GOLDEN = -7046029254386353131
 
 
-@numba.njit(**_JIT)
+@kernel
 def _hash_fill(keys, table, bits):
     mask, shift = table.size - 1, 64 - bits
     for j in range(keys.size):
@@ -619,7 +618,7 @@ def _hash_fill(keys, table, bits):
         table[h] = j
 
 
-@numba.njit(**_JIT)
+@kernel
 def _hash_find(values, keys, table, bits):
     mask, shift = table.size - 1, 64 - bits
     which = np.empty(values.size, np.int64)
@@ -664,7 +663,7 @@ class IdIndex:
         return _hash_find(as_index_array(np.asarray(values)), self.keys, self.table, self.bits)
 
 
-@numba.njit(**_JIT)
+@kernel
 def _copy_words(dst, dst_at, src, src_at):
     n, m = dst.shape[0], src.shape[0]
     for j in range(dst_at.size):  # every index first: nothing written on a bad one
@@ -730,7 +729,7 @@ def copy_rows(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np.n
 
 
 # ------------------------------------------------------------ adaptive policy
-@numba.njit(**_JIT)
+@kernel
 def log2_fixed(count, table):
     """``log2(count)`` in 1/256ths, rounded down on 8 bits of mantissa
     (``count >= 1``): ``256 * e + table[f]`` where ``2^e <= count < 2^(e+1)``
@@ -741,7 +740,7 @@ def log2_fixed(count, table):
     return 256 * e + table[f - 256]
 
 
-@numba.njit(**_JIT)
+@kernel
 def _sampled(i, bits):
     """Whether id ``i`` is in the shadow caches' sample: the top ``bits`` bits
     of its Fibonacci hash are zero (one id in ``2^bits``)."""
@@ -750,7 +749,7 @@ def _sampled(i, bits):
     return ((i * _GOLDEN) >> (64 - bits)) & ((1 << bits) - 1) == 0
 
 
-@numba.njit(**_JIT)
+@kernel
 def sample_ids(n, bits):
     """The ids in ``[0, n)`` that are in the shadow caches' sample, in order."""
     k = 0
@@ -765,7 +764,7 @@ def sample_ids(n, bits):
     return out
 
 
-@numba.njit(**_JIT)
+@kernel
 def _key(t, weight, bonus, table):
     """The adaptive key of a row last used by batch ``t``: ``256 * t + bonus *
     log2_fixed(weight)``, or ``weight`` alone for ``bonus < 0`` (by count)."""
@@ -774,7 +773,7 @@ def _key(t, weight, bonus, table):
     return 256 * t + bonus * log2_fixed(weight, table)
 
 
-@numba.njit(**_JIT)
+@kernel
 def adaptive_keys(slots, ids, last_use, counts, slot_prior, keys, bonus, offset, table):
     """``keys[s] = _key(last_use[s], weight, bonus) + offset`` for the rows
     ``ids`` in ``slots``; a row's weight is its count or, when larger, its
@@ -787,7 +786,7 @@ def adaptive_keys(slots, ids, last_use, counts, slot_prior, keys, bonus, offset,
         keys[s] = _key(last_use[s], c, bonus, table) + offset
 
 
-@numba.njit(**_JIT)
+@kernel
 def adaptive_record(slots, ids, looked_up, counts, slot_prior, keys, t, bonus, offset, table, bits):
     """Adds batch ``t``'s lookups to ``counts``, sets the keys of its slots
     (as ``adaptive_keys``) and returns its distinct ids that are in the
@@ -809,7 +808,7 @@ def adaptive_record(slots, ids, looked_up, counts, slot_prior, keys, t, bonus, o
     return sample[:k]
 
 
-@numba.njit(**_JIT)
+@kernel
 def _weight(i, counts, prior):
     """The weight of id ``i``: its count or, when larger, its prior (``prior``
     empty: none), at least 1."""
@@ -819,18 +818,18 @@ def _weight(i, counts, prior):
     return c
 
 
-@numba.njit(**_JIT)
+@kernel
 def _heap_less(heap, a, b):
     return heap[a, 0] < heap[b, 0] or (heap[a, 0] == heap[b, 0] and heap[a, 1] < heap[b, 1])
 
 
-@numba.njit(**_JIT)
+@kernel
 def _heap_swap(heap, a, b):
     heap[a, 0], heap[b, 0] = heap[b, 0], heap[a, 0]
     heap[a, 1], heap[b, 1] = heap[b, 1], heap[a, 1]
 
 
-@numba.njit(**_JIT)
+@kernel
 def _heap_down(heap, size, i):
     while True:
         low = i
@@ -843,7 +842,7 @@ def _heap_down(heap, size, i):
         i = low
 
 
-@numba.njit(**_JIT)
+@kernel
 def _heap_push(heap, size, key, slot):
     i = size
     heap[i, 0], heap[i, 1] = key, slot
@@ -856,7 +855,7 @@ def _heap_push(heap, size, key, slot):
     return size + 1
 
 
-@numba.njit(**_JIT)
+@kernel
 def _heap_pop(heap, size):
     size -= 1
     _heap_swap(heap, 0, size)
@@ -864,12 +863,12 @@ def _heap_pop(heap, size):
     return size
 
 
-@numba.njit(**_JIT)
+@kernel
 def _home(i, bits, table_bits):
     return ((i * _GOLDEN) >> (64 - bits - table_bits)) & ((1 << table_bits) - 1)
 
 
-@numba.njit(**_JIT)
+@kernel
 def _find(table, row, i, bits, table_bits):
     """Position of id ``i`` in the open-addressing ``table`` (of slots of
     ``row``, whose column 0 holds the ids), or ``-1``."""
@@ -882,7 +881,7 @@ def _find(table, row, i, bits, table_bits):
     return -1
 
 
-@numba.njit(**_JIT)
+@kernel
 def _insert(table, i, slot, bits, table_bits):
     mask = table.size - 1
     h = _home(i, bits, table_bits)
@@ -891,7 +890,7 @@ def _insert(table, i, slot, bits, table_bits):
     table[h] = slot
 
 
-@numba.njit(**_JIT)
+@kernel
 def _delete(table, row, h, bits, table_bits):
     """Empties position ``h``, shifting later entries of its run back."""
     mask = table.size - 1
@@ -908,7 +907,7 @@ def _delete(table, row, h, bits, table_bits):
     table[h] = -1
 
 
-@numba.njit(**_JIT)
+@kernel
 def shadow_step(sample, t, counts, prior, bonuses, rows, heap, table, state, bits, log_table):
     """Plans the sampled distinct ids of batch ``t`` through every shadow cache.
 

@@ -18,10 +18,10 @@ import heapq
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numba
 import numpy as np
 
 from jaxcache._src import validation
+from jaxcache._src.compiled import kernel
 from jaxcache._src.config import POLICIES, CacheConfig
 from jaxcache._src.frequency import hottest
 from jaxcache._src.planner import CapacityError, Planner
@@ -375,7 +375,7 @@ def _belady(batches: list[np.ndarray], capacity: int) -> tuple[np.ndarray, int]:
 _NEVER = np.iinfo(np.int64).max
 
 
-@numba.njit(cache=True, nogil=True)
+@kernel
 def _belady_loop(ids, looked_up, next_use, sizes, warm_ids, warm_next, capacity, n):
     """The compiled replay of ``_belady``; returns its ``int64 [S, 7]`` counters."""
     key = np.full(n, -1, np.int64)  # next use of a resident id, -1 when not resident

@@ -42,15 +42,14 @@ import threading
 import weakref
 from typing import Any
 
-import numba
 import numpy as np
 from numba import types
 
 from jaxcache._src import kernels
+from jaxcache._src.compiled import kernel
 
 __all__ = ["DiskStats", "RowLog"]
 
-_JIT: dict[str, Any] = {"nogil": True, "cache": True, "boundscheck": False}
 # libc's pread, called from compiled loops (no Python per record). The buffer
 # address goes as a 64-bit integer, which the x86-64 and AArch64 calling
 # conventions pass as they pass a pointer.
@@ -432,7 +431,7 @@ def _pread_all(fd: int, array: np.ndarray, offset: int) -> None:
         done += read
 
 
-@numba.njit(**_JIT)
+@kernel
 def _relocate(where, live, owners, locations, per):
     """Points each row ``owners[j]`` at ``locations[j]`` (``-1``: nowhere),
     keeping the live count of each segment."""
@@ -446,13 +445,13 @@ def _relocate(where, live, owners, locations, per):
             live[new // per] += 1
 
 
-@numba.njit(**_JIT)
+@kernel
 def _count(counts, segments, delta):
     for s in segments:
         counts[s] += delta
 
 
-@numba.njit(**_JIT)
+@kernel
 def _read_records(fd, locations, rows, record_bytes, address):
     """``pread`` of record ``locations[j]`` into row ``rows[j]`` of the buffer
     at ``address``; runs adjacent on disk and in the buffer are read at once.
