@@ -519,8 +519,10 @@ def _split_counted(flat, lo, hi, pad, devices, keep, local, at, begin, end):
     counts = np.zeros(devices + 1, np.int64)
     for p in range(lo, hi):
         i = flat[p]
-        if i != pad and keep[i % devices]:
-            counts[i % devices + 1] += 1
+        if i != pad:
+            r = i % devices
+            if keep[r]:
+                counts[r + 1] += 1
     for r in range(devices):
         counts[r + 1] += counts[r]
         begin[r] = counts[r]
