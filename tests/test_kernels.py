@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxcache._src.kernels import IdIndex, copy_rows, region, split_by_home
+from jaxcache._src.kernels import IdIndex, choose_victims, copy_rows, region, split_by_home
 
 # Ids as they come: anywhere in int64, in runs, or on a stride of a power of
 # two (which a hash of the low bits alone would pile into one bucket).
@@ -137,3 +137,32 @@ def test_split_by_home_finds_the_first_id_out_of_range(keep_all):
     assert split_by_home(ids, 0, 5, -1, 12, 2, keep, *out) == 2  # 12 >= 12
     assert split_by_home(ids, 3, 5, 20, 12, 2, keep, *out) == 3  # -4; 20 is padding
     assert split_by_home(ids, 0, 2, -1, 12, 2, keep, *out) == -1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    keys=st.integers(1, 6),  # few distinct keys: many ties
+    capacity=st.integers(1, 200),
+    data=st.data(),
+)
+def test_choose_victims_takes_the_lowest_key_then_slot_among_unprotected(keys, capacity, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    reserve = rng.permutation(capacity)[: data.draw(st.integers(0, capacity))].astype(np.int64)
+    mark = np.where(rng.random(capacity) < 0.2, 7, 0).astype(np.int64)  # stamp 7: hits
+    last_use = rng.integers(0, 10, capacity)  # used after plan 8: in flight
+    id_of_slot = np.where(rng.random(capacity) < 0.1, -1, rng.integers(0, 10**6, capacity))
+    priority = rng.integers(0, keys, capacity)
+    free = [s for s in reserve if mark[s] != 7 and last_use[s] <= 8]
+    key = {s: -1 if id_of_slot[s] < 0 else priority[s] for s in free}
+    expected = sorted(free, key=lambda s: (key[s], s))
+    count = data.draw(st.integers(1, len(free) + 2))
+    out = np.full(count, -5, np.int64)
+    found, kth, last = choose_victims(
+        reserve, mark, 7, last_use, 8, id_of_slot, priority, count, out
+    )
+    assert found == len(free)
+    if count > found:
+        assert (out == -5).all()  # nothing written
+        return
+    assert out.tolist() == sorted(expected[:count])
+    assert (kth, last) == (key[expected[count - 1]], expected[count - 1])

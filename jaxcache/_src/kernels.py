@@ -48,6 +48,7 @@ __all__ = [
     "adaptive_keys",
     "adaptive_record",
     "as_index_array",
+    "choose_victims",
     "copy_rows",
     "count_lookups",
     "distinct_ranks",
@@ -65,7 +66,6 @@ __all__ = [
     "sample_ids",
     "shadow_step",
     "split_by_home",
-    "touch_rows",
     "victim_candidates",
 ]
 
@@ -304,12 +304,28 @@ def lookup_entries(
 
 
 @kernel
-def place_rows(victims, miss_ids, slot_of_id, id_of_slot, dirty, evicted_ids, evicted_slots):
-    """Puts misses ``miss_ids`` into slots ``victims``, in one pass.
+def place_rows(
+    victims,
+    miss_ids,
+    hits,
+    slot_of_id,
+    id_of_slot,
+    dirty,
+    last_use,
+    index,
+    train,
+    evicted_ids,
+    evicted_slots,
+    unique_slots,
+):
+    """Puts misses ``miss_ids`` into slots ``victims`` and marks the plan
+    ``index``'s slots used, in one call.
 
     Each victim's old row leaves the directory; those that were dirty are
-    listed in ``evicted_ids`` / ``evicted_slots`` (for write-back). The new
-    rows are clean. Returns ``(evictions, dirty evictions)``.
+    listed in ``evicted_ids`` / ``evicted_slots`` (for write-back). The
+    plan's distinct slots, ``hits`` then ``victims``, go to ``unique_slots``;
+    each gets ``index`` as its last use, and is dirty if the plan trains (a
+    new row is clean otherwise). Returns ``(evictions, dirty evictions)``.
     """
     evictions = 0
     written = 0
@@ -327,16 +343,16 @@ def place_rows(victims, miss_ids, slot_of_id, id_of_slot, dirty, evicted_ids, ev
         id_of_slot[v] = i
         slot_of_id[i] = v
         dirty[v] = False
-    return evictions, written
-
-
-@kernel
-def touch_rows(slots, last_use, index, dirty, train):
-    """The plan ``index`` uses ``slots``: their recency, and dirty if it trains."""
-    for s in slots:
+    h = hits.size
+    for j in range(h):
+        unique_slots[j] = hits[j]
+    for j in range(victims.size):
+        unique_slots[h + j] = victims[j]
+    for s in unique_slots:
         last_use[s] = index
         if train:
             dirty[s] = True
+    return evictions, written
 
 
 @kernel
@@ -388,6 +404,41 @@ def victim_candidates(reserve, mark, stamp, last_use, finished, id_of_slot, prio
         keys[k] = -1 if id_of_slot[s] < 0 else priority[s]
         k += 1
     return slots[:k], keys[:k]
+
+
+@kernel
+def choose_victims(reserve, mark, stamp, last_use, finished, id_of_slot, priority, count, out):
+    """The ``count`` slots of ``reserve`` of lowest ``(key, slot)`` that a
+    plan may evict (``victim_candidates``), by slot, into ``out``.
+
+    Returns:
+      ``(candidates, key, slot)``: how many slots of ``reserve`` may be
+      evicted (``out`` is written only when at least ``count``), and the
+      ``(key, slot)`` of the last one chosen.
+    """
+    slots, keys = victim_candidates(reserve, mark, stamp, last_use, finished, id_of_slot, priority)
+    found = slots.size
+    if found < count:
+        return found, 0, 0
+    kth = np.partition(keys, count - 1)[count - 1]
+    below = 0
+    ties = np.empty(found, np.int64)
+    tied = 0
+    for j in range(found):
+        if keys[j] < kth:
+            out[below] = slots[j]
+            below += 1
+        elif keys[j] == kth:
+            ties[tied] = slots[j]
+            tied += 1
+    need = count - below  # the lowest slots among equal keys go first
+    ties = ties[:tied]
+    if need < tied:
+        ties = np.partition(ties, need - 1)[:need]
+    ties = np.sort(ties)
+    out[below:count] = ties
+    out[:count].sort()
+    return found, kth, ties[need - 1]
 
 
 @kernel

@@ -108,13 +108,6 @@ class Plan(NamedTuple):
 _NO_PAD = np.iinfo(np.int64).min
 
 
-def _lowest(values: np.ndarray, count: int) -> np.ndarray:
-    """The ``count`` smallest of distinct ``values``, in order."""
-    if count < values.size:
-        values = np.partition(values, count - 1)[:count]
-    return np.sort(values)
-
-
 def check_state(state: dict[str, Any], num_embeddings: int) -> None:
     """Raises ``ValueError`` when a planner ``state_dict`` does not fit a
     table of ``num_embeddings`` rows (ids out of range, twice, bad shapes)."""
@@ -604,17 +597,27 @@ class Planner:
         victims = self._choose_victims(miss_ids.size)
         evict_ids = np.empty(victims.size, np.int64)
         evict_slots = np.empty(victims.size, np.int32)
-        # Old rows out (the dirty ones listed), new rows in: the misses'
-        # directory codes are replaced by their slots.
-        evictions, written = kernels.place_rows(
-            victims, miss_ids, self.slot_of_id, self.id_of_slot, self.dirty, evict_ids, evict_slots
-        )
-        self.policy.on_insert(self, victims, miss_ids)
-
         # Distinct slots: the hits' (in order of appearance), then the new
         # rows' (misses in order of appearance, in victims of rising slot).
         h = hits.size
-        unique_slots = np.concatenate([hits, victims]).astype(np.int32)
+        unique_slots = np.empty(h + victims.size, np.int32)
+        # Old rows out (the dirty ones listed), new rows in (the misses'
+        # directory codes replaced by their slots), every slot used.
+        evictions, written = kernels.place_rows(
+            victims,
+            miss_ids,
+            hits,
+            self.slot_of_id,
+            self.id_of_slot,
+            self.dirty,
+            self.last_use,
+            index,
+            train,
+            evict_ids,
+            evict_slots,
+            unique_slots,
+        )
+        self.policy.on_insert(self, victims, miss_ids)
         inverse = checked.inverse
         if inverse is not None:
             if checked.missed:  # code -2 - q becomes rank h + q
@@ -624,7 +627,6 @@ class Planner:
             inverse = checked.first
             assert inverse is not None, "a plan without ranks has its sources' entries"
             kernels.resolve_first(inverse, checked.bounds, checked.sent, h)
-        kernels.touch_rows(unique_slots, self.last_use, index, self.dirty, train)
         self._in_flight[index] = unique_slots
         self.policy.record(self, unique_slots, checked.counts if self.policy.needs_counts else None)
         return Plan(
@@ -724,10 +726,11 @@ class Planner:
         fresh = self._candidates is None or self._candidates.size < count or everything
         if fresh:
             self._snapshot(size)
+        victims = np.empty(count, np.int64)
         while True:
             reserve, threshold = self._candidates, self._threshold
             assert reserve is not None, "_snapshot made the reserve"
-            candidates, keys = kernels.victim_candidates(
+            found, key, slot = kernels.choose_victims(
                 reserve,
                 self._mark,
                 self._stamp,
@@ -735,17 +738,14 @@ class Planner:
                 self._finished,
                 self.id_of_slot,
                 self.policy.priorities(self),
+                count,
+                victims,
             )
-            if candidates.size >= count:
-                kth = np.partition(keys, count - 1)[count - 1]
-                below = candidates[keys < kth]
-                ties = _lowest(candidates[keys == kth], count - below.size)
-                last = (int(kth), int(ties[-1]))
-                if threshold is None or last <= threshold:
-                    return np.sort(np.concatenate([below, ties]))
+            if found >= count and (threshold is None or (key, slot) <= threshold):
+                return victims
             if threshold is None:  # every slot was a candidate: _guard let too much in
                 raise RuntimeError(
-                    f"{count} victims needed but only {candidates.size} slots are "
+                    f"{count} victims needed but only {found} slots are "
                     "unprotected; the planner's room check is wrong."
                 )
             # A reserve left from earlier steps gets a fresh one of the usual
