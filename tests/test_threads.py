@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 
+from jaxcache._src import kernels
 from jaxcache._src.threads import HostThreads
 
 
@@ -49,3 +51,12 @@ def test_maps_from_several_threads_at_once_and_inside_a_map():
         thread.join()
     expected = [[10 * k + j for j in range(3)] for k in range(5)]
     assert all(outputs[c] == [expected] * 20 for c in range(3))
+
+
+def test_a_spinning_wait_sees_another_threads_flag():
+    flag = np.zeros(1, np.int64)
+    assert not kernels.wait_for_flag(flag, 1000)  # never set: gives up after its reads
+    setter = threading.Timer(0.01, lambda: flag.__setitem__(0, 1))
+    setter.start()
+    assert kernels.wait_for_flag(flag, 1 << 36)  # returns once the store lands
+    setter.join()

@@ -67,6 +67,7 @@ __all__ = [
     "shadow_step",
     "split_by_home",
     "victim_candidates",
+    "wait_for_flag",
 ]
 
 
@@ -111,6 +112,34 @@ def _prefetch_intrinsic(typingctx, array, index):
 
 
 _prefetch: Any = intrinsic(_prefetch_intrinsic)
+
+
+def _load_acquire_intrinsic(typingctx, array, index):
+    """``_load_acquire(array, index)``: ``array[index]`` of an int64 array,
+    read from memory on every call (an atomic load, acquire ordering), so a
+    loop sees another thread's store."""
+
+    def codegen(context, builder, signature, args):
+        view = context.make_array(signature.args[0])(context, builder, args[0])
+        pointer = cgutils.get_item_pointer(
+            context, builder, signature.args[0], view, [args[1]], wraparound=False
+        )
+        return builder.load_atomic(pointer, "acquire", 8)
+
+    return types.int64(array, index), codegen
+
+
+_load_acquire: Any = intrinsic(_load_acquire_intrinsic)
+
+
+@kernel
+def wait_for_flag(flag, rounds):
+    """Spins without the GIL until ``flag[0]`` is set, at most ``rounds``
+    reads; returns whether it was set."""
+    for _ in range(rounds):
+        if _load_acquire(flag, 0) != 0:
+            return True
+    return False
 
 
 def as_index_array(ids: np.ndarray) -> np.ndarray:

@@ -25,6 +25,10 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
+import numpy as np
+
+from jaxcache._src import kernels
+
 __all__ = ["HostThreads", "cores", "default_threads"]
 
 T = TypeVar("T")
@@ -96,6 +100,8 @@ class HostThreads:
             try:
                 crew.start(job)
                 job.work()
+                if not job.finished.is_set():  # awake for the helpers' last pieces
+                    kernels.wait_for_flag(job.done, _SPIN_ROUNDS)
                 job.finished.wait()
             finally:
                 crew.clear()
@@ -113,6 +119,7 @@ class _Job(Generic[T]):
         self.items = items
         self.results: list[Any] = [None] * len(items)
         self.finished = threading.Event()
+        self.done = np.zeros(1, np.int64)  # `finished`, for a caller spinning without the GIL
         self._lock = threading.Lock()
         self._next = 0
         self._left = len(items)
@@ -132,6 +139,7 @@ class _Job(Generic[T]):
             with self._lock:
                 self._left -= 1
                 if not self._left:
+                    self.done[0] = 1
                     self.finished.set()
 
 
@@ -169,6 +177,10 @@ class _Crew:
             if job is not None:  # a helper woken late finds the map done or none
                 job.work()
 
+
+# The most reads of the caller's spin at a map's end (a few milliseconds on
+# current CPUs); a longer wait sleeps.
+_SPIN_ROUNDS = 1 << 22
 
 _CREWS: dict[int, _Crew] = {}
 _CREWS_LOCK = threading.Lock()
