@@ -53,10 +53,31 @@ def test_maps_from_several_threads_at_once_and_inside_a_map():
     assert all(outputs[c] == [expected] * 20 for c in range(3))
 
 
-def test_a_spinning_wait_sees_another_threads_flag():
-    flag = np.zeros(1, np.int64)
-    assert not kernels.wait_for_flag(flag, 1000)  # never set: gives up after its reads
-    setter = threading.Timer(0.01, lambda: flag.__setitem__(0, 1))
+def test_a_spinning_wait_sees_another_threads_store():
+    done = np.zeros(1, np.int64)
+    crew = np.zeros(3, np.int64)
+    assert not kernels.wait_for_helpers(done, crew, 1, 1000)  # never set: gives up
+    setter = threading.Timer(0.01, lambda: done.__setitem__(0, 1))
     setter.start()
-    assert kernels.wait_for_flag(flag, 1 << 36)  # returns once the store lands
+    assert kernels.wait_for_helpers(done, crew, 1, 1 << 36)  # returns once the store lands
     setter.join()
+
+
+def test_the_caller_waits_until_every_helper_that_joined_a_map_has_left_it():
+    done = np.zeros(1, np.int64)
+    crew = np.zeros(
+        1 + 2 * 2, np.int64
+    )  # two helpers: [posted, joined 0, joined 1, left 0, left 1]
+    crew[0] = 3  # map 3 posted
+    assert not kernels.wait_for_helpers(done, crew, 3, 1000)  # its pieces are not done
+    done[0] = 1
+    assert kernels.wait_for_helpers(done, crew, 3, 1000)  # no helper joined it
+    crew[2] = 3  # helper 1 joined map 3
+    assert not kernels.wait_for_helpers(done, crew, 3, 1000)  # and has not left it
+    assert not kernels.park(crew, 1, 3, 1000)  # leaves it; no later map is posted
+    assert crew[4] == 3
+    assert kernels.wait_for_helpers(done, crew, 3, 1000)
+    poster = threading.Timer(0.01, lambda: crew.__setitem__(0, 4))  # map 4, from another thread
+    poster.start()
+    assert kernels.park(crew, 0, 3, 1 << 36)  # a parked helper sees it
+    poster.join()

@@ -16,6 +16,13 @@ caller idle) lost a quarter of the second thread's gain on the scaling
 benchmark. Threads beyond the cores the process may use are not started:
 they could only take turns on a core, and a piece whose thread lost its
 turn holds up the whole map.
+
+Handing the GIL from one thread to another is where two threads lose most:
+a thread that asks for it while another holds it sleeps, and waking it
+takes tens of microseconds on a virtual machine. So the caller waits for a
+map's last pieces spinning without the GIL, until the helpers that took
+part have let go of it too, and a helper spins (without the GIL) for a
+while between maps before it sleeps.
 """
 
 from __future__ import annotations
@@ -98,10 +105,12 @@ class HostThreads:
         crew = _crew(helpers) if helpers > 0 else None
         if crew is not None and crew.busy.acquire(blocking=False):
             try:
-                crew.start(job)
+                generation = crew.start(job)
                 job.work()
-                if not job.finished.is_set():  # awake for the helpers' last pieces
-                    kernels.wait_for_flag(job.done, _SPIN_ROUNDS)
+                # Awake for the helpers' last pieces, and until they have
+                # let go of the GIL: asking for it while a helper still
+                # holds it would put this thread to sleep.
+                kernels.wait_for_helpers(job.done, crew.marks, generation, _SPIN_ROUNDS)
                 job.finished.wait()
             finally:
                 crew.clear()
@@ -144,22 +153,34 @@ class _Job(Generic[T]):
 
 
 class _Crew:
-    """Threads that help the thread calling ``HostThreads.gather``, one map at a time."""
+    """Threads that help the thread calling ``HostThreads.gather``, one map at a time.
+
+    Between maps a helper spins for a while without the GIL before it
+    sleeps: a step's maps follow each other closely. ``marks`` tell the
+    caller which helpers joined a map and which have left it
+    (``kernels.wait_for_helpers``).
+    """
 
     def __init__(self, size: int) -> None:
         self.busy = threading.Lock()  # held by the thread whose map the crew works on
         self._wake = threading.Condition()
         self._job: _Job[Any] | None = None
         self._generation = 0
+        # [0] the map posted last; [1 + k] the last helper k joined; [1 + size + k] it left.
+        self.marks = np.zeros(1 + 2 * size, np.int64)
         for k in range(size):
-            threading.Thread(target=self._serve, name=f"jaxcache-host-{k}", daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(k,), name=f"jaxcache-host-{k}", daemon=True
+            ).start()
 
-    def start(self, job: _Job[Any]) -> None:
-        """Wakes every thread of the crew to work on ``job``."""
+    def start(self, job: _Job[Any]) -> int:
+        """Wakes every thread of the crew to work on ``job``; returns its map number."""
         with self._wake:
             self._job = job
             self._generation += 1
+            self.marks[0] = self._generation
             self._wake.notify_all()
+            return self._generation
 
     def clear(self) -> None:
         """Drops the finished job: the crew holds no pieces (nor the arrays
@@ -167,20 +188,26 @@ class _Crew:
         with self._wake:
             self._job = None
 
-    def _serve(self) -> None:
+    def _serve(self, helper: int) -> None:
         seen = 0
         while True:
+            if not kernels.park(self.marks, helper, seen, _PARK_ROUNDS):
+                with self._wake:
+                    while self._generation == seen:
+                        self._wake.wait()
             with self._wake:
-                while self._generation == seen:
-                    self._wake.wait()
                 seen, job = self._generation, self._job
             if job is not None:  # a helper woken late finds the map done or none
+                self.marks[1 + helper] = seen
                 job.work()
 
 
-# The most reads of the caller's spin at a map's end (a few milliseconds on
-# current CPUs); a longer wait sleeps.
+# The most reads of the caller's spin at a map's end (about a millisecond
+# on current CPUs); a longer wait sleeps.
 _SPIN_ROUNDS = 1 << 22
+# The most reads of a helper's spin between maps (a few hundred
+# microseconds): the gaps between a step's maps are shorter.
+_PARK_ROUNDS = 1 << 20
 
 _CREWS: dict[int, _Crew] = {}
 _CREWS_LOCK = threading.Lock()
