@@ -89,12 +89,13 @@ def test_split_by_home_groups_like_a_stable_sort(data, devices, pad):
     lo = data.draw(st.integers(0, ids.size))
     hi = data.draw(st.integers(lo, ids.size))
     keep = np.array(data.draw(st.lists(st.booleans(), min_size=devices, max_size=devices)))
-    _check_split(ids, lo, hi, pad, n, keep)
+    _check_split(ids, lo, hi, pad, n, keep, data.draw(st.booleans()))
 
 
 @pytest.mark.parametrize("devices", [3, 4, 8])
 @pytest.mark.parametrize("keep_all", [True, False])
-def test_split_by_home_of_skewed_residues_overflows_into_two_passes(devices, keep_all):
+@pytest.mark.parametrize("positions", [True, False])
+def test_split_by_home_of_skewed_residues_overflows_into_two_passes(devices, keep_all, positions):
     # Ids of one residue overflow its region; the rest are in order too.
     rng = np.random.default_rng(devices)
     ids = rng.integers(0, 1000, 300) // devices * devices
@@ -102,23 +103,27 @@ def test_split_by_home_of_skewed_residues_overflows_into_two_passes(devices, kee
     ids[::11] = -1  # padding
     keep = np.ones(devices, bool) if keep_all else np.arange(devices) % 2 == 0
     assert np.sum(ids % devices == 0) > region(290, devices)
-    _check_split(ids, 5, 295, -1, 1000, keep)
+    _check_split(ids, 5, 295, -1, 1000, keep, positions)
 
 
-def _check_split(ids, lo, hi, pad, n, keep):
-    """``split_by_home`` against a stable sort of the kept ids by residue."""
+def _check_split(ids, lo, hi, pad, n, keep, positions):
+    """``split_by_home`` against a stable sort of the kept ids by residue;
+    without ``positions``, ``at`` untouched."""
     devices = keep.size
     room = devices * region(hi - lo, devices) + 1
     local = np.full(room, -5, np.int64)
     at = np.full(room, -5, np.int32)
     begin, end = np.empty(devices, np.int64), np.empty(devices, np.int64)
-    assert split_by_home(ids, lo, hi, pad, n, devices, keep, local, at, begin, end) == -1
+    assert split_by_home(ids, lo, hi, pad, n, devices, keep, local, at, positions, begin, end) == -1
     real = [(int(i), p) for p, i in enumerate(ids[lo:hi].tolist(), lo) if i != pad]
     for r in range(devices):  # each group in order of appearance, apart from the others
         group = [(i // devices, p) for i, p in real if i % devices == r and keep[r]]
         assert 0 <= begin[r] <= end[r] <= room - 1
         assert local[begin[r] : end[r]].tolist() == [q for q, _ in group]
-        assert at[begin[r] : end[r]].tolist() == [p for _, p in group]
+        if positions:
+            assert at[begin[r] : end[r]].tolist() == [p for _, p in group]
+    if not positions:
+        assert (at == -5).all()
     spans = sorted((begin[r], end[r]) for r in range(devices) if end[r] > begin[r])
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
 
@@ -128,12 +133,8 @@ def test_split_by_home_finds_the_first_id_out_of_range(keep_all):
     ids = np.array([3, 9, 12, -4, 20], np.int64)
     keep = np.array([keep_all, True])
     room = 2 * region(5, 2) + 1
-    out = (
-        np.empty(room, np.int64),
-        np.empty(room, np.int32),
-        np.empty(2, np.int64),
-        np.empty(2, np.int64),
-    )
+    local, at = np.empty(room, np.int64), np.empty(room, np.int32)
+    out = (local, at, keep_all, np.empty(2, np.int64), np.empty(2, np.int64))
     assert split_by_home(ids, 0, 5, -1, 12, 2, keep, *out) == 2  # 12 >= 12
     assert split_by_home(ids, 3, 5, 20, 12, 2, keep, *out) == 3  # -4; 20 is padding
     assert split_by_home(ids, 0, 2, -1, 12, 2, keep, *out) == -1

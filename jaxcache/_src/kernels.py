@@ -579,14 +579,18 @@ def real_positions(values, limit, out):
 
 
 @kernel
-def split_by_home(flat, lo, hi, pad, num_embeddings, devices, keep, local, at, begin, end):
+def split_by_home(
+    flat, lo, hi, pad, num_embeddings, devices, keep, local, at, positions, begin, end
+):
     """Groups the real ids of ``flat[lo:hi]`` by residue ``id % devices``.
 
     Writes, grouped by residue and in order within each group, the local id
-    (``id // devices``) and the position in ``flat`` of every real id whose
-    residue ``r`` has ``keep[r]`` to ``local`` and ``at``: residue ``r``'s
-    group is ``[begin[r], end[r])`` (empty where not kept). Every id is
-    range-checked, kept or not.
+    (``id // devices``) and, with ``positions``, the position in ``flat`` of
+    every real id whose residue ``r`` has ``keep[r]`` to ``local`` and
+    ``at``: residue ``r``'s group is ``[begin[r], end[r])`` (empty where not
+    kept). Every id is range-checked, kept or not. Without ``positions``
+    (the slices of another process's devices, whose ids this process only
+    plans) ``at`` is left as it was, and the pass costs a fifth less.
 
     One pass, each group in a region of its own: ``local`` and ``at`` hold
     ``devices`` regions of ``region(hi - lo, devices)`` entries and one
@@ -636,10 +640,11 @@ def split_by_home(flat, lo, hi, pad, num_embeddings, devices, keep, local, at, b
                 i = flat[rest]
                 if i != pad and (i < 0 or i >= num_embeddings):
                     return rest
-            _split_counted(flat, lo, hi, pad, devices, keep, local, at, begin, end)
+            _split_counted(flat, lo, hi, pad, devices, keep, local, at, positions, begin, end)
             return -1
         local[c] = q
-        at[c] = p
+        if positions:
+            at[c] = p
         fill[r] = c + step[r]
     for r in range(devices):
         begin[r] = r * size if keep[r] else 0
@@ -655,7 +660,7 @@ def region(entries, devices):
 
 
 @kernel
-def _split_counted(flat, lo, hi, pad, devices, keep, local, at, begin, end):
+def _split_counted(flat, lo, hi, pad, devices, keep, local, at, positions, begin, end):
     """``split_by_home`` in two passes, when a region overflowed: each kept
     group's size counted first, then the groups written back to back (the
     ids were checked by then)."""
@@ -676,7 +681,8 @@ def _split_counted(flat, lo, hi, pad, devices, keep, local, at, begin, end):
             if keep[r]:
                 c = counts[r]
                 local[c] = i // devices
-                at[c] = p
+                if positions:
+                    at[c] = p
                 counts[r] = c + 1
     for r in range(devices):
         end[r] = counts[r]

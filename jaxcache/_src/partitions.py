@@ -64,7 +64,8 @@ class Split(NamedTuple):
 
     Attributes:
       local: ``int64``: each entry's local id (``id // n``).
-      at: ``int32``: its position in the flattened batch.
+      at: ``int32``: its position in the flattened batch (the sources of
+        this process only; unset for the others').
       begin: ``int64 [n, n]``: where each (source, residue) group begins.
       end: ``int64 [n, n]``: where it ends.
       ranks: ``int32``: each entry's rank among the distinct ids its source
@@ -408,11 +409,11 @@ class Partitions:
 
         def split(source: int) -> int:
             lo, hi = source * share, (source + 1) * share
-            keep = everything if source in self.layout.own else mine
+            own = source in self.layout.own  # only its entries' positions are routed here
             out = slice(source * room, (source + 1) * room)
             return kernels.split_by_home(
-                flat, lo, hi, pad, cfg.num_embeddings, n, keep, local[out], at[out],
-                begin[source], end[source],
+                flat, lo, hi, pad, cfg.num_embeddings, n, everything if own else mine,
+                local[out], at[out], own, begin[source], end[source],
             )  # fmt: skip
 
         bad = [p for p in self.threads.map(split, range(n)) if p >= 0]
