@@ -64,8 +64,8 @@ class Split(NamedTuple):
 
     Attributes:
       local: ``int64``: each entry's local id (``id // n``).
-      at: ``int32``: its position in the flattened batch (the sources of
-        this process only; unset for the others').
+      at: ``int32``: its position in the flattened batch (for the sources
+        of this process; not written for other processes' sources).
       begin: ``int64 [n, n]``: where each (source, residue) group begins.
       end: ``int64 [n, n]``: where it ends.
       ranks: ``int32``: each entry's rank among the distinct ids its source
