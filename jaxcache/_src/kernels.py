@@ -88,6 +88,14 @@ _AHEAD_SLOT = 48
 _AHEAD_ROW = 32
 
 
+def _row_pointer(context, builder, array_type, array, index):
+    """LLVM pointer to the start of row ``index`` of ``array`` (its element
+    ``index`` when 1-D), for the intrinsics below; no bounds check."""
+    view = context.make_array(array_type)(context, builder, array)
+    indices = [index] + [context.get_constant(types.intp, 0)] * (array_type.ndim - 1)
+    return cgutils.get_item_pointer(context, builder, array_type, view, indices, wraparound=False)
+
+
 def _prefetch_intrinsic(typingctx, array, index):
     """``_prefetch(array, index)``: asks the CPU to bring ``array[index]``
     (the start of row ``index`` of a 2-D array) into its caches; changes
@@ -95,12 +103,7 @@ def _prefetch_intrinsic(typingctx, array, index):
     cache levels)."""
 
     def codegen(context, builder, signature, args):
-        array_type = signature.args[0]
-        view = context.make_array(array_type)(context, builder, args[0])
-        index = [args[1]] + [context.get_constant(types.intp, 0)] * (array_type.ndim - 1)
-        pointer = cgutils.get_item_pointer(
-            context, builder, array_type, view, index, wraparound=False
-        )
+        pointer = _row_pointer(context, builder, signature.args[0], *args)
         byte = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
         kind = ir.FunctionType(ir.VoidType(), [byte, i32, i32, i32])
@@ -121,10 +124,7 @@ def _load_acquire_intrinsic(typingctx, array, index):
     loop sees another thread's store."""
 
     def codegen(context, builder, signature, args):
-        view = context.make_array(signature.args[0])(context, builder, args[0])
-        pointer = cgutils.get_item_pointer(
-            context, builder, signature.args[0], view, [args[1]], wraparound=False
-        )
+        pointer = _row_pointer(context, builder, signature.args[0], *args)
         return builder.load_atomic(pointer, "acquire", 8)
 
     return types.int64(array, index), codegen
@@ -139,10 +139,7 @@ def _store_release_intrinsic(typingctx, array, index, value):
     are seen first, and it is not moved past later code."""
 
     def codegen(context, builder, signature, args):
-        view = context.make_array(signature.args[0])(context, builder, args[0])
-        pointer = cgutils.get_item_pointer(
-            context, builder, signature.args[0], view, [args[1]], wraparound=False
-        )
+        pointer = _row_pointer(context, builder, signature.args[0], args[0], args[1])
         stored = context.cast(builder, args[2], signature.args[2], types.int64)
         builder.store_atomic(stored, pointer, "release", 8)
         return context.get_dummy_value()
