@@ -67,7 +67,6 @@ __all__ = [
     "sample_ids",
     "shadow_step",
     "split_by_home",
-    "victim_candidates",
     "wait_for_helpers",
 ]
 
@@ -455,7 +454,7 @@ def mark_new(slots, mark, stamp, group_capacity, counts):
 
 
 @kernel
-def victim_candidates(reserve, mark, stamp, last_use, finished, id_of_slot, priority):
+def _victim_candidates(reserve, mark, stamp, last_use, finished, id_of_slot, priority):
     """The slots of ``reserve`` a plan may evict, with their eviction keys.
 
     A slot is protected when stamped (a hit of the batch, or counted in
@@ -480,7 +479,7 @@ def victim_candidates(reserve, mark, stamp, last_use, finished, id_of_slot, prio
 @kernel
 def choose_victims(reserve, mark, stamp, last_use, finished, id_of_slot, priority, count, out):
     """The ``count`` slots of ``reserve`` of lowest ``(key, slot)`` that a
-    plan may evict (``victim_candidates``), by slot, into ``out``.
+    plan may evict (``_victim_candidates``), by slot, into ``out``.
 
     The slots are put in order through a bitmap of all slots (two passes
     over ``C / 64`` words), not sorted: a compiled sort of a few thousand
@@ -491,7 +490,7 @@ def choose_victims(reserve, mark, stamp, last_use, finished, id_of_slot, priorit
       evicted (``out`` is written only when at least ``count``), and the
       ``(key, slot)`` of the last one chosen.
     """
-    slots, keys = victim_candidates(reserve, mark, stamp, last_use, finished, id_of_slot, priority)
+    slots, keys = _victim_candidates(reserve, mark, stamp, last_use, finished, id_of_slot, priority)
     found = slots.size
     if found < count:
         return found, 0, 0
