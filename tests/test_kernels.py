@@ -106,6 +106,28 @@ def test_split_by_home_of_skewed_residues_overflows_into_two_passes(devices, kee
     _check_split(ids, 5, 295, -1, 1000, keep, positions)
 
 
+@pytest.mark.parametrize("size", [255, 257, 1300])
+@pytest.mark.parametrize("skewed", [False, True])
+@pytest.mark.parametrize("positions", [True, False])
+def test_split_by_home_of_long_slices(size, skewed, positions):
+    # Slices longer than a few hundred ids, an id out of range near the end;
+    # the padding's residue (-4 % 4 == 0) is kept.
+    rng = np.random.default_rng(size)
+    ids = rng.integers(0, 5000, size)
+    if skewed:
+        ids = ids // 4 * 4  # one residue of four: its region overflows
+    ids[::13] = -4
+    keep = np.arange(4) % 2 == 0
+    _check_split(ids, 1, size, -4, 5000, keep, positions)
+    ids[size - 3] = 5000
+    room = 4 * region(size, 4) + 1
+    out = (np.empty(room, np.int64), np.empty(room, np.int32), positions)
+    assert (
+        split_by_home(ids, 0, size, -4, 5000, 4, keep, *out, *np.empty((2, 4), np.int64))
+        == size - 3
+    )
+
+
 def _check_split(ids, lo, hi, pad, n, keep, positions):
     """``split_by_home`` against a stable sort of the kept ids by residue;
     without ``positions``, ``at`` untouched."""

@@ -373,19 +373,15 @@ class Partitions:
             return None
         n, begin, end = layout.devices, split.begin, split.end
         sent_out = np.zeros((len(self.devices), n), np.int64)
-        foreign = [d for d in range(n) if d not in layout.own]
+        foreign = np.array([d for d in range(n) if d not in layout.own])
+        residues = np.array([layout.residue(d) for d in foreign])
 
         def rank(item) -> None:
             row, source = item
-            most = int((end[source] - begin[source]).max())
-            keys = np.full(1 << max(4, (2 * most).bit_length()), -1, np.int64)
-            values = np.empty(keys.size, np.int32)
-            for device in foreign:
-                r = layout.residue(device)
-                lo, hi = begin[source, r], end[source, r]
-                sent_out[row, device] = kernels.distinct_ranks(
-                    split.local, lo, hi, keys, values, split.ranks
-                )
+            lo, hi = begin[source, residues], end[source, residues]
+            counts = np.empty(foreign.size, np.int64)
+            kernels.distinct_ranks(split.local, lo, hi, split.ranks, counts)
+            sent_out[row, foreign] = counts
 
         self.threads.map(rank, list(enumerate(self.devices)))
         return sent_out
