@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import jaxcache
 from jaxcache._src.partitions import Partitions
 from jaxcache._src.placement import Layout
+from jaxcache._src.threads import HostThreads
 
 
 class DictPlanner:
@@ -181,17 +182,22 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
     devices=st.sampled_from([2, 4, 8]),
     processes=st.sampled_from([2, 4]),
     steps=st.integers(1, 4),
+    threads=st.sampled_from([1, 2]),
 )
-def test_processes_rank_what_crosses_between_them_alike(seed, devices, processes, steps):
+def test_processes_rank_what_crosses_between_them_alike(seed, devices, processes, steps, threads):
     # A source ranks the ids it sends another process's device with a hash
     # table; that owner ranks them in its planner. Both must agree on every
-    # rank (the row each entry reads) and on how many rows cross.
+    # rank (the row each entry reads) and on how many rows cross, on any
+    # number of host threads.
     if devices % processes:
         processes = devices
     rng = np.random.default_rng(seed)
     n = 64
     cfg = jaxcache.CacheConfig(n, 1, n, policy="lru", padding_id=-1)  # every row fits
-    parts = [Partitions(cfg, Layout(devices, processes, p)) for p in range(processes)]
+    parts = [
+        Partitions(cfg, Layout(devices, processes, p), threads=HostThreads(threads))
+        for p in range(processes)
+    ]
     for _ in range(steps):
         ids = rng.integers(0, n, size=(devices * int(rng.integers(1, 12)), 2))
         ids = np.where(rng.random(ids.shape) < 0.2, -1, ids)

@@ -14,10 +14,12 @@ passes, each split into independent pieces that run on the host threads:
    local ids; padding and range errors are found here.
 2. **plan** (per home partition): the partition's planner checks the ids
    sent to it by every source (hits, misses, room); only when every
-   partition fits does each commit (victims, directory, policy). Then the
-   distinct ids each source sends the partition are ranked in order of
+   partition fits does each commit (victims, directory, policy). The check
+   ranks the distinct ids each source sends the partition in order of
    appearance: rank ``k`` of source ``s`` is the row the owner serves ``s``
    at position ``k`` of its ``all_to_all`` block (``jaxcache._src.routing``).
+   In a process of several, the ids an own source sends the devices of
+   other processes are ranked the same way by the source's split piece.
 3. The route's padded arrays, built once the sizes are known (the stager).
 
 On one device the split and the ranking are skipped: the planner looks the
@@ -338,7 +340,7 @@ class Partitions:
             return StepPlan(plan.index, array.shape, (plan,), None, sent, real, None, None)
         n = self.layout.devices
         flat = kernels.as_index_array(array)
-        split = self._split(array, flat)
+        split, sent_out = self._split(array, flat)
         stamp = self._source_stamp
         self._source_stamp += n
 
@@ -361,56 +363,54 @@ class Partitions:
             tuple(c.bounds for c in checked),
             np.stack([c.sent for c in checked]),
             (split.end - split.begin)[np.array(self.devices)].sum(1),
-            self._rank_foreign(split),
+            sent_out,
             split,
         )
 
-    def _rank_foreign(self, split: Split) -> np.ndarray | None:
-        """Ranks the ids each own source sends the devices of other processes
-        (``distinct_ranks``), as their owners rank them; returns ``sent_out``."""
-        layout = self.layout
-        if layout.processes == 1:
-            return None
-        n, begin, end = layout.devices, split.begin, split.end
-        sent_out = np.zeros((len(self.devices), n), np.int64)
-        foreign = np.array([d for d in range(n) if d not in layout.own])
-        residues = np.array([layout.residue(d) for d in foreign])
-
-        def rank(item) -> None:
-            row, source = item
-            lo, hi = begin[source, residues], end[source, residues]
-            counts = np.empty(foreign.size, np.int64)
-            kernels.distinct_ranks(split.local, lo, hi, split.ranks, counts)
-            sent_out[row, foreign] = counts
-
-        self.threads.map(rank, list(enumerate(self.devices)))
-        return sent_out
-
-    def _split(self, array: np.ndarray, flat: np.ndarray) -> Split:
+    def _split(self, array: np.ndarray, flat: np.ndarray) -> tuple[Split, np.ndarray | None]:
         """The real ids of each source's slice grouped by residue
-        (``split_by_home``), one piece per source; ranks to be filled."""
-        cfg, n = self.config, self.layout.devices
+        (``split_by_home``), one piece per source, and ``sent_out`` (``None``
+        in one process): the ranks of the ids each own source sends the
+        devices of other processes, as their owners rank them
+        (``distinct_ranks``), are written in the same piece, while the
+        source's groups are in the core's caches. The other ranks are the
+        check's."""
+        cfg, layout, n = self.config, self.layout, self.layout.devices
         share = flat.size // n
         pad = _NO_PAD if cfg.padding_id is None else cfg.padding_id
         room = n * int(kernels.region(share, n)) + 1  # each source's (see split_by_home)
         local = np.empty(n * room, np.int64)
         at = np.empty(n * room, np.int32)
+        ranks = np.empty(n * room, np.int32)
         begin = np.empty((n, n), np.int64)
         end = np.empty((n, n), np.int64)
         # A source of this process needs every residue ranked; another
         # process's source only the residues homed here.
         mine = np.zeros(n, bool)
-        mine[[self.layout.residue(d) for d in self.devices]] = True
+        mine[[layout.residue(d) for d in self.devices]] = True
         everything = np.ones(n, bool)
+        sent_out = None
+        if layout.processes > 1:
+            sent_out = np.zeros((len(self.devices), n), np.int64)
+            foreign = np.array([d for d in range(n) if d not in layout.own])
+            residues = np.array([layout.residue(d) for d in foreign])
+        row_of = {source: row for row, source in enumerate(self.devices)}
 
         def split(source: int) -> int:
             lo, hi = source * share, (source + 1) * share
-            own = source in self.layout.own  # only its entries' positions are routed here
+            own = source in row_of  # only its entries' positions are routed here
             out = slice(source * room, (source + 1) * room)
-            return kernels.split_by_home(
+            bad = kernels.split_by_home(
                 flat, lo, hi, pad, cfg.num_embeddings, n, everything if own else mine,
                 local[out], at[out], own, begin[source], end[source],
             )  # fmt: skip
+            if bad < 0 and own and sent_out is not None:
+                counts = np.empty(foreign.size, np.int64)
+                kernels.distinct_ranks(
+                    local[out], begin[source, residues], end[source, residues], ranks[out], counts
+                )
+                sent_out[row_of[source], foreign] = counts
+            return bad
 
         bad = [p for p in self.threads.map(split, range(n)) if p >= 0]
         if bad:  # check_ids words the error; the kernel found where
@@ -419,7 +419,7 @@ class Partitions:
         offsets = room * np.arange(n)[:, None]
         begin += offsets
         end += offsets
-        return Split(local, at, begin, end, np.empty(n * room, np.int32))
+        return Split(local, at, begin, end, ranks), sent_out
 
     def _raise_refusals(self, checked: list[Any], max_distinct: int | None) -> None:
         """Raises the error of a partition that refused the batch, or when the
