@@ -372,9 +372,8 @@ class Partitions:
         (``split_by_home``), one piece per source, and ``sent_out`` (``None``
         in one process): the ranks of the ids each own source sends the
         devices of other processes, as their owners rank them
-        (``distinct_ranks``), are written in the same piece, while the
-        source's groups are in the core's caches. The other ranks are the
-        check's."""
+        (``distinct_ranks``), are written in the same piece (no map of their
+        own). The other ranks are the check's."""
         cfg, layout, n = self.config, self.layout, self.layout.devices
         share = flat.size // n
         pad = _NO_PAD if cfg.padding_id is None else cfg.padding_id
