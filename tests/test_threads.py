@@ -65,9 +65,8 @@ def test_a_spinning_wait_sees_another_threads_store():
 
 def test_the_caller_waits_until_every_helper_that_joined_a_map_has_left_it():
     done = np.zeros(1, np.int64)
-    crew = np.zeros(
-        1 + 2 * 2, np.int64
-    )  # two helpers: [posted, joined 0, joined 1, left 0, left 1]
+    # Two helpers: [posted, joined 0, joined 1, left 0, left 1].
+    crew = np.zeros(1 + 2 * 2, np.int64)
     crew[0] = 3  # map 3 posted
     assert not kernels.wait_for_helpers(done, crew, 3, 1000)  # its pieces are not done
     done[0] = 1

@@ -370,10 +370,10 @@ class Partitions:
     def _split(self, array: np.ndarray, flat: np.ndarray) -> tuple[Split, np.ndarray | None]:
         """The real ids of each source's slice grouped by residue
         (``split_by_home``), one piece per source, and ``sent_out`` (``None``
-        in one process): the ranks of the ids each own source sends the
-        devices of other processes, as their owners rank them
-        (``distinct_ranks``), are written in the same piece (no map of their
-        own). The other ranks are the check's."""
+        in one process): the distinct ids each own source sends each device
+        of another process. Those ids are ranked as their owners rank them
+        (``distinct_ranks``) in the source's own piece, with no map of their
+        own; the other ranks are the check's."""
         cfg, layout, n = self.config, self.layout, self.layout.devices
         share = flat.size // n
         pad = _NO_PAD if cfg.padding_id is None else cfg.padding_id
