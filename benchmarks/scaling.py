@@ -24,9 +24,10 @@ One run measures, on a Criteo-shaped table of about 4M rows x 16 (LFU,
    against 1 process x 8 devices. Process 0's share is staged here by a
    stager of that layout (its planners, its share of the host table), with
    no device: the batches are staged for inference (rows fetched, none
-   written back) on both sides alike. A real run adds one key-value round
-   trip per step for the padded sizes (``tests/test_multiprocess.py`` runs
-   it). ``per_process_2_over_1``.
+   written back) on both sides alike. A real run adds the agreement on the
+   padded sizes through the key-value store, a few requests per step
+   (``tests/test_multiprocess.py`` runs it; ``benchmarks/agreement.py``
+   times it against the number of processes). ``per_process_2_over_1``.
 4. **One thread, one device**, the embedding-heavy batch of
    ``benchmarks/throughput.py`` (512 samples x 26 bags of up to 16 ids,
    3.4M rows, 2% cache): real ids staged per second of CPU.

@@ -4,21 +4,32 @@ The arrays of a step are global arrays of the mesh: every process must pad
 its blocks to the same sizes, though each plans only its own devices'
 partitions and sees only their needs. So after planning a batch, each process
 publishes its needs (a few integers) and takes the elementwise maximum of
-everyone's: one small exchange per step through the key-value store of
-``jax.distributed``'s coordination service. It runs on whatever host thread
-stages the batch, never on the device streams, so it cannot be ordered
-differently from the step's collectives in another process.
+everyone's, through the key-value store of ``jax.distributed``'s coordination
+service. Each process writes its needs under the batch's directory; with a
+few processes it then reads each other's key (a blocking read each), with
+more it waits at a barrier of the cache's processes and reads the directory
+back: three requests per process and step however many processes there are,
+where a read per process grew with the job (``benchmarks/agreement.py``).
+One process in turn deletes an old batch's directory. It runs on whatever
+host thread stages the batch, never on the device streams, so it cannot be
+ordered differently from the step's collectives in another process.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
 __all__ = ["Agreement", "agreement"]
 
-# Keys older than this many plans are deleted: processes never drift further
-# apart than their look-ahead, since every step is a collective.
-_KEEP = 64
+# A batch's directory is deleted this many plans later. Every process needs
+# every other's needs of a plan to finish it, so none is more than one plan
+# behind another, and all have read the directory by then.
+_KEEP = 4
+# Up to this many processes a blocking read of each other's key costs no
+# more requests than the barrier and the directory read.
+_READ_EACH = 3
 _TIMEOUT_MS = 10 * 60 * 1000
 
 
@@ -36,59 +47,77 @@ class Agreement:
 
 
 class _KeyValueAgreement(Agreement):
-    """Several processes: needs meet in the coordination service's key-value store."""
+    """Several processes: needs meet in the coordination service's key-value store.
 
-    def __init__(self, client, prefix: str, process: int, processes: int) -> None:
+    Args:
+      client: the ``jax.distributed`` client (``key_value_set_bytes``,
+        ``wait_at_barrier``, ``key_value_dir_get_bytes``, ``key_value_delete``).
+      prefix: the cache's keys and barrier, the same in every process.
+      members: the processes (``jax.process_index``) of the cache's mesh axis.
+      process: this process's index among ``members``.
+    """
+
+    def __init__(self, client, prefix: str, members: Sequence[int], process: int) -> None:
         self._client = client
         self._prefix = prefix
+        self._members = [int(m) for m in members]
         self._process = process
-        self._processes = processes
-
-    def _key(self, index: int, process: int) -> str:
-        return f"{self._prefix}/{index}/{process}"
+        # One barrier, passed once per plan (the service counts its rounds).
+        self._barrier = f"{prefix}/agreed"
 
     def max(self, index: int, needs: np.ndarray) -> np.ndarray:
         needs = np.ascontiguousarray(needs, np.int64)
-        self._client.key_value_set_bytes(self._key(index, self._process), needs.tobytes())
+        client, directory, count = self._client, f"{self._prefix}/{index}", len(self._members)
+        client.key_value_set_bytes(f"{directory}/{self._process}", needs.tobytes())
+        try:
+            if count <= _READ_EACH:
+                others = [p for p in range(count) if p != self._process]
+                entries = [
+                    client.blocking_key_value_get_bytes(f"{directory}/{p}", _TIMEOUT_MS)
+                    for p in others
+                ]
+            else:
+                client.wait_at_barrier(self._barrier, _TIMEOUT_MS, process_ids=self._members)
+                entries = [raw for _, raw in client.key_value_dir_get_bytes(f"{directory}/")]
+        except Exception as error:
+            raise RuntimeError(
+                f"processes {self._members} did not all publish their sizes for batch "
+                f"{index} of {self._prefix!r} within {_TIMEOUT_MS // 1000} s; every process "
+                "must stage the same batches in the same order."
+            ) from error
+        if count > _READ_EACH and len(entries) != count:
+            raise RuntimeError(
+                f"batch {index} of {self._prefix!r} has sizes from {len(entries)} processes "
+                f"past the barrier, not {count}: another program uses these keys."
+            )
         out = needs.copy()
-        for process in range(self._processes):
-            if process == self._process:
-                continue
-            try:
-                raw = self._client.blocking_key_value_get_bytes(
-                    self._key(index, process), _TIMEOUT_MS
-                )
-            except Exception as error:
-                raise RuntimeError(
-                    f"process {process} did not publish its sizes for batch {index} of "
-                    f"{self._prefix!r} within {_TIMEOUT_MS // 1000} s; every process must "
-                    "stage the same batches in the same order."
-                ) from error
+        for raw in entries:
             np.maximum(out, np.frombuffer(raw, np.int64), out=out)
-        if index >= _KEEP:
+        if index >= _KEEP and index % count == self._process:
             try:
-                self._client.key_value_delete(self._key(index - _KEEP, self._process))
+                client.key_value_delete(f"{self._prefix}/{index - _KEEP}")  # and its keys
             except Exception:  # already gone: nothing to free
                 pass
         return out
 
 
-def agreement(name: str, processes: int, process: int) -> Agreement:
-    """The agreement of a cache whose devices span ``processes`` processes.
+def agreement(name: str, members: Sequence[int], process: int) -> Agreement:
+    """The agreement of a cache whose devices span the processes ``members``.
 
     Args:
       name: unique among the caches of the program, the same in every process.
-      processes: processes of the mesh axis.
+      members: the processes (``jax.process_index``) owning the devices of
+        the cache's mesh axis (``placement.axis_processes``).
       process: this process's index among them.
     """
-    if processes == 1:
+    if len(members) == 1:
         return Agreement()
     from jax._src import distributed  # the coordination service's client
 
     client = distributed.global_state.client
     if client is None:
         raise RuntimeError(
-            f"the cache's devices span {processes} processes but jax.distributed is not "
+            f"the cache's devices span {len(members)} processes but jax.distributed is not "
             "initialized; call jax.distributed.initialize() first."
         )
-    return _KeyValueAgreement(client, f"jaxcache/{name}", process, processes)
+    return _KeyValueAgreement(client, f"jaxcache/{name}", members, process)

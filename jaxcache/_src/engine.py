@@ -38,7 +38,7 @@ from jaxcache._src.host_callback import HostCallbacks
 from jaxcache._src.host_table import HostTable
 from jaxcache._src.lifecycle import Lifecycle
 from jaxcache._src.partitions import Partitions
-from jaxcache._src.placement import Layout, process_shard
+from jaxcache._src.placement import Layout, axis_processes, process_shard
 from jaxcache._src.stager import Deferred, HostStaged, Stager, bucket_size
 from jaxcache._src.stats import CacheStats
 from jaxcache._src.threads import HostThreads, default_threads
@@ -202,7 +202,9 @@ class EmbeddingCache:
             self.write_backs,
             self.stats,
             self.threads,
-            agreement(f"{config.name}-{next(_MULTI_PROCESS_CACHES)}", processes, shard)
+            agreement(
+                f"{config.name}-{next(_MULTI_PROCESS_CACHES)}", axis_processes(mesh, axis), shard
+            )
             if processes > 1
             else None,
         )

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-__all__ = ["Layout", "process_shard"]
+__all__ = ["Layout", "axis_processes", "process_shard"]
 
 
 def process_shard(mesh: Mesh, axis: str = "rows") -> tuple[int, int]:
@@ -44,6 +44,26 @@ def process_shard(mesh: Mesh, axis: str = "rows") -> tuple[int, int]:
       >>> jaxcache.host.process_shard(mesh)
       (0, 1)
     """
+    order = axis_processes(mesh, axis)
+    me = jax.process_index()
+    if me not in order:
+        raise ValueError(
+            f"process {me} owns none of the devices of axis {axis!r} (owners {order}); "
+            "build the cache on a mesh that includes this process's devices."
+        )
+    return order.index(me), len(order)
+
+
+def axis_processes(mesh: Mesh, axis: str = "rows") -> list[int]:
+    """The processes (``jax.process_index``) owning the devices of ``axis``,
+    in mesh order, each once (see ``process_shard``).
+
+    Examples:
+      >>> import jax, numpy as np
+      >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("rows",))
+      >>> axis_processes(mesh)
+      [0]
+    """
     if axis not in mesh.shape:
         raise ValueError(f"axis={axis!r} is not an axis of the mesh {dict(mesh.shape)}.")
     n = mesh.shape[axis]
@@ -59,20 +79,13 @@ def process_shard(mesh: Mesh, axis: str = "rows") -> tuple[int, int]:
             )
         owners.append(processes[0])
     order = list(dict.fromkeys(owners))
-    count = len(order)
-    if n % count or owners != [p for p in order for _ in range(n // count)]:
+    if n % len(order) or owners != [p for p in order for _ in range(n // len(order))]:
         raise ValueError(
             f"the devices of axis {axis!r} belong to processes {owners}; each process must "
             "own one run of consecutive devices, all runs of equal length (build the mesh "
             "from jax.devices(), which lists them by process)."
         )
-    me = jax.process_index()
-    if me not in order:
-        raise ValueError(
-            f"process {me} owns none of the devices of axis {axis!r} (owners {order}); "
-            "build the cache on a mesh that includes this process's devices."
-        )
-    return order.index(me), count
+    return order
 
 
 @dataclasses.dataclass(frozen=True)

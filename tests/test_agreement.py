@@ -1,0 +1,159 @@
+"""The padded sizes processes agree on, against an in-memory coordination service.
+
+``tests/test_multiprocess.py`` runs the agreement between real processes
+under ``jax.distributed``; here threads stand in for processes, so that
+skewed arrivals, many processes and a failing barrier are cheap to try.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import threading
+
+import numpy as np
+import pytest
+
+from jaxcache._src import agreement as agreement_module
+from jaxcache._src.agreement import _KeyValueAgreement
+
+
+class _Service:
+    """The key-value store and barriers of a coordination service (one lock)."""
+
+    def __init__(self, processes: int) -> None:
+        self.store: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.barriers: dict[str, threading.Barrier] = {}
+        self.processes = processes
+        self.requests: collections.Counter[str] = collections.Counter()
+
+    def client(self) -> _Client:
+        return _Client(self)
+
+
+class _Client:
+    def __init__(self, service: _Service) -> None:
+        self.service = service
+
+    def key_value_set_bytes(self, key: str, value: bytes) -> None:
+        with self.service.lock:
+            self.service.requests["set"] += 1
+            self.service.store[key] = value
+            self.service.changed.notify_all()
+
+    def blocking_key_value_get_bytes(self, key: str, timeout_ms: int) -> bytes:
+        with self.service.lock:
+            self.service.requests["get"] += 1
+            store = self.service.store
+            if not self.service.changed.wait_for(lambda: key in store, timeout_ms / 1000):
+                raise TimeoutError(f"{key} not set")
+            return store[key]
+
+    def wait_at_barrier(self, barrier: str, timeout_ms: int, process_ids=None) -> None:
+        with self.service.lock:
+            self.service.requests["barrier"] += 1
+            parties = len(process_ids) if process_ids is not None else self.service.processes
+            waiter = self.service.barriers.setdefault(barrier, threading.Barrier(parties))
+        waiter.wait(timeout=timeout_ms / 1000)
+
+    def key_value_dir_get_bytes(self, directory: str) -> list[tuple[str, bytes]]:
+        with self.service.lock:
+            self.service.requests["dir"] += 1
+            store = self.service.store
+            return [(k, v) for k, v in sorted(store.items()) if k.startswith(directory)]
+
+    def key_value_delete(self, key: str) -> None:  # the key, and the keys under it
+        with self.service.lock:
+            self.service.requests["delete"] += 1
+            store = self.service.store
+            for gone in [k for k in store if k == key or k.startswith(key + "/")]:
+                del store[gone]
+
+
+def _agree(processes: int, steps: int, seed: int = 0):
+    """Each of ``processes`` threads agrees on ``steps`` batches' needs;
+    returns what each got, the needs drawn, and the service."""
+    service = _Service(processes)
+    rng = np.random.default_rng(seed)
+    needs = rng.integers(0, 1000, size=(steps, processes, 4))
+    delays = rng.random((steps, processes)) < 0.3  # skewed arrivals
+    got = np.zeros_like(needs)
+    errors: list[BaseException] = []
+
+    def run(process: int) -> None:
+        agreement = _KeyValueAgreement(
+            service.client(), "jaxcache/t", list(range(10, 10 + processes)), process
+        )
+        try:
+            for index in range(steps):
+                if delays[index, process]:
+                    threading.Event().wait(0.001)
+                got[index, process] = agreement.max(index, needs[index, process])
+        except BaseException as error:  # raised again below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in range(processes)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return got, needs, service
+
+
+@pytest.mark.parametrize("processes", [2, 3, 4, 7])
+def test_every_process_gets_the_elementwise_maximum_of_every_batch(processes):
+    got, needs, service = _agree(processes, steps=30)
+    expected = needs.max(axis=1, keepdims=True)
+    np.testing.assert_array_equal(got, np.broadcast_to(expected, got.shape))
+    # Old batches' keys are deleted: the store holds the last few plans only.
+    assert len(service.store) == processes * agreement_module._KEEP
+
+
+@pytest.mark.parametrize("processes", [2, 3, 4, 8])
+def test_requests_per_process_and_batch_stay_few_however_many_processes(processes):
+    steps = 20
+    _, _, service = _agree(processes, steps)
+    requests = service.requests
+    # One process deletes each batch's directory once it is out of the window.
+    assert requests.pop("delete") == steps - agreement_module._KEEP
+    assert requests.pop("set") == processes * steps
+    if processes <= agreement_module._READ_EACH:  # a read of each other process's key
+        assert requests == {"get": (processes - 1) * processes * steps}
+    else:  # a barrier and a read of the batch's directory
+        assert requests == {"barrier": processes * steps, "dir": processes * steps}
+
+
+def test_a_process_that_never_arrives_is_named_in_the_error(monkeypatch):
+    monkeypatch.setattr(agreement_module, "_TIMEOUT_MS", 50)
+    for processes in (2, 5):  # a read per process, and the barrier
+        members = list(range(processes))
+        agreement = _KeyValueAgreement(_Service(processes).client(), "jaxcache/t", members, 0)
+        with pytest.raises(
+            RuntimeError, match=re.escape(f"processes {members} did not all publish") + ".* 7 "
+        ):
+            agreement.max(7, np.array([1, 2]))
+
+
+def test_keys_of_another_program_in_the_directory_are_an_error():
+    service = _Service(4)
+    service.store["jaxcache/t/3/9"] = np.array([5], np.int64).tobytes()
+    members = [4, 5, 6, 7]
+    agreements = [_KeyValueAgreement(service.client(), "jaxcache/t", members, p) for p in range(4)]
+    errors: list[BaseException] = []
+
+    def run(agreement):
+        try:
+            agreement.max(3, np.array([1]))
+        except RuntimeError as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(a,)) for a in agreements]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(errors) == 4 and all("sizes from 5 processes" in str(e) for e in errors)
