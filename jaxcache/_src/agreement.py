@@ -51,7 +51,8 @@ class _KeyValueAgreement(Agreement):
 
     Args:
       client: the ``jax.distributed`` client (``key_value_set_bytes``,
-        ``wait_at_barrier``, ``key_value_dir_get_bytes``, ``key_value_delete``).
+        ``blocking_key_value_get_bytes``, ``wait_at_barrier``,
+        ``key_value_dir_get_bytes``, ``key_value_delete``).
       prefix: the cache's keys and barrier, the same in every process.
       members: the processes (``jax.process_index``) of the cache's mesh axis.
       process: this process's index among ``members``.
