@@ -15,7 +15,7 @@ than processes the processes take turns on the cores, and every figure
 includes that wait; the ratios ``NAME_8_over_2`` say how each way grows
 with the processes.
 
-    python benchmarks/agreement.py            # about a minute on 2 cores
+    python benchmarks/agreement.py            # about 20 s on 2 cores
     python benchmarks/agreement.py --quick
 """
 
