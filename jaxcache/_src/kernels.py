@@ -67,6 +67,7 @@ __all__ = [
     "sample_ids",
     "shadow_step",
     "split_by_home",
+    "table_rows",
     "wait_for_helpers",
 ]
 
@@ -315,8 +316,12 @@ def lookup_entries(
     than shared: called as compiled helpers they made both loops about four
     times slower (59 against 14 ns per id, even asked to inline).
 
+    ``hit_counts`` has room for every distinct id: the misses' lookups are
+    copied after the hits' at the end (``hit_counts[:h + m]``), here rather
+    than by NumPy on the host thread (see ``threads``).
+
     Returns:
-      ``(h, m)``: distinct hits and misses.
+      ``(h, m, missed)``: distinct hits and misses, and lookups of misses.
     """
     h = 0
     m = 0
@@ -370,7 +375,11 @@ def lookup_entries(
             ranks[j] = miss_rank[q]
         sent[s] = k
         base += chunk_hi[s] - chunk_lo[s]
-    return h, m
+    missed = 0
+    for q in range(m):
+        hit_counts[h + q] = miss_counts[q]
+        missed += miss_counts[q]
+    return h, m, missed
 
 
 @kernel
@@ -382,21 +391,38 @@ def place_rows(
     id_of_slot,
     dirty,
     last_use,
+    per_id,
+    per_slot,
+    lookups,
+    first,
+    bounds,
+    sent,
     index,
     train,
     evicted_ids,
     evicted_slots,
     unique_slots,
 ):
-    """Puts misses ``miss_ids`` into slots ``victims`` and marks the plan
-    ``index``'s slots used, in one call.
+    """Commits a checked batch as plan ``index``: the directory, recency,
+    the policy's mirror and the sources' ranks, in one call (each call more
+    lets go of the GIL and takes it back once more; see ``threads``).
 
-    Each victim's old row leaves the directory; those that were dirty are
-    listed in ``evicted_ids`` / ``evicted_slots`` (for write-back). The
-    plan's distinct slots, ``hits`` then ``victims``, go to ``unique_slots``;
-    each gets ``index`` as its last use, and is dirty if the plan trains (a
-    new row is clean otherwise). Returns ``(evictions, dirty evictions)``.
+    Puts misses ``miss_ids`` into slots ``victims``. Each victim's old row
+    leaves the directory; those that were dirty are listed in
+    ``evicted_ids`` / ``evicted_slots`` (for write-back). A new row's
+    ``per_slot`` entry is copied from ``per_id`` (the policy's ``mirror``;
+    empty arrays: none). The plan's distinct slots, ``hits`` then
+    ``victims``, go to ``unique_slots``; each gets ``index`` as its last
+    use, and is dirty if the plan trains (a new row is clean otherwise).
+    With ``lookups`` (the policy counts them; else empty), each distinct
+    row's lookups are added to its ``per_id`` count (``count_lookups``).
+    With ``bounds`` (a partition's entries; else empty), the misses' codes
+    in ``first`` become their rows (``resolve_first``).
+
+    Returns:
+      ``(evictions, dirty evictions)``.
     """
+    mirrored = per_slot.size > 0
     evictions = 0
     written = 0
     for j in range(victims.size):
@@ -413,6 +439,8 @@ def place_rows(
         id_of_slot[v] = i
         slot_of_id[i] = v
         dirty[v] = False
+        if mirrored:
+            per_slot[v] = per_id[i]
     h = hits.size
     for j in range(h):
         unique_slots[j] = hits[j]
@@ -422,6 +450,10 @@ def place_rows(
         last_use[s] = index
         if train:
             dirty[s] = True
+    if lookups.size:
+        count_lookups(unique_slots, id_of_slot, lookups, per_id, per_slot)
+    if bounds.size:
+        resolve_first(first, bounds, sent, h)
     return evictions, written
 
 
@@ -731,11 +763,12 @@ def distinct_ranks(local, lo, hi, ranks, counts):
 
 
 @kernel
-def owner_route(unique_slots, first, bounds, sent, per_destination, requests, owner_inverse):
-    """One owner's share of a route: ``requests[s, k]``, the local slot of the
-    k-th row it serves source ``s``, and ``owner_inverse[s K + k]``, that
-    row's index among its distinct rows; rows at ``K`` or beyond are left
-    for the overflow path."""
+def owner_route(unique_slots, first, bounds, sent, per_destination, slots, requests, owner_inverse):
+    """One owner's share of a route: its distinct local slots copied to
+    ``slots``; ``requests[s, k]``, the local slot of the k-th row it serves
+    source ``s``, and ``owner_inverse[s K + k]``, that row's index among its
+    distinct rows; rows at ``K`` or beyond are left for the overflow path."""
+    slots[: unique_slots.size] = unique_slots
     for s in range(bounds.size - 1):
         base = bounds[s]
         for k in range(min(sent[s], per_destination)):
@@ -745,12 +778,15 @@ def owner_route(unique_slots, first, bounds, sent, per_destination, requests, ow
 
 
 @kernel
-def fill_inverse(at, ranks, begin, end, base, out):
-    """One source's ids' rows in its device's received buffer: for the
-    entries of residue ``r`` (``begin[r]`` to ``end[r]`` of the split's
-    grouped ``at`` and ``ranks``), ``out[at[j]] = base[r] + ranks[j]``
-    (``base[r]``: ``K`` times the home device of residue ``r``). Padding is
-    left as it was."""
+def fill_inverse(at, ranks, begin, end, base, out, lo, hi, fill):
+    """One source's ids' rows in its device's received buffer: ``out[lo:hi]``
+    (the source's slice of the batch) set to ``fill`` (padding's row), then,
+    for the entries of residue ``r`` (``begin[r]`` to ``end[r]`` of the
+    split's grouped ``at`` and ``ranks``, positions in the slice),
+    ``out[at[j]] = base[r] + ranks[j]`` (``base[r]``: ``K`` times the home
+    device of residue ``r``). One call: a fill in NumPy would let go of the
+    GIL and take it back once more (see ``threads``)."""
+    out[lo:hi] = fill  # a slice: vectorized (an index loop runs 10x slower)
     for r in range(base.size):
         b = base[r]
         for j in range(begin[r], end[r]):
@@ -814,6 +850,36 @@ class IdIndex:
         """``(i, j)`` with ``values[i] == keys[j]``, for the ``values`` among
         the keys, in the order of ``values``."""
         return _hash_find(as_index_array(np.asarray(values)), self.keys, self.table, self.bits)
+
+
+@kernel
+def table_rows(ids, index, count, rows, at, size, local):
+    """Checks a gather of ids ``ids`` from a table shard into places ``at``
+    of buffers of ``size`` rows, in one pass: writes each id's row of the
+    shard (``id // count``; the shard holds the ids ``i % count == index``
+    among ``rows * count``) to ``local``.
+
+    Returns:
+      ``-1`` when every id and place is valid and ``at`` is a run
+      (``at[0], at[0] + 1, ...``), ``-2`` when valid but not a run, else the
+      first entry ``j`` whose id or place is not (``local`` incomplete).
+    """
+    run = True
+    if count == 1:  # the whole table: no division (tens of cycles an id)
+        for j in range(ids.size):
+            i, a = ids[j], at[j]
+            if i < 0 or i >= rows or a < 0 or a >= size:
+                return j
+            local[j] = i
+            run &= a == at[0] + j
+        return -1 if run else -2
+    for j in range(ids.size):
+        i, a = ids[j], at[j]
+        if i < 0 or i % count != index or i // count >= rows or a < 0 or a >= size:
+            return j
+        local[j] = i // count
+        run &= a == at[0] + j
+    return -1 if run else -2
 
 
 @kernel

@@ -106,6 +106,10 @@ class Plan(NamedTuple):
 
 # Compared with ids where there is no padding id: equal to none of them.
 _NO_PAD = np.iinfo(np.int64).min
+# ``place_rows``' arrays for what a plan does not have: a policy's mirror
+# (``per_id``, ``per_slot``) or lookups to count; a partition's sources' ranks.
+_NONE = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+_NO_ENTRIES = (np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
 def check_state(state: dict[str, Any], num_embeddings: int) -> None:
@@ -361,7 +365,7 @@ class Planner:
             self.id_of_slot[:] = ids
             self.slot_of_id[resident_ids] = resident
             self.last_use[:] = last_use
-            self.policy.on_insert(self, resident, resident_ids)
+            self._placed(resident, resident_ids)
             return
         recency = last_use[resident]
         if counts is None:
@@ -394,8 +398,16 @@ class Planner:
         ids = ids[: free.size]
         self.slot_of_id[ids] = free
         self.id_of_slot[free] = ids
-        self.policy.on_insert(self, free, ids)
+        self._placed(free, ids)
         return ids, free.astype(np.int32)
+
+    def _placed(self, slots: np.ndarray, ids: np.ndarray) -> None:
+        """Tells the policy that rows ``ids`` were placed in ``slots``
+        outside a plan (a plan's ``place_rows`` copies the mirror itself)."""
+        if self.policy.mirror is not None:
+            per_id, per_slot = self.policy.mirror
+            per_slot[slots] = per_id[ids]
+        self.policy.on_insert(self, slots, ids)
 
     def forget_candidates(self) -> None:
         """Drops the victim candidates: call it when priorities of resident
@@ -508,12 +520,12 @@ class Planner:
             self._source_mark = np.zeros(self.capacity, np.int64)
             self._source_rank = np.empty(self.capacity, np.int32)
         hits = np.empty(min(size, self.capacity), np.int32)
-        hit_counts = np.empty(hits.size, np.int64)
+        counts = np.empty(size, np.int64)  # the hits', then the misses'
         miss_ids = np.empty(min(size, self.config.num_embeddings), np.int64)
         miss_counts = np.empty(miss_ids.size, np.int64)
         first = np.empty(size, np.int32)
         sent = np.empty(chunk_lo.size, np.int64)
-        h, m = kernels.lookup_entries(
+        h, m, missed = kernels.lookup_entries(
             local,
             chunk_lo,
             chunk_hi,
@@ -525,7 +537,7 @@ class Planner:
             source_stamp,
             self._source_rank,
             hits,
-            hit_counts,
+            counts,
             miss_ids,
             miss_counts,
             np.empty(miss_ids.size, np.int64),
@@ -542,9 +554,9 @@ class Planner:
             None,
             hits[:h],
             miss_ids[:m],
-            np.concatenate([hit_counts[:h], miss_counts[:m]]),
+            counts[: h + m],
             size,
-            int(miss_counts[:m].sum()),
+            int(missed),
             self._stamp,
             first,
             bounds,
@@ -601,6 +613,8 @@ class Planner:
         # rows' (misses in order of appearance, in victims of rising slot).
         h = hits.size
         unique_slots = np.empty(h + victims.size, np.int32)
+        policy = self.policy
+        entries = checked.inverse is None  # a partition's: sources' ranks in ``first``
         # Old rows out (the dirty ones listed), new rows in (the misses'
         # directory codes replaced by their slots), every slot used.
         evictions, written = kernels.place_rows(
@@ -611,13 +625,16 @@ class Planner:
             self.id_of_slot,
             self.dirty,
             self.last_use,
+            *(policy.mirror or _NONE),
+            checked.counts if policy.counts_lookups else _NONE[0],
+            *((checked.first, checked.bounds, checked.sent) if entries else _NO_ENTRIES),
             index,
             train,
             evict_ids,
             evict_slots,
             unique_slots,
         )
-        self.policy.on_insert(self, victims, miss_ids)
+        policy.on_insert(self, victims, miss_ids)
         inverse = checked.inverse
         if inverse is not None:
             if checked.missed:  # code -2 - q becomes rank h + q
@@ -626,15 +643,14 @@ class Planner:
         else:
             inverse = checked.first
             assert inverse is not None, "a plan without ranks has its sources' entries"
-            kernels.resolve_first(inverse, checked.bounds, checked.sent, h)
         self._in_flight[index] = unique_slots
-        self.policy.record(self, unique_slots, checked.counts if self.policy.needs_counts else None)
+        policy.record(self, unique_slots, checked.counts if policy.needs_counts else None)
         return Plan(
             index=index,
             unique_slots=unique_slots,
             inverse=inverse,
-            fetch_ids=miss_ids.astype(np.int64),
-            fetch_slots=victims.astype(np.int32),
+            fetch_ids=miss_ids,  # int64, fresh: each check's own
+            fetch_slots=victims,
             evict_ids=evict_ids[:written],
             evict_slots=evict_slots[:written],
             lookups=checked.lookups,
@@ -717,7 +733,7 @@ class Planner:
         answer.
         """
         if count == 0:
-            return np.empty(0, np.int64)
+            return np.empty(0, np.int32)
         size = max(self.reserve, 2 * count, math.isqrt(self.capacity * count))
         # A reserve of every slot (grown while many slots were protected, or
         # while the cache filled) is dropped once a smaller one will do:
@@ -726,7 +742,7 @@ class Planner:
         fresh = self._candidates is None or self._candidates.size < count or everything
         if fresh:
             self._snapshot(size)
-        victims = np.empty(count, np.int64)
+        victims = np.empty(count, np.int32)
         while True:
             reserve, threshold = self._candidates, self._threshold
             assert reserve is not None, "_snapshot made the reserve"

@@ -43,6 +43,15 @@ class Policy:
     needs_counts = False
     #: Whether a cache starts with the hottest rows by dataset counts loaded.
     warms = False
+    #: ``(per_id, per_slot)``, ``int64 [N]`` and ``int64 [C]``: a value of
+    #: each id the policy ranks by, and its copy for the row each slot holds
+    #: (so ranking reads ``[C]``, not ``[N]``). The planner copies it for
+    #: every row it places, in the pass that places them, before ``on_insert``.
+    mirror: tuple[np.ndarray, np.ndarray] | None = None
+    #: Whether each planned batch's lookups of a row are added to its
+    #: ``mirror`` count (by the planner, in the pass that commits the plan,
+    #: before ``record``).
+    counts_lookups = False
 
     def priorities(self, planner: Planner) -> np.ndarray:
         """``int64 [C]``: the priority of the row each slot holds (the
@@ -50,7 +59,7 @@ class Policy:
         raise NotImplementedError
 
     def on_insert(self, planner: Planner, slots: np.ndarray, ids: np.ndarray) -> None:
-        """Rows ``ids`` were just placed in ``slots``."""
+        """Rows ``ids`` were just placed in ``slots`` (``mirror`` already copied)."""
 
     def record(self, planner: Planner, unique_slots: np.ndarray, counts: np.ndarray | None) -> None:
         """Learns from a planned batch: its distinct slots ``int32 [U]`` and,
@@ -62,7 +71,7 @@ class Policy:
         """What the policy learned, for a checkpoint: ``{"name": ...}`` plus arrays.
 
         The arrays are the policy's own, not copies. Recency is the planner's
-        (``last_use``); per-slot mirrors are rebuilt by ``on_insert``.
+        (``last_use``); per-slot mirrors are rebuilt as the rows are placed.
         """
         return {"name": self.name}
 
@@ -90,12 +99,10 @@ class _CountPolicy(Policy):
     def __init__(self, counts: np.ndarray, capacity: int) -> None:
         self.counts = counts
         self.slot_counts = np.zeros(capacity, np.int64)
+        self.mirror = (counts, self.slot_counts)
 
     def priorities(self, planner):
         return self.slot_counts
-
-    def on_insert(self, planner, slots, ids):
-        self.slot_counts[slots] = self.counts[ids]
 
     def state_dict(self):
         return {"name": self.name, "counts": self.counts}
@@ -137,12 +144,7 @@ class LFUPolicy(_CountPolicy):
     """
 
     name = "lfu"
-    needs_counts = True
-
-    def record(self, planner, unique_slots, counts):
-        kernels.count_lookups(
-            unique_slots, planner.id_of_slot, counts, self.counts, self.slot_counts
-        )
+    counts_lookups = True  # all LFU learns from a batch
 
 
 # floor(256 * log2(1 + i / 256)): the mantissa part of kernels.log2_fixed.
@@ -219,6 +221,7 @@ class AdaptivePolicy(Policy):
         self.keys = np.zeros(capacity, np.int64)
         # The prior of each resident row: a batch's keys read [C], not [N].
         self.slot_prior = np.zeros(capacity if self.warms else 0, np.int64)
+        self.mirror = (self.prior, self.slot_prior) if self.warms else None
         self._inserted: list[tuple[int, np.ndarray]] = []  # (next plan index, slots)
         self.bits = 0
         while capacity >> (self.bits + 1) >= self.SHADOW_ROWS:
@@ -257,8 +260,6 @@ class AdaptivePolicy(Policy):
         return self.keys
 
     def on_insert(self, planner, slots, ids):
-        if self.warms:
-            self.slot_prior[slots] = self.prior[ids]
         # Keyed when the keys are next read: the rows a plan inserts are keyed
         # by its record right after, so they are never keyed twice.
         self._inserted.append((planner.next_index, slots))

@@ -188,9 +188,8 @@ def build_route(
 
     def fill_owner(item) -> None:
         e, (device, plan, first, bounds, sent) = item
-        owner_slots[e, : plan.distinct] = plan.unique_slots
         kernels.owner_route(
-            plan.unique_slots, first, bounds, sent, k, requests[e], owner_inverse[e]
+            plan.unique_slots, first, bounds, sent, k, owner_slots[e], requests[e], owner_inverse[e]
         )
         if overflow.size:
             parts = [first[b + k : b + m] for b, m in zip(bounds[:-1], sent, strict=True) if m > k]
@@ -216,9 +215,16 @@ def build_route(
         base = layout.device_of(np.arange(n)) * k  # by residue
 
         def fill_source(source: int) -> None:
-            out_inverse[source * size : (source + 1) * size] = received  # unless a real id's
             kernels.fill_inverse(
-                split.at, split.ranks, split.begin[source], split.end[source], base, out_inverse
+                split.at,
+                split.ranks,
+                split.begin[source],
+                split.end[source],
+                base,
+                out_inverse,
+                source * size,
+                (source + 1) * size,
+                received,  # padding's row: past the rows received
             )
 
         # One map for all: the longer pieces first, the owners' fill the tail.

@@ -313,7 +313,7 @@ class Stager:
         own = list(zip(layout.own, step.plans, strict=True))
         fetch_ids = [layout.global_ids(device, plan.fetch_ids) for device, plan in own]
         wanted = np.concatenate(fetch_ids)
-        home = [np.ones(ids.size, bool) for ids in fetch_ids]  # gathered now
+        home: list[np.ndarray | None] = [None] * blocks  # None: all gathered now
         deferred = None
         with timers.time("write_back"):
             if defer:
@@ -324,7 +324,7 @@ class Stager:
                     at = _block_positions(fetch_ids, size)
                     deferred = Deferred(wanted[late], at[late], plans[late], read_out[late])
                     self.stats.deferred_fetches += int(late.sum())
-                    home = np.split(~late, np.cumsum([ids.size for ids in fetch_ids])[:-1])
+                    home = list(np.split(~late, np.cumsum([ids.size for ids in fetch_ids])[:-1]))
             else:
                 self.ledger.land_for(wanted)
         evicted = [layout.global_ids(device, plan.evict_ids) for device, plan in own]
@@ -345,13 +345,20 @@ class Stager:
         rows = np.zeros((total, *table.rows.shape[1:]), table.rows.dtype)
         opt = {k: np.zeros((total, *v.shape[1:]), v.dtype) for k, v in table.state.items()}
 
+        places = np.arange(total)
+
         def gather(block: int) -> None:
-            keep = home[block]
-            at = block * size + np.flatnonzero(keep)
-            table.gather_into(fetch_ids[block][keep], rows, opt, at)
+            ids, keep, start = fetch_ids[block], home[block], block * size
+            if keep is None:  # NumPy calls here only where some rows wait
+                at = places[start : start + ids.size]
+            else:
+                ids, at = ids[keep], start + np.flatnonzero(keep)
+            table.gather_into(ids, rows, opt, at)
 
         pieces: list[Callable[[], None]] = [
-            partial(gather, block) for block in range(blocks) if home[block].any()
+            partial(gather, block)
+            for block, keep in enumerate(home)
+            if fetch_ids[block].size and (keep is None or keep.any())
         ]
         return (evict_slots, fetch_slots, rows, opt), deferred, pieces
 
