@@ -187,6 +187,16 @@ class Partitions:
         self.local_capacity = int(config.capacity) // n
         self.devices = tuple(layout.own)
         self._source_stamp = 1  # stamps of the sources' ranking, n per plan
+        # What the split of each source keeps, fixed by the layout: a source
+        # of this process needs every residue ranked, another process's
+        # source only the residues homed here (``_split``).
+        self._keep_all = np.ones(n, bool)
+        self._keep_mine = np.zeros(n, bool)
+        self._keep_mine[[layout.residue(d) for d in self.devices]] = True
+        self._foreign = np.array([d for d in range(n) if d not in layout.own], np.int64)
+        self._foreign_residues = np.array([layout.residue(d) for d in self._foreign], np.int64)
+        self._row_of = {source: row for row, source in enumerate(self.devices)}
+        self._own = np.array(self.devices, np.int64)
         self.planners = [
             Planner(
                 self._partition_config(d),
@@ -362,7 +372,7 @@ class Partitions:
             tuple(plans),
             tuple(c.bounds for c in checked),
             np.stack([c.sent for c in checked]),
-            (split.end - split.begin)[np.array(self.devices)].sum(1),
+            (split.end - split.begin)[self._own].sum(1),
             sent_out,
             split,
         )
@@ -383,17 +393,11 @@ class Partitions:
         ranks = np.empty(n * room, np.int32)
         begin = np.empty((n, n), np.int64)
         end = np.empty((n, n), np.int64)
-        # A source of this process needs every residue ranked; another
-        # process's source only the residues homed here.
-        mine = np.zeros(n, bool)
-        mine[[layout.residue(d) for d in self.devices]] = True
-        everything = np.ones(n, bool)
+        everything, mine, row_of = self._keep_all, self._keep_mine, self._row_of
+        foreign, residues = self._foreign, self._foreign_residues
         sent_out = None
         if layout.processes > 1:
             sent_out = np.zeros((len(self.devices), n), np.int64)
-            foreign = np.array([d for d in range(n) if d not in layout.own])
-            residues = np.array([layout.residue(d) for d in foreign])
-        row_of = {source: row for row, source in enumerate(self.devices)}
 
         def split(source: int) -> int:
             lo, hi = source * share, (source + 1) * share

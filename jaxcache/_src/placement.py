@@ -13,6 +13,7 @@ feature's values from its most frequent one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -146,6 +147,13 @@ class Layout:
     def residue(self, device: int) -> int:
         """The residue ``i % n`` of the ids homed on ``device``."""
         return (device % self.per_process) * self.processes + device // self.per_process
+
+    @functools.cached_property
+    def homes(self) -> np.ndarray:
+        """``int64 [n]``: the home device of each residue (read-only)."""
+        homes = self.device_of(np.arange(self.devices))
+        homes.flags.writeable = False
+        return homes
 
     def device_of(self, ids: np.ndarray) -> np.ndarray:
         """The home device of each id."""

@@ -212,7 +212,7 @@ def build_route(
             out_inverse[late] = n * k + np.searchsorted(overflow, slots)
     else:
         size = flat.size // n  # a source's slice of the batch
-        base = layout.device_of(np.arange(n)) * k  # by residue
+        base = layout.homes * k  # by residue
 
         def fill_source(source: int) -> None:
             kernels.fill_inverse(

@@ -100,6 +100,8 @@ class HostThreads:
     def gather(self, fn: Callable[[T], R], items: Sequence[T]) -> list[Any]:
         """Like ``map``, but a call that raises leaves a ``_Raised`` (its
         ``error``) in its place instead of raising."""
+        if self.count == 1 or len(items) < 2:  # no thread to wake, nothing to share
+            return [_call(fn, item) for item in items]
         job = _Job(fn, items)
         helpers = min(self.count, cores(), len(items)) - 1
         crew = _crew(helpers) if helpers > 0 else None
@@ -141,10 +143,7 @@ class _Job(Generic[T]):
                 if k >= len(self.items):
                     return
                 self._next = k + 1
-            try:
-                self.results[k] = self.fn(self.items[k])
-            except BaseException as error:  # raised again by the calling thread
-                self.results[k] = _Raised(error)
+            self.results[k] = _call(self.fn, self.items[k])
             with self._lock:
                 self._left -= 1
                 if not self._left:
@@ -220,6 +219,14 @@ def _crew(size: int) -> _Crew:
         if crew is None:
             crew = _CREWS[size] = _Crew(size)
         return crew
+
+
+def _call(fn: Callable[[T], R], item: T) -> R | _Raised:
+    """``fn(item)``, or the error it raised (raised again by the calling thread)."""
+    try:
+        return fn(item)
+    except BaseException as error:
+        return _Raised(error)
 
 
 class _Raised:
