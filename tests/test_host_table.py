@@ -160,3 +160,25 @@ def test_gather_into_places_rows_and_refuses_bad_ids_before_writing(at):
     with pytest.raises(IndexError, match=r"\[100\]|100"):
         table.gather_into(np.array([1, 100, 2]), fresh, state, at)
     assert (fresh == -1).all()
+
+
+@pytest.mark.parametrize("at", [[0, 1, 2], [2, 0, 1]], ids=["run", "scattered"])
+def test_gather_into_a_shard_refuses_other_shards_and_bad_places_before_writing(at):
+    cfg = jaxcache.CacheConfig(101, 3, 10, optimizer=jaxcache.adam(0.1))
+    whole = jaxcache.HostTable(cfg, seed=4)
+    odd = jaxcache.HostTable(cfg, seed=4, shard=(1, 2))
+    ids, at = np.array([99, 1, 57]), np.array(at)
+    rows = np.full((3, 3), -1.0, np.float32)
+    state = {k: np.full((3, *v.shape[1:]), -1, v.dtype) for k, v in odd.state.items()}
+    odd.gather_into(ids, rows, state, at)
+    np.testing.assert_array_equal(rows[at], whole.rows[ids])
+    for name, values in state.items():
+        np.testing.assert_array_equal(values[at], whole.state[name][ids])
+    fresh = np.full((3, 3), -1.0, np.float32)
+    with pytest.raises(ValueError, match=r"ids \[4\] are not in this table's shard"):
+        odd.gather_into(np.array([1, 4, 3]), fresh, state, at)
+    with pytest.raises(IndexError, match=r"\[101\]"):
+        odd.gather_into(np.array([1, 101, 3]), fresh, state, at)
+    with pytest.raises(IndexError, match="place 3 is outside the 3 rows"):
+        odd.gather_into(ids, fresh, state, np.array([0, 3, 1]))
+    assert (fresh == -1).all()
