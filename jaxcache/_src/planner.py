@@ -200,6 +200,9 @@ class Planner:
         self.config = config
         capacity, n = int(config.capacity), config.num_embeddings
         self.policy = policies.make_policy(config.policy, n, capacity, frequencies)
+        # place_rows adds lookups to the mirror's per-id values: none to add to
+        # would write past an empty array.
+        assert self.policy.mirror is not None or not self.policy.counts_lookups
         self.slot_of_id = np.full(n, -1, np.int32)
         self.id_of_slot = np.full(capacity, -1, np.int64)
         self.last_use = np.full(capacity, -1, np.int64)
@@ -243,8 +246,9 @@ class Planner:
 
         The directory is a bijection between resident ids and their slots,
         ids are in range, only resident rows are dirty, recency never runs
-        ahead of the plans, and a counting policy's per-slot counts mirror
-        its per-id counts. ``O(N + C)``: for tests and soak runs.
+        ahead of the plans, and a policy's per-slot mirror (a counting
+        policy's counts, the adaptive policy's prior) matches its per-id
+        values. ``O(N + C)``: for tests and soak runs.
         """
         n, capacity = self.config.num_embeddings, self.capacity
         ids = self.id_of_slot
@@ -271,12 +275,9 @@ class Planner:
             fail("a slot was used by a plan that does not exist yet")
         if self.released >= self.next_index:
             fail("a plan was released before it was made")
-        slot_counts = getattr(self.policy, "slot_counts", None)
-        if slot_counts is not None and not np.array_equal(
-            slot_counts[occupied],
-            self.policy.counts[resident],  # type: ignore[attr-defined]
-        ):
-            fail("the policy's per-slot counts disagree with its per-id counts")
+        mirror = self.policy.mirror
+        if mirror is not None and not np.array_equal(mirror[1][occupied], mirror[0][resident]):
+            fail("the policy's per-slot mirror disagrees with its per-id values")
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
