@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from typing import NoReturn
 
 import numpy as np
 
@@ -266,7 +267,7 @@ class HostTable:
         for out, array in pairs:
             kernels.copy_rows(out, at, take_rows(array, local), order)
 
-    def _refuse(self, bad_id: int, place: int, size: int) -> None:
+    def _refuse(self, bad_id: int, place: int, size: int) -> NoReturn:
         """Raises the error for a gather of id ``bad_id`` into place ``place``
         of ``size``: outside the table, in another shard, or a bad place."""
         index, count = self.shard
