@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxcache._src.kernels import IdIndex, choose_victims, copy_rows, region, split_by_home
+from jaxcache._src.kernels import (
+    IdIndex,
+    choose_victims,
+    copy_rows,
+    distinct_ranks,
+    region,
+    split_by_home,
+)
 
 # Ids as they come: anywhere in int64, in runs, or on a stride of a power of
 # two (which a hash of the low bits alone would pile into one bucket).
@@ -74,6 +81,40 @@ def test_copy_rows_refuses_before_writing():
         copy_rows(dst, np.array([0]), src.astype(np.float64), np.array([0]))
     with pytest.raises(ValueError, match="destination rows must be C-contiguous"):
         copy_rows(np.zeros((4, 4), np.float32)[:, :2], np.array([0]), src, np.array([0]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    data=st.data(),
+    spread=st.sampled_from([3, 40, 10**6]),
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=5),
+)
+def test_distinct_ranks_number_each_group_in_order_of_first_appearance(data, spread, sizes):
+    # Groups of any length (empty ones, and longer than a window), few or
+    # many distinct ids, on a stride that piles the low bits into one value;
+    # each group's ranks start again from 0, gaps between groups untouched.
+    stride = data.draw(st.sampled_from([1, 1 << 20]))
+    lo, hi, parts, at = [], [], [], 0
+    for size in sizes:
+        at += data.draw(st.integers(0, 3))  # a gap
+        ids = data.draw(st.lists(st.integers(0, spread), min_size=size, max_size=size))
+        lo.append(at)
+        parts.append((at, np.array(ids, np.int64) * stride))
+        at += size
+        hi.append(at)
+    local = np.full(at, -5, np.int64)
+    for start, ids in parts:
+        local[start : start + ids.size] = ids
+    ranks = np.full(at, -7, np.int32)
+    counts = np.empty(len(sizes), np.int64)
+    distinct_ranks(local, np.array(lo), np.array(hi), ranks, counts)
+    expected = np.full(at, -7, np.int32)
+    for g, (start, ids) in enumerate(parts):
+        first: dict[int, int] = {}
+        for j, v in enumerate(ids.tolist()):
+            expected[start + j] = first.setdefault(v, len(first))
+        assert counts[g] == len(first)
+    np.testing.assert_array_equal(ranks, expected)
 
 
 @settings(max_examples=200, deadline=None)
