@@ -11,6 +11,8 @@ policy wins:
   turns over (sessions), half from a stationary Zipf;
 - ``scan``: 30% of every batch are ids never seen before or again, mixed into
   a stationary Zipf hot set;
+- ``turns``: two populations (Zipf over the two halves of the table) take
+  turns every 10 batches, as day and night traffic do;
 - ``movielens``: MovieLens-100K ratings in time order (user and item rows in
   one table, 256 ratings a batch), when ``--recbole-wheel`` points at the
   RecBole 1.2.1 wheel (``pip download --no-deps recbole==1.2.1``), read
@@ -124,6 +126,16 @@ def scan(
     return trace, hot + steps * once
 
 
+def turns(steps: int = 400, batch: int = 4096, n: int = 200_000, turn: int = 10, seed: int = 4):
+    """Two populations, Zipf (1.05) over the two halves of a shuffled table,
+    take turns every ``turn`` batches (day and night)."""
+    rng = np.random.default_rng(seed)
+    halves = rng.permutation(n).reshape(2, -1)
+    return np.stack(
+        [halves[(t // turn) % 2][_zipf_ranks(rng, n // 2, batch, 1.05)] for t in range(steps)]
+    ), n
+
+
 def movielens(wheel: str | pathlib.Path, ratings_per_batch: int = 256):
     """MovieLens-100K in time order: per rating its user row and its item row
     (items after the users), ``ratings_per_batch`` ratings a batch."""
@@ -156,6 +168,7 @@ def traces(wheel: str | None = None) -> list[Trace]:
         Trace("drift", drift, (0.015, 0.03, 0.06)),
         Trace("reuse", reuse, (0.015, 0.03, 0.06)),
         Trace("scan", scan, (0.005, 0.01, 0.02)),
+        Trace("turns", turns, (0.015, 0.03, 0.06)),
     ]
     if wheel is not None:
         out.append(Trace("movielens", lambda: movielens(wheel), (0.2, 0.3, 0.4)))

@@ -25,9 +25,10 @@ call, so calls for different slices or partitions run on different threads.
 buffers or read-outs: NumPy's fancy indexing of 2-D arrays goes element by
 element.
 
-``adaptive_keys``, ``adaptive_record`` and ``shadow_step`` are the per-id
-passes of the ``"adaptive"`` policy (see ``policies.AdaptivePolicy``): its
-keys, its counts, and the small shadow caches it learns from.
+``adaptive_keys``, ``adaptive_record``, ``shadow_step`` and ``shadow_rekey``
+are the per-id passes of the ``"adaptive"`` policy (see
+``policies.AdaptivePolicy``): its keys, its counts, and the small shadow
+caches it learns from.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ __all__ = [
     "resolve_first",
     "restore_misses",
     "sample_ids",
+    "shadow_rekey",
     "shadow_step",
     "split_by_home",
     "table_rows",
@@ -1233,3 +1235,31 @@ def shadow_step(sample, t, counts, prior, bonuses, rows, heap, table, state, bit
         for r in range(h):
             heap_size = _heap_push(hp, heap_size, row[held[r], 1], held[r])
         state[j, 0], state[j, 1], state[j, 2] = filled, heap_size, hits
+
+
+@kernel
+def shadow_rekey(j, bonus, counts, prior, rows, heap, state, log_table):
+    """Keys every row of shadow cache ``j`` afresh under ``bonus`` and
+    rebuilds its heap (a shadow whose bonus changes, as the cache's does).
+
+    The rows keep their ids and last batches; ``rows``, ``heap`` and
+    ``state`` are ``shadow_step``'s. Entries in slot order, sorted by
+    ``(key, slot)``, form a valid min-heap.
+    """
+    row = rows[j]
+    size = state[j, 0]
+    keys = np.empty(size, np.int64)
+    slots = np.empty(size, np.int64)
+    n = 0
+    for s in range(size):
+        if row[s, 0] < 0:
+            continue
+        row[s, 1] = _key(row[s, 2], _weight(row[s, 0], counts, prior), bonus, log_table)
+        keys[n] = row[s, 1]
+        slots[n] = s
+        n += 1
+    order = np.argsort(keys[:n], kind="mergesort")  # stable: equal keys by slot
+    for q in range(n):
+        heap[j, q, 0] = keys[order[q]]
+        heap[j, q, 1] = slots[order[q]]
+    state[j, 1] = n

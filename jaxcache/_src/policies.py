@@ -149,6 +149,8 @@ class LFUPolicy(_CountPolicy):
 
 # floor(256 * log2(1 + i / 256)): the mantissa part of kernels.log2_fixed.
 _LOG2_TABLE = np.array([math.floor(256 * math.log2(1 + i / 256)) for i in range(256)], np.int64)
+# The rules of ``AdaptivePolicy``: indices into ``rules[1:]`` and ``rule_scores``.
+_QUICK, _STEADY = 0, 1
 
 
 class AdaptivePolicy(Policy):
@@ -175,17 +177,27 @@ class AdaptivePolicy(Policy):
     How much frequency deserves is learned online. One shadow cache per bonus
     of ``BONUSES`` replays a fixed sample of the ids (one in ``2^bits`` by
     hash, ``bits`` such that a shadow holds ``capacity / 2^bits`` rows, about
-    ``SHADOW_ROWS``) under the same batch rule and counts its hits; a
-    decaying sum of those hits picks the bonus of the cache. When the choice
+    ``SHADOW_ROWS``) under the same batch rule and counts its hits; decaying
+    sums of those hits pick the bonus of the cache. When the choice
     changes, the resident rows are re-keyed under the new bonus and shifted up
     by a common offset so that no key decreases (the planner's victim reserve
     relies on it). With a prior, the shadows start warmed with their hottest
     sampled ids, as the cache does.
 
+    A change of bonus has a cost the fixed shadows do not see: the cache
+    keeps the rows the old bonus chose. Two rules turn scores into a choice:
+    *quick* follows the best score losing ``1 / 2^DECAY`` a batch, *steady*
+    moves only when the lead also holds on scores losing ``1 / 2^SLOW_DECAY``.
+    Each rule has a shadow of its own that switches as the rule does (its
+    rows re-keyed), and the cache follows the rule whose shadow scored more.
+    Where popularity alternates faster than the quick scores forget, the
+    quick rule would switch with every phase, each time just too late.
+
     State: ``counts`` ``int64 [N]`` (per id), the shadow caches
-    (``O(len(BONUSES) * SHADOW_ROWS)``), their scores and two scalars (the
-    choice and the offset). The keys ``int64 [C]`` follow from those and the
-    planner's ``last_use``; the prior is the constructor's.
+    (``O((len(BONUSES) + 2) * SHADOW_ROWS)``), their scores, two scalars (the
+    choice and the offset) and ``rules`` (the rule followed and each rule's
+    choice). The keys ``int64 [C]`` follow from those and the planner's
+    ``last_use``; the prior is the constructor's.
 
     Examples:
       >>> import numpy as np, jaxcache
@@ -206,10 +218,13 @@ class AdaptivePolicy(Policy):
     BONUSES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 8192, -1)
     #: Rows each shadow cache aims at (it holds all ``capacity`` when smaller).
     SHADOW_ROWS = 1024
-    #: Each batch, the shadows' hit scores lose ``1 / 2^DECAY`` of their value.
+    #: Each batch, the shadows' quick scores lose ``1 / 2^DECAY`` of their value.
     DECAY = 5
-    #: A shadow replaces the chosen one when its score is higher by more than
-    #: ``1 / 2^MARGIN`` of the chosen one's.
+    #: Each batch, the steady scores, and the scores of the rules' own
+    #: shadows, lose ``1 / 2^SLOW_DECAY``.
+    SLOW_DECAY = 8
+    #: A score leads another when it is higher by more than ``1 / 2^MARGIN``
+    #: of the other's.
     MARGIN = 8
     #: The bonus used before any evidence (an index into ``BONUSES``).
     START = 5
@@ -228,18 +243,24 @@ class AdaptivePolicy(Policy):
             self.bits += 1
         size = capacity >> self.bits
         k = len(self.BONUSES)
-        self._bonuses = np.array(self.BONUSES, np.int64)
+        # The shadows' bonuses: one per candidate, then the two rules' own
+        # shadows (``_QUICK``, ``_STEADY``), at the bonus each rule chose.
+        self._bonuses = np.array([*self.BONUSES, *[self.BONUSES[self.START]] * 2], np.int64)
         table = 4
         while table < 2 * size:
             table *= 2
-        self.shadow_rows = np.zeros((k, size, 3), np.int64)
+        self.shadow_rows = np.zeros((k + 2, size, 3), np.int64)
         self.shadow_rows[:, :, 0] = -1
-        self.shadow_heap = np.zeros((k, size, 2), np.int64)
-        self.shadow_table = np.full((k, table), -1, np.int32)
-        self.shadow_state = np.zeros((k, 3), np.int64)
-        self.scores = np.zeros(k, np.int64)
+        self.shadow_heap = np.zeros((k + 2, size, 2), np.int64)
+        self.shadow_table = np.full((k + 2, table), -1, np.int32)
+        self.shadow_state = np.zeros((k + 2, 3), np.int64)
+        self.scores = np.zeros(k, np.int64)  # quick
+        self.slow_scores = np.zeros(k, np.int64)  # steady
+        self.rule_scores = np.zeros(2, np.int64)  # of the rules' shadows
         # [chosen bonus index, key offset]
         self.scalars = np.array([self.START, 0], np.int64)
+        # [rule followed, quick rule's choice, steady rule's choice]
+        self.rules = np.array([_STEADY, self.START, self.START], np.int64)
         if self.warms:  # the shadows start as a warmed cache does
             if self.bits:
                 ids = kernels.sample_ids(counts.size, self.bits)
@@ -304,13 +325,48 @@ class AdaptivePolicy(Policy):
         )
         sample.sort()
         self._shadow_step(sample, t)
+        k = len(self.BONUSES)
         hits = self.shadow_state[:, 2]
         self.scores -= self.scores >> self.DECAY
-        self.scores += hits << 16
-        chosen = int(self.scalars[0])
+        self.scores += hits[:k] << 16
+        self.slow_scores -= self.slow_scores >> self.SLOW_DECAY
+        self.slow_scores += hits[:k] << 16
+        self.rule_scores -= self.rule_scores >> self.SLOW_DECAY
+        self.rule_scores += hits[k:] << 16
         best = int(np.argmax(self.scores))
-        if self.scores[best] > self.scores[chosen] + (self.scores[chosen] >> self.MARGIN):
-            self._choose(planner, best)
+        for rule in (_QUICK, _STEADY):
+            held = int(self.rules[1 + rule])
+            if best == held or not self._leads(self.scores, best, held):
+                continue
+            if rule == _STEADY and not self._leads(self.slow_scores, best, held):
+                continue
+            self.rules[1 + rule] = best
+            self._rekey_shadow(k + rule)
+        followed = int(self.rules[0])
+        if self._leads(self.rule_scores, 1 - followed, followed):
+            self.rules[0] = followed = 1 - followed
+        choice = int(self.rules[1 + followed])
+        if choice != int(self.scalars[0]):
+            self._choose(planner, choice)
+
+    def _leads(self, scores: np.ndarray, a: int, b: int) -> bool:
+        """Whether ``scores[a]`` leads ``scores[b]`` (by more than ``1 / 2^MARGIN``)."""
+        return bool(scores[a] > scores[b] + (scores[b] >> self.MARGIN))
+
+    def _rekey_shadow(self, j: int) -> None:
+        """Shadow ``j`` (a rule's) takes its rule's choice: its bonus, its rows re-keyed."""
+        k = len(self.BONUSES)
+        self._bonuses[j] = self.BONUSES[int(self.rules[1 + j - k])]
+        kernels.shadow_rekey(
+            j,
+            self._bonuses[j],
+            self.counts,
+            self.prior,
+            self.shadow_rows,
+            self.shadow_heap,
+            self.shadow_state,
+            _LOG2_TABLE,
+        )
 
     def _shadow_step(self, sample: np.ndarray, t: int) -> None:
         kernels.shadow_step(
@@ -344,7 +400,10 @@ class AdaptivePolicy(Policy):
             "name": self.name,
             "counts": self.counts,
             "scores": self.scores,
+            "slow_scores": self.slow_scores,
+            "rule_scores": self.rule_scores,
             "scalars": self.scalars,
+            "rules": self.rules,
             "shadow_rows": self.shadow_rows,
             "shadow_heap": self.shadow_heap,
             "shadow_table": self.shadow_table,
@@ -361,19 +420,19 @@ class AdaptivePolicy(Policy):
             for k in own
             if k != "name"
         ):
-            for key in (
-                "scores",
-                "scalars",
-                "shadow_rows",
-                "shadow_heap",
-                "shadow_table",
-                "shadow_state",
-            ):
-                if state[key] is not own[key]:
-                    own[key][...] = state[key]
+            for key, value in own.items():
+                if key not in ("name", "counts") and state[key] is not value:
+                    value[...] = state[key]
+            k = len(self.BONUSES)
+            self._bonuses[k:] = [self.BONUSES[int(c)] for c in self.rules[1:]]
         elif np.shape(state.get("scalars")) == self.scalars.shape:
-            # Another capacity: the shadows start afresh, the choice carries over.
+            # Another capacity (or a state saved before the rules): the
+            # shadows start afresh, the choice carries over, and both rules
+            # start from it.
             self.scalars[...] = state["scalars"]
+            self.rules[1:] = self.scalars[0]
+            for j in range(len(self.BONUSES), len(self._bonuses)):
+                self._rekey_shadow(j)
 
 
 def make_policy(
