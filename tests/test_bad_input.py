@@ -41,7 +41,7 @@ def cache_and_state():
     ("ids", "error", "pattern"),
     [
         (np.array([1, 100]), ValueError, r"holds 100 at index \(1,\), outside \[0, 100\)"),
-        (np.array([[1, -5]]), ValueError, r"holds -5 .*set padding_id"),
+        (np.array([[1, -5]]), ValueError, r"holds -5 .*hold the padding id, -1\."),
         (np.array([1.0, 2.0]), TypeError, r"integer array, got dtype float64.*np.int64"),
         (np.array([True, False]), TypeError, r"integer array, got dtype bool"),
         (np.int64(3), ValueError, r"rank >= 1.*np.array"),
@@ -183,3 +183,29 @@ def test_host_table_shards_are_checked():
         jaxcache.host.process_shard(
             jax.sharding.Mesh(np.array(jax.devices()[:1]), ("rows",)), "data"
         )
+
+
+@pytest.mark.parametrize("padding_id", [-1, None])
+@pytest.mark.parametrize("shape", [(2, 2), (2, 4), (3, 3), (6,), (3,)])
+def test_weights_of_another_shape_than_the_ids_are_refused(padding_id, shape):
+    # With padding the pooling reads weights at the real ids' positions, and
+    # without it they would broadcast: either way the wrong weights, silently.
+    cfg = jaxcache.CacheConfig(10, 2, capacity=8, padding_id=padding_id)
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg), combiner="sum")
+    lookup = embed.prepare(np.array([[1, 2, 3], [4, 5, 6]]))
+    right = embed(lookup, np.ones((2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"weights have shape .* ids have shape \(2, 3\)"):
+        embed(lookup, np.ones(shape, np.float32))
+    # Refused before anything ran: the same lookup pools as before.
+    np.testing.assert_array_equal(embed(lookup, np.ones((2, 3), np.float32)), right)
+
+
+def test_capacities_that_do_not_split_over_the_mesh_name_the_fix():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:3]), ("rows",))
+    cfg = jaxcache.CacheConfig(4000, 2, capacity=4000)
+    with pytest.raises(ValueError, match="use a multiple of 3, such as 3999"):
+        jaxcache.EmbeddingCache(cfg, mesh=mesh)
+    with pytest.raises(ValueError, match=r"full_table keeps all 4000 rows .* 3 devices"):
+        jaxcache.EmbeddingCache.full_table(cfg, mesh=mesh)
+    full = jaxcache.EmbeddingCache.full_table(jaxcache.CacheConfig(3999, 2, 30), mesh=mesh)
+    assert full.planner.resident_ids().size == 3999

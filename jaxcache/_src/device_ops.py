@@ -31,6 +31,7 @@ __all__ = [
     "Lookup",
     "apply_sparse",
     "check_combiner",
+    "check_weights",
     "embed",
     "lookup_rows",
     "pool",
@@ -221,6 +222,7 @@ def pool(
       >>> jaxcache.device.pool(emb, lookup, "mean").tolist()
       [[9.0, 10.0], [4.0, 5.0]]
     """
+    check_weights(weights, lookup)
     real = (lookup.inverse < lookup.received).astype(embeddings.dtype)
     w = real if weights is None else real * weights.astype(embeddings.dtype)
     total = jnp.einsum("...l,...ld->...d", w, embeddings)
@@ -469,7 +471,24 @@ def embed(
             "weights need a combiner ('sum' or 'mean'); build the module with "
             "combiner='sum' or 'mean' to pool weighted bags, or pass no weights."
         )
+    check_weights(weights, lookup)
     return _gather_and_pool(rows, lookup, combiner, weights)
+
+
+def check_weights(weights: jax.Array | None, lookup: Lookup) -> None:
+    """Refuses per-id weights whose shape is not the ids' (``lookup.shape``).
+
+    Broadcast or read at the real ids' positions, weights of another shape
+    would pool silently with the wrong weights.
+
+    Raises:
+      ValueError: naming both shapes.
+    """
+    if weights is not None and tuple(jnp.shape(weights)) != lookup.shape:
+        raise ValueError(
+            f"weights have shape {tuple(jnp.shape(weights))} but the ids have shape "
+            f"{lookup.shape}; pass one weight per id (any value at padding positions)."
+        )
 
 
 @functools.partial(jax.jit, static_argnames="combiner")

@@ -162,9 +162,11 @@ class EmbeddingCache:
         if config.capacity % devices:
             rounded = -(-config.capacity // devices) * devices
             if rounded > config.num_embeddings:
+                below = config.capacity // devices * devices
                 raise ValueError(
                     f"capacity={config.capacity} does not split over {devices} devices and "
-                    f"rounding it up exceeds the table; use a multiple of {devices}."
+                    f"rounding it up exceeds the table; use a multiple of {devices}"
+                    + (f", such as {below}." if below else " within the table.")
                 )
             config = dataclasses.replace(config, capacity=rounded)
         if processes > 1 and config.route_capacity is not None:
@@ -231,6 +233,15 @@ class EmbeddingCache:
           >>> full.config.capacity, full.planner.resident_ids().size
           (50, 50)
         """
+        mesh, axis = kwargs.get("mesh"), kwargs.get("axis", "rows")
+        devices = dict(mesh.shape).get(axis, 1) if mesh is not None else 1
+        if config.num_embeddings % devices:
+            raise ValueError(
+                f"full_table keeps all {config.num_embeddings} rows on the devices, but they do "
+                f"not split evenly over the {devices} devices of the mesh axis {axis!r}; use a "
+                f"mesh whose size divides {config.num_embeddings}, or a cache (capacity below "
+                "the table)."
+            )
         config = dataclasses.replace(config, capacity=config.num_embeddings, policy="lru")
         kwargs.pop("frequencies", None)
         cache = cls(config, warm=False, **kwargs)

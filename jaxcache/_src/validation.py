@@ -30,8 +30,10 @@ def check_ids(ids: object, num_embeddings: int, padding_id: int | None, name: st
             "ids must be in [0, num_embeddings); reduce hashed ids modulo the vocabulary "
             "on the host"
         )
-        if value < 0:
+        if value < 0 and padding_id is None:
             hint += ", or set padding_id to mark empty bag positions"
+        elif value < 0:
+            hint += f"; empty bag positions hold the padding id, {padding_id}"
         raise ValueError(
             f"{name} holds {value} at index {where}, outside [0, {num_embeddings}) "
             f"({int(bad.sum())} bad value(s)); {hint}."
