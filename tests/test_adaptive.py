@@ -80,7 +80,8 @@ class Model:
         while capacity >> (self.bits + 1) >= shadow_rows:
             self.bits += 1
         size = capacity >> self.bits
-        start = policies.AdaptivePolicy.START
+        # By weight alone with a prior (the cache starts warmed by it).
+        start = len(BONUSES) - 1 if prior is not None else policies.AdaptivePolicy.START
         # A shadow per bonus, then the quick and the steady rule's own.
         self.shadows = [Shadow(b, size) for b in [*BONUSES, BONUSES[start], BONUSES[start]]]
         self.scores = [0] * len(BONUSES)

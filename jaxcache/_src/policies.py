@@ -226,7 +226,11 @@ class AdaptivePolicy(Policy):
     #: A score leads another when it is higher by more than ``1 / 2^MARGIN``
     #: of the other's.
     MARGIN = 8
-    #: The bonus used before any evidence (an index into ``BONUSES``).
+    #: The bonus used before any evidence (an index into ``BONUSES``). With a
+    #: prior the policy starts by weight alone (the last candidate) instead:
+    #: the cache starts warmed with the hottest rows by the prior, the rows
+    #: that ranking keeps, and a recency bonus would give them away before
+    #: any evidence (rows it evicts return only when looked up again).
     START = 5
 
     def __init__(self, counts: np.ndarray, capacity: int, prior: np.ndarray | None = None) -> None:
@@ -243,9 +247,10 @@ class AdaptivePolicy(Policy):
             self.bits += 1
         size = capacity >> self.bits
         k = len(self.BONUSES)
+        start = k - 1 if self.warms else self.START
         # The shadows' bonuses: one per candidate, then the two rules' own
         # shadows (``_QUICK``, ``_STEADY``), at the bonus each rule chose.
-        self._bonuses = np.array([*self.BONUSES, *[self.BONUSES[self.START]] * 2], np.int64)
+        self._bonuses = np.array([*self.BONUSES, *[self.BONUSES[start]] * 2], np.int64)
         table = 4
         while table < 2 * size:
             table *= 2
@@ -258,9 +263,9 @@ class AdaptivePolicy(Policy):
         self.slow_scores = np.zeros(k, np.int64)  # steady
         self.rule_scores = np.zeros(2, np.int64)  # of the rules' shadows
         # [chosen bonus index, key offset]
-        self.scalars = np.array([self.START, 0], np.int64)
+        self.scalars = np.array([start, 0], np.int64)
         # [rule followed, quick rule's choice, steady rule's choice]
-        self.rules = np.array([_STEADY, self.START, self.START], np.int64)
+        self.rules = np.array([_STEADY, start, start], np.int64)
         if self.warms:  # the shadows start as a warmed cache does
             if self.bits:
                 ids = kernels.sample_ids(counts.size, self.bits)
