@@ -210,7 +210,9 @@ def pool(
     """Pools bags ``[..., L, D]`` over ``L`` by ``"sum"`` or ``"mean"``.
 
     Padding positions count for nothing; ``mean`` divides by the (weighted)
-    number of real ids, and an empty bag pools to zeros.
+    number of real ids, and an empty bag pools to zeros. ``weights``, when
+    given, has the ids' shape (``lookup.shape``); another shape raises a
+    ``ValueError``.
 
     Examples:
       >>> import numpy as np, jaxcache
@@ -447,7 +449,8 @@ def embed(
       lookup: the batch's ``Lookup``; it must be for ``table``.
       table: name of the table the module serves.
       combiner: ``None`` (a row per id), ``"sum"`` or ``"mean"`` over the last id axis.
-      weights: optional per-id weights (pooled modes only).
+      weights: optional per-id weights of the ids' shape (pooled modes only);
+        another shape raises a ``ValueError``.
 
     Returns:
       ``[*ids.shape, D]``, or ``[*ids.shape[:-1], D]`` with a combiner.
