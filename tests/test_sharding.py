@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
+import threading
 
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxcache
+from jaxcache._src.blocks import local_data, share
 from jaxcache._src.partitions import Partitions
 from jaxcache._src.placement import Layout
 from jaxcache._src.threads import HostThreads
@@ -272,3 +276,55 @@ def test_host_callback_form_with_lists_shorter_than_a_device_share_matches_full_
     ref_losses = [float(ref_train(b["ids"], b["y"])) for b in batches]
     assert cache.stats.total.evictions > 100  # rows really move
     _assert_matches(model, losses, reference, ref_losses)
+
+
+def _read_on_two_threads(array):
+    """``local_data(array)`` on two threads started together (``None`` where it raised)."""
+    barrier, out = threading.Barrier(2), [None, None]
+
+    def read(k):
+        barrier.wait()
+        with contextlib.suppress(RuntimeError):
+            out[k] = local_data(array)
+
+    threads = [threading.Thread(target=read, args=(k,)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return out
+
+
+def test_arrays_shared_between_threads_are_read_whole():
+    # A fresh JAX array lists its per-device buffers on first use; two
+    # threads doing it at once could each see part of the list (and keep
+    # it). `share` lists them first, as `apply` does before landing threads
+    # read a swap's read-out. The pipeline lowers the switch interval, which
+    # makes the race likely: without `share`, about one read in ten here.
+    sharding = NamedSharding(_mesh(4), PartitionSpec("rows"))
+    double = jax.jit(lambda x: 2 * x, out_shardings=sharding)
+    x = jax.device_put(np.arange(64.0, dtype=np.float32).reshape(32, 2), sharding)
+    expected = 2 * np.arange(64.0, dtype=np.float32).reshape(32, 2)
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        reads = [_read_on_two_threads(share(double(x))) for _ in range(300)]
+    finally:
+        sys.setswitchinterval(saved)
+    for out in reads:
+        for read in out:
+            np.testing.assert_array_equal(read, expected)
+
+
+def test_an_array_listing_part_of_its_buffers_is_refused():
+    whole = jax.device_put(
+        np.zeros((8, 2), np.float32), NamedSharding(_mesh(4), PartitionSpec("rows"))
+    )
+
+    class Partial:  # what a racing first listing leaves: two of four buffers
+        shape, sharding = whole.shape, whole.sharding
+        addressable_shards = whole.addressable_shards[:2]
+
+    with pytest.raises(RuntimeError, match="lists 2 of its 4 buffers"):
+        local_data(Partial())
+    np.testing.assert_array_equal(local_data(whole), np.zeros((8, 2), np.float32))
