@@ -162,23 +162,25 @@ def test_gather_into_places_rows_and_refuses_bad_ids_before_writing(at):
     assert (fresh == -1).all()
 
 
+@pytest.mark.parametrize("count", [2, 3, 4])  # a mask and a shift, or a division
 @pytest.mark.parametrize("at", [[0, 1, 2], [2, 0, 1]], ids=["run", "scattered"])
-def test_gather_into_a_shard_refuses_other_shards_and_bad_places_before_writing(at):
+def test_gather_into_a_shard_refuses_other_shards_and_bad_places_before_writing(at, count):
     cfg = jaxcache.CacheConfig(101, 3, 10, optimizer=jaxcache.adam(0.1))
     whole = jaxcache.HostTable(cfg, seed=4)
-    odd = jaxcache.HostTable(cfg, seed=4, shard=(1, 2))
-    ids, at = np.array([99, 1, 57]), np.array(at)
+    shard = jaxcache.HostTable(cfg, seed=4, shard=(1, count))
+    ids, at = np.array([1 + 24 * count, 1, 1 + 11 * count]), np.array(at)
     rows = np.full((3, 3), -1.0, np.float32)
-    state = {k: np.full((3, *v.shape[1:]), -1, v.dtype) for k, v in odd.state.items()}
-    odd.gather_into(ids, rows, state, at)
+    state = {k: np.full((3, *v.shape[1:]), -1, v.dtype) for k, v in shard.state.items()}
+    shard.gather_into(ids, rows, state, at)
     np.testing.assert_array_equal(rows[at], whole.rows[ids])
     for name, values in state.items():
         np.testing.assert_array_equal(values[at], whole.state[name][ids])
     fresh = np.full((3, 3), -1.0, np.float32)
-    with pytest.raises(ValueError, match=r"ids \[4\] are not in this table's shard"):
-        odd.gather_into(np.array([1, 4, 3]), fresh, state, at)
-    with pytest.raises(IndexError, match=r"\[101\]"):
-        odd.gather_into(np.array([1, 101, 3]), fresh, state, at)
+    with pytest.raises(ValueError, match=r"ids \[2\] are not in this table's shard"):
+        shard.gather_into(np.array([1, 2, 1 + count]), fresh, state, at)
+    beyond = 1 + 50 * count  # in the shard's residue, past the table's rows
+    with pytest.raises(IndexError, match=rf"\[{beyond}\]"):
+        shard.gather_into(np.array([1, beyond, 1 + count]), fresh, state, at)
     with pytest.raises(IndexError, match="place 3 is outside the 3 rows"):
-        odd.gather_into(ids, fresh, state, np.array([0, 3, 1]))
+        shard.gather_into(ids, fresh, state, np.array([0, 3, 1]))
     assert (fresh == -1).all()

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from jaxcache._src.kernels import (
     IdIndex,
+    block_ids,
     choose_victims,
     copy_rows,
     distinct_ranks,
@@ -230,3 +231,27 @@ def test_choose_victims_takes_the_lowest_key_then_slot_among_unprotected(keys, c
         return
     assert out.tolist() == sorted(expected[:count])
     assert (kth, last) == (key[expected[count - 1]], expected[count - 1])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 6), min_size=1, max_size=5),
+    devices=st.integers(1, 9),
+    data=st.data(),
+)
+def test_block_ids_places_each_devices_local_ids_in_its_block(sizes, devices, data):
+    residues = np.array(data.draw(st.lists(st.integers(0, devices - 1), min_size=len(sizes),
+                                            max_size=len(sizes))), np.int64)  # fmt: skip
+    local = [np.array(data.draw(st.lists(st.integers(0, 2**40), min_size=m, max_size=m)),
+                      np.int64) for m in sizes]  # fmt: skip
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    size = max(sizes) + data.draw(st.integers(0, 3))
+    flat = np.concatenate(local)
+    ids, at = np.full(flat.size, -1, np.int64), np.full(flat.size, -1, np.int64)
+    block_ids(flat, bounds, residues, devices, size, ids, at)
+    expected = [
+        q * devices + r for q_block, r in zip(local, residues, strict=True) for q in q_block
+    ]
+    places = [b * size + k for b, q_block in enumerate(local) for k in range(q_block.size)]
+    assert ids.tolist() == [int(i) for i in expected]
+    assert at.tolist() == places

@@ -885,6 +885,20 @@ class IdIndex:
 
 
 @kernel
+def block_ids(local, bounds, residues, devices, size, ids, at):
+    """Blocks of local ids, one per device, as ids and places: entry ``j``
+    of block ``b`` (``bounds[b] <= j < bounds[b + 1]``) is local id
+    ``local[j]`` of the device whose ids have residue ``residues[b]``;
+    writes its id ``local[j] * devices + residues[b]`` to ``ids[j]`` and its
+    place in blocks of ``size`` rows, ``b * size + j - bounds[b]``, to ``at[j]``."""
+    for b in range(residues.size):
+        r, start = residues[b], b * size - bounds[b]
+        for j in range(bounds[b], bounds[b + 1]):
+            ids[j] = local[j] * devices + r
+            at[j] = start + j
+
+
+@kernel
 def table_rows(ids, index, count, rows, at, size, local):
     """Checks a gather of ids ``ids`` from a table shard into places ``at``
     of buffers of ``size`` rows, in one pass: writes each id's row of the
@@ -903,6 +917,17 @@ def table_rows(ids, index, count, rows, at, size, local):
             if i < 0 or i >= rows or a < 0 or a >= size:
                 return j
             local[j] = i
+            run &= a == at[0] + j
+        return -1 if run else -2
+    if count & (count - 1) == 0:  # a power of two: a mask and a shift
+        mask, shift = count - 1, 0
+        while (1 << shift) < count:
+            shift += 1
+        for j in range(ids.size):
+            i, a = ids[j], at[j]
+            if i < 0 or i & mask != index or i >> shift >= rows or a < 0 or a >= size:
+                return j
+            local[j] = i >> shift
             run &= a == at[0] + j
         return -1 if run else -2
     for j in range(ids.size):

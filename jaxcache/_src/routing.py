@@ -137,7 +137,8 @@ def build_route(
     owner_size: int,
     pad: int,
     threads: HostThreads,
-    alongside: Sequence[Callable[[], None]] = (),
+    before: Sequence[Callable[[], None]] = (),
+    after: Sequence[Callable[[], None]] = (),
 ) -> HostRoute:
     """The padded route of a planned batch.
 
@@ -152,8 +153,9 @@ def build_route(
       owner_size: ``V``, padded distinct rows per owner.
       pad: the padding id (a value no id takes when there is none).
       threads: the host threads; owners and sources are filled in parallel.
-      alongside: other pieces of the step (the gather of its rows), run in
-        the same map as the route's, so the threads start once for both.
+      before, after: other pieces of the step (the moves and the gathers of
+        its rows), run first and last in the same map as the route's, so
+        the threads start once for all.
 
     Returns:
       The ``HostRoute``.
@@ -201,7 +203,7 @@ def build_route(
     out_inverse = np.empty(flat.size, np.int32)
     split = step.split
     if split is None:  # one device: the plan's ranks, -1 for padding
-        _run(threads, [*alongside, *(partial(fill_owner, o) for o in owners)])
+        _run(threads, [*before, *(partial(fill_owner, o) for o in owners), *after])
         out_inverse[:] = kernels.fill_negative(
             np.ascontiguousarray(step.plans[0].inverse, dtype=np.int32).reshape(-1), received
         )
@@ -227,9 +229,8 @@ def build_route(
                 received,  # padding's row: past the rows received
             )
 
-        # One map for all: the longer pieces first, the owners' fill the tail.
         sources = [partial(fill_source, source) for source in layout.own]
-        _run(threads, [*alongside, *sources, *(partial(fill_owner, o) for o in owners)])
+        _run(threads, [*before, *sources, *(partial(fill_owner, o) for o in owners), *after])
         if overflow.size:  # one process (see EmbeddingCache): every source is here
             for device, plan, first, bounds, _ in _owners(step, layout):
                 lo, hi = split.chunks(layout.residue(device))

@@ -15,7 +15,8 @@ rows moved per device, ``C_l`` slots per device.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, NamedTuple, cast
 
@@ -155,6 +156,9 @@ class Stager:
         self.fetch_bucket = 0  # P
         self.route_buckets = (0, 0, 0)  # K, V, O in use
         self.bag_bucket = 0  # real ids per device in a batch of bags
+        # The residue of each own device's ids, and the device count (``_blocks``).
+        own = np.array([self.layout.residue(d) for d in self.layout.own], np.int64)
+        self.residues = (own, self.layout.devices)
 
     @property
     def _minimum(self) -> int:
@@ -177,12 +181,15 @@ class Stager:
             with timers.time("plan"):
                 step = self.partitions.plan(ids, train=train, released=released, max_distinct=size)
                 sizes = self._sizes(step, ids, size)
-            moves = deferred = None
-            gathers: list[Callable[[], None]] = []
-            if sizes.moves:
-                moves, deferred, gathers = self._moves(step, defer, sizes.moves)
-            with timers.time("gather"):  # the fetched rows, and the route filled alongside
-                route = self._route(step, ids, sizes, gathers)
+            # One map for the route and the moves: the ledger's part and the
+            # buffers on one thread while the others fill the route, the
+            # gathers last, each block's rows on any thread.
+            job = _MovesJob(self, step, defer, sizes.moves) if sizes.moves else None
+            before, after = ((job.prepare,), job.gathers()) if job else ((), [])
+            start = time.perf_counter()
+            route = self._route(step, ids, sizes, before, after)
+            timers.add("gather", time.perf_counter() - start - (job.write_back if job else 0.0))
+            moves, deferred = (job.moves, job.deferred) if job else (None, None)
             self.stats.record(
                 StepStats(
                     lookups=step.total("lookups"),
@@ -257,10 +264,16 @@ class Stager:
 
     # ----------------------------------------------------------------- route
     def _route(
-        self, step: StepPlan, ids: np.ndarray, sizes: _Sizes, gathers: list[Callable[[], None]]
+        self,
+        step: StepPlan,
+        ids: np.ndarray,
+        sizes: _Sizes,
+        before: Sequence[Callable[[], None]] = (),
+        after: Sequence[Callable[[], None]] = (),
     ) -> routing.HostRoute:
-        """Routes ``step`` over the devices, padded to ``sizes``; ``gathers``
-        run in the same map as the route's pieces (one start of the threads)."""
+        """Routes ``step`` over the devices, padded to ``sizes``; the pieces
+        ``before`` and ``after`` run in the same map as the route's, first
+        and last (one start of the threads)."""
         cl, k = self.local_capacity, sizes.per_destination
         overflow = np.zeros(0, np.int64)
         if sizes.overflow:
@@ -277,7 +290,8 @@ class Stager:
             owner_size=sizes.owner,
             pad=pad,
             threads=self.threads,
-            alongside=gathers,
+            before=before,
+            after=after,
         )
         if not sizes.bags:
             return route
@@ -299,70 +313,97 @@ class Stager:
         self.threads.map(lambda d: kernels.real_positions(flat[d], limit, positions[d]), range(own))
         return positions
 
-    # ----------------------------------------------------------------- moves
-    def _moves(
-        self, step: StepPlan, defer: bool, size: int
-    ) -> tuple[Moves, Deferred | None, list[Callable[[], None]]]:
-        """This process's blocks of ``step``'s swap, the fetches deferred to
-        the transfer, and the pieces that gather the fetched rows into the
-        blocks (one per block with rows to gather now, for the host threads);
-        lands the write-backs the fetches need first (or defers the rows that
-        wait for one) and queues its own evictions' write-back."""
-        timers, layout, cl = self.stats.timers, self.layout, self.local_capacity
+
+class _MovesJob:
+    """This process's blocks of a step's swap, made as pieces of the route's map.
+
+    ``prepare`` (one piece, first) lands the write-backs the fetches need (or
+    defers the rows that wait for one), queues the step's own evictions'
+    write-back and fills the blocks' slot lists; ``gathers`` (pieces that
+    run last) copy each block's fetched rows and their optimizer state out of
+    the host table, each waiting for ``prepare`` first (a thread with
+    nothing else left to take). Then ``moves`` are ``(evict_slots,
+    fetch_slots, fetch_rows, fetch_opt)`` and ``deferred`` the fetches
+    deferred to the transfer (``None`` when there are none).
+    """
+
+    def __init__(self, stager: Stager, step: StepPlan, defer: bool, size: int) -> None:
+        self.stager, self.step, self.defer, self.size = stager, step, defer, size
+        self.moves: Moves | None = None
+        self.deferred: Deferred | None = None
+        self.write_back = 0.0  # seconds spent landing write-backs
+        self._ready = threading.Event()
+
+    def prepare(self) -> None:
+        try:
+            self._prepare()
+        finally:  # on an error the gathers do nothing; the map raises it
+            self._ready.set()
+
+    def _prepare(self) -> None:
+        stager, step, size = self.stager, self.step, self.size
+        ledger, cl = stager.ledger, stager.local_capacity
         blocks = len(step.plans)
-        own = list(zip(layout.own, step.plans, strict=True))
-        fetch_ids = [layout.global_ids(device, plan.fetch_ids) for device, plan in own]
-        wanted = np.concatenate(fetch_ids)
-        home: list[np.ndarray | None] = [None] * blocks  # None: all gathered now
-        deferred = None
-        with timers.time("write_back"):
-            if defer:
-                self.ledger.land_ready()
-                plans, read_out = self.ledger.pending(wanted)
-                late = plans >= 0
-                if late.any():
-                    at = _block_positions(fetch_ids, size)
-                    deferred = Deferred(wanted[late], at[late], plans[late], read_out[late])
-                    self.stats.deferred_fetches += int(late.sum())
-                    home = list(np.split(~late, np.cumsum([ids.size for ids in fetch_ids])[:-1]))
-            else:
-                self.ledger.land_for(wanted)
-        evicted = [layout.global_ids(device, plan.evict_ids) for device, plan in own]
-        if sum(ids.size for ids in evicted):  # after landing: a plan never fetches what it evicts
-            self.ledger.register(
-                step.index,
-                np.concatenate(evicted),
-                _block_positions(evicted, size),
-            )
-        # Fresh buffers (the device may alias them); the rows gathered by
-        # the host threads, one piece per block with rows to fetch.
-        table, total = self.table, blocks * size
+        self._fetch = wanted, at, bounds = _blocks(step, "fetch_ids", size, *stager.residues)
+        self._home: list[np.ndarray | None] = [None] * blocks  # None: all gathered now
+        start = time.perf_counter()
+        if self.defer:
+            ledger.land_ready()
+            plans, read_out = ledger.pending(wanted)
+            late = plans >= 0
+            if late.any():
+                self.deferred = Deferred(wanted[late], at[late], plans[late], read_out[late])
+                stager.stats.deferred_fetches += int(late.sum())
+                self._home = list(np.split(~late, bounds[1:-1]))
+        else:
+            ledger.land_for(wanted)
+        self.write_back = time.perf_counter() - start
+        stager.stats.timers.add("write_back", self.write_back)
+        evicted, evicted_at, _ = _blocks(step, "evict_ids", size, *stager.residues)
+        if evicted.size:  # after landing: a plan never fetches what it evicts
+            ledger.register(step.index, evicted, evicted_at)
+        # Fresh buffers (the device may alias them).
+        table, total = stager.table, blocks * size
         evict_slots = np.full(total, cl, np.int32)
         fetch_slots = np.full(total, cl, np.int32)
-        for block, plan in enumerate(step.plans):
-            evict_slots[block * size : block * size + len(plan.evict_slots)] = plan.evict_slots
-            fetch_slots[block * size : block * size + plan.misses] = plan.fetch_slots
+        evict_slots[evicted_at] = np.concatenate([plan.evict_slots for plan in step.plans])
+        fetch_slots[at] = np.concatenate([plan.fetch_slots for plan in step.plans])
         rows = np.zeros((total, *table.rows.shape[1:]), table.rows.dtype)
         opt = {k: np.zeros((total, *v.shape[1:]), v.dtype) for k, v in table.state.items()}
+        self.moves = (evict_slots, fetch_slots, rows, opt)
 
-        places = np.arange(total)
+    def gathers(self) -> list[Callable[[], None]]:
+        """One piece per block with rows to fetch."""
+        return [partial(self._gather, b) for b, plan in enumerate(self.step.plans) if plan.misses]
 
-        def gather(block: int) -> None:
-            ids, keep, start = fetch_ids[block], home[block], block * size
-            if keep is None:  # NumPy calls here only where some rows wait
-                at = places[start : start + ids.size]
-            else:
-                ids, at = ids[keep], start + np.flatnonzero(keep)
-            table.gather_into(ids, rows, opt, at)
+    def _gather(self, block: int) -> None:
+        self._ready.wait()
+        if self.moves is None:  # ``prepare`` failed
+            return
+        wanted, at, bounds = self._fetch
+        lo, hi, keep = bounds[block], bounds[block + 1], self._home[block]
+        ids, places = wanted[lo:hi], at[lo:hi]
+        if keep is not None:  # NumPy calls here only where some rows wait
+            if not keep.any():
+                return
+            ids, places = ids[keep], places[keep]
+        _, _, rows, opt = self.moves
+        self.stager.table.gather_into(ids, rows, opt, places)
 
-        pieces: list[Callable[[], None]] = [
-            partial(gather, block)
-            for block, keep in enumerate(home)
-            if fetch_ids[block].size and (keep is None or keep.any())
-        ]
-        return (evict_slots, fetch_slots, rows, opt), deferred, pieces
 
-
-def _block_positions(per_block: list[np.ndarray], size: int) -> np.ndarray:
-    """Where each entry of ``per_block`` sits in blocks of ``size`` rows, one per list."""
-    return np.concatenate([b * size + np.arange(ids.size) for b, ids in enumerate(per_block)])
+def _blocks(
+    step: StepPlan, field: str, size: int, residues: np.ndarray, devices: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(ids, at, bounds)``: the ids of every own partition's ``field``
+    (``fetch_ids`` or ``evict_ids``, local ids) one block after another,
+    each id's place in blocks of ``size`` rows, one block per device
+    (``residues``: the residue of each block's ids, of ``devices``), and where each block's
+    ids begin and end (``[L + 1]``). Two NumPy calls and one compiled pass,
+    whatever the number of blocks."""
+    local = [getattr(plan, field) for plan in step.plans]
+    bounds = np.zeros(len(local) + 1, np.int64)
+    np.cumsum([ids.size for ids in local], out=bounds[1:])
+    flat = np.concatenate(local).astype(np.int64, copy=False)
+    ids, at = np.empty_like(flat), np.empty_like(flat)
+    kernels.block_ids(flat, bounds, residues, devices, size, ids, at)
+    return ids, at, bounds
