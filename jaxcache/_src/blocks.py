@@ -88,9 +88,10 @@ def share(tree: Any) -> Any:
     array then keeps a part as its shards for good (reproduced: two threads
     asking a fresh 4-device array for its shards with a lowered switch
     interval, as a pipeline sets it, got a short list in about one trial of
-    eleven; reading it back wrote rows to the wrong places or ran out of
-    range). Listing them once on the thread that made the arrays, before
-    any other thread can see them, leaves nothing to race on.
+    eleven; a pipelined run read half of a swap's read-out, and rows past
+    the half ran out of range). Listing them once on the thread that made
+    the arrays, before any other thread can see them, leaves nothing to
+    race on.
     """
     for leaf in jax.tree.leaves(tree):
         if isinstance(leaf, jax.Array):

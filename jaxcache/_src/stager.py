@@ -394,11 +394,11 @@ class _MovesJob:
 def _blocks(
     step: StepPlan, field: str, size: int, residues: np.ndarray, devices: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(ids, at, bounds)``: the ids of every own partition's ``field``
-    (``fetch_ids`` or ``evict_ids``, local ids) one block after another,
-    each id's place in blocks of ``size`` rows, one block per device
-    (``residues``: the residue of each block's ids, of ``devices``), and where each block's
-    ids begin and end (``[L + 1]``). Two NumPy calls and one compiled pass,
+    """``(ids, at, bounds)`` of every own partition's ``field`` (``fetch_ids``
+    or ``evict_ids``, in local ids): the ids, one block after another; each
+    id's place in blocks of ``size`` rows, one block per device; where each
+    block's ids begin and end (``[L + 1]``). ``residues``: each block's
+    residue modulo ``devices``. Two NumPy calls and one compiled pass,
     whatever the number of blocks."""
     local = [getattr(plan, field) for plan in step.plans]
     bounds = np.zeros(len(local) + 1, np.int64)
