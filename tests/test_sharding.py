@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxcache
-from jaxcache._src.blocks import local_data, share
+from jaxcache._src.blocks import local_data
 from jaxcache._src.partitions import Partitions
 from jaxcache._src.placement import Layout
 from jaxcache._src.threads import HostThreads
@@ -295,12 +295,12 @@ def _read_on_two_threads(array):
     return out
 
 
-def test_arrays_shared_between_threads_are_read_whole():
+def test_arrays_read_on_two_threads_at_once_are_read_whole():
     # A fresh JAX array lists its per-device buffers on first use; two
     # threads doing it at once could each see part of the list (and keep
-    # it). `share` lists them first, as `apply` does before landing threads
-    # read a swap's read-out. The pipeline lowers the switch interval, which
-    # makes the race likely: without `share`, about one read in ten here.
+    # it), as the landing threads and the training loop reading one swap's
+    # read-out did. The pipeline lowers the switch interval, which makes
+    # the race likely: without local_data's lock, about one read in ten here.
     sharding = NamedSharding(_mesh(4), PartitionSpec("rows"))
     double = jax.jit(lambda x: 2 * x, out_shardings=sharding)
     x = jax.device_put(np.arange(64.0, dtype=np.float32).reshape(32, 2), sharding)
@@ -308,7 +308,7 @@ def test_arrays_shared_between_threads_are_read_whole():
     saved = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:
-        reads = [_read_on_two_threads(share(double(x))) for _ in range(300)]
+        reads = [_read_on_two_threads(double(x)) for _ in range(300)]
     finally:
         sys.setswitchinterval(saved)
     for out in reads:

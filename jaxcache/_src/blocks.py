@@ -10,6 +10,7 @@ device reads them and are handed over as they are.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import jax
@@ -18,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxcache._src.host_table import HostTable, pad_rows
 
-__all__ = ["Blocks", "local_data", "share"]
+__all__ = ["Blocks", "local_data"]
 
 
 class Blocks:
@@ -60,19 +61,31 @@ class Blocks:
 def local_data(array: Any) -> np.ndarray:
     """This process's blocks of a row-split array, in block order, as NumPy.
 
+    Safe on any thread: a JAX array lists its per-device buffers on first
+    use, and in jax 0.10 two threads doing that at once can each see part of
+    the list, which the array then keeps as its shards for good (two threads
+    asking a fresh 4-device array for its shards, with the lowered switch
+    interval a pipeline sets, got a short list in about one trial of eleven;
+    a pipelined run read half of a swap's read-out, and rows past the half
+    ran out of range). Here the first listing takes a lock, so the threads
+    that land write-backs and the training loop, which read the same
+    read-outs, list them one at a time; the listing stays off the training
+    loop's path unless it reads the array itself.
+
     Raises:
       RuntimeError: the array lists fewer buffers than its sharding has
-        devices here (see ``share``): nothing is read from it.
+        devices here (listed on two threads at once elsewhere): nothing is
+        read from it.
     """
     if isinstance(array, np.ndarray):
         return array
-    listed = array.addressable_shards
+    with _LISTING:
+        listed = array.addressable_shards
     if len(listed) != len(array.sharding.addressable_devices):
         raise RuntimeError(
             f"a device array of shape {array.shape} lists {len(listed)} of its "
             f"{len(array.sharding.addressable_devices)} buffers on this process: it was first "
-            "read on two threads at once (see blocks.share), and reading it would misplace "
-            "rows; nothing was read."
+            "read on two threads at once, and reading it would misplace rows; nothing was read."
         )
     shards = {s.index[0].start or 0: s.data for s in listed}
     if len(shards) == 1:
@@ -80,23 +93,8 @@ def local_data(array: Any) -> np.ndarray:
     return np.concatenate([np.asarray(shards[start]) for start in sorted(shards)])
 
 
-def share(tree: Any) -> Any:
-    """``tree``'s device arrays, ready to be read on other threads.
-
-    A JAX array lists its per-device buffers on first use, and in jax 0.10
-    two threads doing that at once can each see part of the list, and the
-    array then keeps a part as its shards for good (reproduced: two threads
-    asking a fresh 4-device array for its shards with a lowered switch
-    interval, as a pipeline sets it, got a short list in about one trial of
-    eleven; a pipelined run read half of a swap's read-out, and rows past
-    the half ran out of range). Listing them once on the thread that made
-    the arrays, before any other thread can see them, leaves nothing to
-    race on.
-    """
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array):
-            leaf.addressable_shards  # noqa: B018  # lists (and keeps) the buffers
-    return tree
+# Held while an array lists its device buffers (``local_data``).
+_LISTING = threading.Lock()
 
 
 def gather_shards(

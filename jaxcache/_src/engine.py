@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 
 from jaxcache._src import device_ops, kernels, routing
 from jaxcache._src.agreement import agreement
-from jaxcache._src.blocks import Blocks, gather_shards, local_data, share
+from jaxcache._src.blocks import Blocks, gather_shards, local_data
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.device_ops import CacheState, Lookup
 from jaxcache._src.host_callback import HostCallbacks
@@ -448,8 +448,7 @@ class EmbeddingCache:
             state, rows, opt = device_ops.swap_blocks(
                 state, *staged.moves, mesh=self.mesh, axis=self.axis
             )
-        # Listed here, before the ledger hands them to the landing threads.
-        self.write_backs.dispatched(staged.plan.index, *share((rows, opt)))
+        self.write_backs.dispatched(staged.plan.index, rows, opt)
         return state
 
     def land_write_backs(self) -> None:
