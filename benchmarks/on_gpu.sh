@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU figures of docs/benchmarks.md, in one run on a GPU host:
+#
+#   1. the software and the card;
+#   2. benchmarks/throughput.py on the GPU (every table, then the ratios);
+#   3. benchmarks/scaling.py on the host's own cores (JAX_PLATFORMS=cpu, 8
+#      simulated devices, the device idle): host staging with the cores a
+#      GPU host has rather than this project's 2-core development machine;
+#   4. training through the cache against the whole table on the GPU, heavy
+#      churn (tests/test_exactness.py, one device).
+#
+# Each step has a time limit in seconds (THROUGHPUT_S, SCALING_S,
+# EXACTNESS_S) and writes its log to LOG_DIR, so a step cut short still
+# leaves what it printed. jaxcache is imported from this checkout
+# (PYTHONPATH), not installed: a GPU image's jax and numba are used as they
+# are.
+#
+#     bash benchmarks/on_gpu.sh [LOG_DIR]     # about 8 minutes on an H200 host
+set -u
+cd "$(dirname "$0")/.."
+logs=${1:-gpu-logs}
+mkdir -p "$logs"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+
+step() {  # step NAME SECONDS COMMAND...: run it under a limit, log it, go on
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s): $*"
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$logs/$name.log"
+  echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start))s"
+}
+
+step software 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv; nproc; $py -c '
+import jax, flax, optax, numba, numpy
+print(\"jax\", jax.__version__, \"flax\", flax.__version__, \"optax\", optax.__version__,
+      \"numba\", numba.__version__, \"numpy\", numpy.__version__)
+print(jax.devices())'"
+step throughput "${THROUGHPUT_S:-270}" "$py" benchmarks/throughput.py
+step scaling "${SCALING_S:-100}" env JAX_PLATFORMS=cpu "$py" benchmarks/scaling.py
+step exactness "${EXACTNESS_S:-90}" "$py" -m pytest -q -p no:cacheprovider \
+  tests/test_exactness.py -k "heavy_churn or bfloat16"
