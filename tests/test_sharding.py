@@ -140,6 +140,63 @@ def test_forced_overflow_is_exact():
     _assert_matches(model, losses, *_reference())
 
 
+def _route_in_ids(cache, lookup):
+    """A lookup's arrays with every slot replaced by the id it holds (-1:
+    padding): what must not depend on the capacity."""
+    n, cl = cache.devices, cache.local_capacity
+    id_of_slot = np.append(cache.planner.id_of_slot, -1)  # the last: padding
+    owners = np.arange(n)[:, None]
+    requests = np.asarray(lookup.requests)
+    owner_slots = np.asarray(lookup.owner_slots)
+    overflow = np.asarray(lookup.overflow)
+    return {
+        "inverse": np.asarray(lookup.inverse),
+        "owner_inverse": np.asarray(lookup.owner_inverse),
+        "requests": id_of_slot[
+            np.where(requests == cl, n * cl, owners[:, :, None] * cl + requests)
+        ],
+        "owner_slots": id_of_slot[np.where(owner_slots == cl, n * cl, owners * cl + owner_slots)],
+        "overflow": id_of_slot[overflow],  # padding: n * cl
+    }
+
+
+@pytest.mark.parametrize("devices,route_capacity", [(1, None), (1, 16), (4, None), (4, 2)])
+def test_routes_number_rows_alike_at_any_capacity(devices, route_capacity):
+    # Each id's row in the received buffer, each received row's number among
+    # its owner's rows, the order of the rows requested and overflowed: all
+    # follow the batch's ids, not which rows were cached or where, so a
+    # device sums each row's gradients in the same order at any capacity (a
+    # GPU's deterministic scatter-add sums in the order of these numbers).
+    def routes(capacity):
+        cfg = jaxcache.CacheConfig(
+            N,
+            D,
+            capacity,
+            policy="lru",
+            optimizer=jaxcache.adagrad(0.1),
+            route_capacity=route_capacity,
+        )
+        table = jaxcache.HostTable(cfg, seed=1)
+        make = jaxcache.EmbeddingCache if capacity < N else jaxcache.EmbeddingCache.full_table
+        cache = make(cfg, table=table, mesh=_mesh(devices))
+        model, train = make_cached(cache, F)
+        out = []
+        for ids, y in zipf_batches(N, B, F, 10, seed=11):
+            lookup = model.embed.prepare(ids)
+            out.append(_route_in_ids(cache, lookup))
+            train.with_lookup(lookup, y)
+        return cache, out
+
+    tight, tight_routes = routes(400)
+    _, full_routes = routes(N)
+    assert tight.stats.total.evictions > 100
+    if route_capacity is not None:
+        assert tight.stats.total.overflow > 20
+    for step, (a, b) in enumerate(zip(tight_routes, full_routes, strict=True)):
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name], err_msg=f"{name} of step {step}")
+
+
 def test_every_row_lives_on_its_home_device():
     cache, _, _, batches = _train(4, "lru", 400, lookahead=0, steps=3)
     assert cache.stats.total.evictions == 0

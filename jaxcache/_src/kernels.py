@@ -54,7 +54,7 @@ __all__ = [
     "count_lookups",
     "distinct_ranks",
     "fill_inverse",
-    "fill_negative",
+    "first_appearance",
     "lookup",
     "lookup_entries",
     "mark_new",
@@ -581,16 +581,6 @@ def count_lookups(unique_slots, id_of_slot, lookups, counts, slot_counts):
 
 
 @kernel
-def fill_negative(values, fill):
-    """A copy of 1-D ``values`` with every negative entry (padding) set to ``fill``."""
-    out = np.empty_like(values)
-    for p in range(values.size):
-        v = values[p]
-        out[p] = fill if v < 0 else v
-    return out
-
-
-@kernel
 def real_positions(values, limit, out):
     """Where the real entries (``< limit``) of one device's share ``values``
     are, in order, into ``out`` (the rest of it padded with the share's
@@ -803,18 +793,61 @@ _WINDOW = 64
 
 
 @kernel
-def owner_route(unique_slots, first, bounds, sent, per_destination, slots, requests, owner_inverse):
-    """One owner's share of a route: its distinct local slots copied to
-    ``slots``; ``requests[s, k]``, the local slot of the k-th row it serves
-    source ``s``, and ``owner_inverse[s K + k]``, that row's index among its
-    distinct rows; rows at ``K`` or beyond are left for the overflow path."""
-    slots[: unique_slots.size] = unique_slots
+def owner_route(
+    unique_slots, first, bounds, sent, per_destination, slots, requests, owner_inverse, number
+):
+    """One owner's share of a route: ``requests[s, k]``, the local slot of
+    the k-th row it serves source ``s``, and ``owner_inverse[s K + k]``, that
+    row's number among its distinct rows; rows at ``K`` or beyond are left
+    for the overflow path.
+
+    The distinct rows are numbered in order of first appearance, source by
+    source and ``k`` by ``k``, not in the plan's order (hits, then misses):
+    the numbers then depend only on the batch's ids, never on which rows
+    were cached, so the device sums each row's gradients in the same order
+    at any capacity. ``number`` (``-1`` on entry) gets each plan row's
+    number and ``slots`` the local slot of each number. Returns how many
+    rows were numbered."""
+    c = 0
     for s in range(bounds.size - 1):
         base = bounds[s]
         for k in range(min(sent[s], per_destination)):
             u = first[base + k]
             requests[s, k] = unique_slots[u]
-            owner_inverse[s * per_destination + k] = u
+            r = number[u]
+            if r < 0:
+                r = c
+                number[u] = c
+                slots[c] = unique_slots[u]
+                c += 1
+            owner_inverse[s * per_destination + k] = r
+    return c
+
+
+@kernel
+def first_appearance(ranks, distinct, fill):
+    """Renumbers a one-device plan's ``ranks`` (each position's row among
+    the plan's ``distinct`` rows; negative for padding) in order of first
+    appearance. Returns ``(out, order, count)``: ``out[p]``, position
+    ``p``'s row number (``fill`` for padding); ``order[c]``, the plan row
+    numbered ``c``; ``count``, the rows that appear."""
+    number = np.full(distinct, -1, np.int32)
+    order = np.empty(distinct, np.int32)
+    out = np.empty_like(ranks)
+    c = 0
+    for p in range(ranks.size):
+        u = ranks[p]
+        if u < 0:
+            out[p] = fill
+            continue
+        r = number[u]
+        if r < 0:
+            r = c
+            number[u] = c
+            order[c] = u
+            c += 1
+        out[p] = r
+    return out, order, c
 
 
 @kernel

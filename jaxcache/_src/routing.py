@@ -18,7 +18,10 @@ owner's rows.
 
 Everything about *which* row goes *where* is computed on the host, per owner
 and per source in parallel, from the partitions' plans; the device only
-moves data.
+moves data. Every number a route gives a row (its place in a received
+buffer, among an owner's rows, in the overflow list) follows the order in
+which the batch's ids first appear, never the slots or a plan's order, so
+the device's sums of a row's gradients take the same order at any capacity.
 
 Shape letters: ``n`` devices, ``K`` rows per (source, destination) pair,
 ``O`` overflow rows, ``R = n K + O`` rows each device receives, ``V`` distinct
@@ -92,7 +95,10 @@ def needs(step: StepPlan) -> tuple[int, int]:
 
 
 def overflow_slots(step: StepPlan, layout: Layout, local_capacity: int, k: int) -> np.ndarray:
-    """Sorted global slots of the rows that take the overflow path when ``K = k``.
+    """Global slots of the rows that take the overflow path when ``K = k``,
+    in order of first appearance (owner by owner, source by source, then by
+    rank), so that their order, like every number of a route, depends on
+    the batch's ids and not on the slots they have.
 
     Examples:
       >>> import numpy as np, jaxcache
@@ -110,16 +116,38 @@ def overflow_slots(step: StepPlan, layout: Layout, local_capacity: int, k: int) 
             found.append(device * local_capacity + plan.unique_slots[np.concatenate(rows)])
     if not found:
         return np.zeros(0, np.int64)
-    return np.unique(np.concatenate(found)).astype(np.int64)
+    every = np.concatenate(found).astype(np.int64)
+    _, firsts = np.unique(every, return_index=True)  # a row two sources overflow: once
+    return every[np.sort(firsts)]
 
 
-def _owners(step: StepPlan, layout: Layout):
+def _positions_in(overflow: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """Where global slots are in the ``overflow`` list (each is there)."""
+    sorter = np.argsort(overflow)
+    ordered = overflow[sorter]
+    return lambda slots: sorter[np.searchsorted(ordered, slots)].astype(np.int32)
+
+
+def _one_device_order(step: StepPlan, fill: int) -> tuple[np.ndarray, np.ndarray]:
+    """A one-device plan's rows renumbered by first appearance:
+    ``(inverse, order)`` (``kernels.first_appearance``), padding ``fill``."""
+    plan = step.plans[0]
+    ranks = np.ascontiguousarray(plan.inverse, dtype=np.int32).reshape(-1)
+    inverse, order, count = kernels.first_appearance(ranks, plan.distinct, fill)
+    if count != plan.distinct:
+        raise RuntimeError(f"the plan lists {plan.distinct} rows, its batch looks up {count}")
+    return inverse, order
+
+
+def _owners(step: StepPlan, layout: Layout, order: np.ndarray | None = None):
     """``(device, plan, first, bounds, sent)`` of each own partition; on one
-    device the plan's distinct rows are its ranks (one source)."""
+    device (one source) the plan's rows in order of first appearance
+    (``order``, from ``_one_device_order``; found here if not given)."""
     if step.bounds is None:
         plan = step.plans[0]
-        first = np.arange(plan.distinct, dtype=np.int32)
-        yield layout.own[0], plan, first, np.array([0, plan.distinct]), step.sent[0]
+        if order is None:
+            order = _one_device_order(step, 0)[1]
+        yield layout.own[0], plan, order, np.array([0, plan.distinct]), step.sent[0]
         return
     firsts = [plan.inverse for plan in step.plans]
     yield from zip(layout.own, step.plans, firsts, step.bounds, step.sent, strict=True)
@@ -186,32 +214,49 @@ def build_route(
     requests = np.full((own, n, k), cl, np.int32)
     owner_slots = np.full((own, owner_size), cl, np.int32)
     owner_inverse = np.full((own, received), owner_size, np.int32)
-    owners = list(enumerate(_owners(step, layout)))
+    position = _positions_in(overflow)
+    split = step.split
+    order = None
+    if split is None:  # one device: the plan's rows by first appearance, padding R
+        out_inverse, order = _one_device_order(step, received)
+    else:
+        out_inverse = np.empty(flat.size, np.int32)
+    owners = list(enumerate(_owners(step, layout, order)))
 
     def fill_owner(item) -> None:
         e, (device, plan, first, bounds, sent) = item
-        kernels.owner_route(
-            plan.unique_slots, first, bounds, sent, k, owner_slots[e], requests[e], owner_inverse[e]
+        number = np.full(plan.distinct, -1, np.int32)
+        count = kernels.owner_route(
+            plan.unique_slots,
+            first,
+            bounds,
+            sent,
+            k,
+            owner_slots[e],
+            requests[e],
+            owner_inverse[e],
+            number,
         )
         if overflow.size:
             parts = [first[b + k : b + m] for b, m in zip(bounds[:-1], sent, strict=True) if m > k]
             if parts:
                 rows = np.concatenate(parts)
-                at = np.searchsorted(overflow, device * cl + plan.unique_slots[rows])
-                owner_inverse[e, n * k + at] = rows
+                at = position(device * cl + plan.unique_slots[rows])
+                fresh = number[rows] < 0  # rows no source got directly: in the list's order
+                _, firsts = np.unique(at[fresh], return_index=True)
+                new = rows[fresh][firsts]
+                number[new] = count + np.arange(new.size, dtype=np.int32)
+                owner_slots[e, count : count + new.size] = plan.unique_slots[new]
+                owner_inverse[e, n * k + at] = number[rows]
 
-    out_inverse = np.empty(flat.size, np.int32)
-    split = step.split
-    if split is None:  # one device: the plan's ranks, -1 for padding
+    if split is None:
         _run(threads, [*before, *(partial(fill_owner, o) for o in owners), *after])
-        out_inverse[:] = kernels.fill_negative(
-            np.ascontiguousarray(step.plans[0].inverse, dtype=np.int32).reshape(-1), received
-        )
         if overflow.size:
             late = out_inverse >= k
             late &= out_inverse < received
-            slots = step.plans[0].unique_slots[out_inverse[late]]
-            out_inverse[late] = n * k + np.searchsorted(overflow, slots)
+            assert order is not None
+            slots = step.plans[0].unique_slots[order[out_inverse[late]]]
+            out_inverse[late] = n * k + position(slots)
     else:
         size = flat.size // n  # a source's slice of the batch
         base = layout.homes * k  # by residue
@@ -240,7 +285,7 @@ def build_route(
                     rows = first[bounds[source] + ranks[late]]
                     slots = device * cl + plan.unique_slots[rows]
                     at = split.at[lo[source] : hi[source]][late]
-                    out_inverse[at] = n * k + np.searchsorted(overflow, slots)
+                    out_inverse[at] = n * k + position(slots)
     full_overflow = np.full(overflow_size, n * cl, np.int32)
     full_overflow[: overflow.size] = overflow
     share = flat.size // n  # the rows of this process's sources
