@@ -7,10 +7,14 @@
 #      simulated devices, the device idle): host staging with the cores a
 #      GPU host has rather than this project's 2-core development machine;
 #   4. training through the cache against the whole table on the GPU, heavy
-#      churn (tests/test_exactness.py, one device).
+#      churn (tests/test_exactness.py, one device), then, with XLA's
+#      deterministic GPU scatters, the tests that compare runs bit for bit
+#      across capacities;
+#   5. benchmarks/determinism.py with XLA's deterministic GPU scatters: which
+#      runs agree bit for bit there.
 #
 # Each step has a time limit in seconds (THROUGHPUT_S, SCALING_S,
-# EXACTNESS_S) and writes its log to LOG_DIR, so a step cut short still
+# EXACTNESS_S, DETERMINISM_S) and writes its log to LOG_DIR, so a step cut short still
 # leaves what it printed. jaxcache is imported from this checkout
 # (PYTHONPATH), not installed: a GPU image's jax and numba are used as they
 # are.
@@ -41,3 +45,8 @@ step throughput "${THROUGHPUT_S:-270}" "$py" benchmarks/throughput.py
 step scaling "${SCALING_S:-100}" env JAX_PLATFORMS=cpu "$py" benchmarks/scaling.py
 step exactness "${EXACTNESS_S:-90}" "$py" -m pytest -q -p no:cacheprovider \
   tests/test_exactness.py -k "heavy_churn or bfloat16"
+deterministic=--xla_gpu_deterministic_ops=true
+step bit-for-bit "${EXACTNESS_S:-90}" env XLA_FLAGS=$deterministic "$py" -m pytest -q \
+  -p no:cacheprovider tests/test_exactness.py::test_bfloat16_rows_under_churn_equal_the_full_table \
+  tests/test_pipeline.py::test_pipelined_is_bit_identical_to_unpipelined
+step determinism "${DETERMINISM_S:-90}" env XLA_FLAGS=$deterministic "$py" benchmarks/determinism.py
