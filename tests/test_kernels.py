@@ -16,8 +16,6 @@ from jaxcache._src.kernels import (
     choose_victims,
     copy_rows,
     distinct_ranks,
-    first_appearance,
-    owner_route,
     region,
     split_by_home,
 )
@@ -118,59 +116,6 @@ def test_distinct_ranks_number_each_group_in_order_of_first_appearance(data, spr
             expected[start + j] = first.setdefault(v, len(first))
         assert counts[g] == len(first)
     np.testing.assert_array_equal(ranks, expected)
-
-
-@settings(max_examples=200, deadline=None)
-@given(data=st.data(), distinct=st.integers(0, 40), size=st.integers(0, 120))
-def test_first_appearance_numbers_rows_as_they_first_appear(data, distinct, size):
-    # A plan's ranks in any order of its rows (every row looked up at least
-    # once), padding (-1) anywhere: the rows renumbered as they first appear.
-    order = data.draw(st.permutations(range(distinct)))
-    more = data.draw(st.lists(st.integers(-1, distinct - 1), max_size=size)) if distinct else []
-    ranks = np.array(list(order) + more, np.int32)
-    ranks = ranks[np.array(data.draw(st.permutations(range(ranks.size))), np.int64)]
-    out, got, count = first_appearance(ranks, distinct, 99)
-    number: dict[int, int] = {}
-    expected = [99 if u < 0 else number.setdefault(u, len(number)) for u in ranks.tolist()]
-    assert count == distinct == len(number)
-    np.testing.assert_array_equal(out, expected)
-    np.testing.assert_array_equal(got, sorted(number, key=number.__getitem__))
-
-
-@settings(max_examples=200, deadline=None)
-@given(data=st.data(), distinct=st.integers(1, 30), k=st.integers(1, 6))
-def test_owner_route_numbers_rows_as_the_sources_first_send_them(data, distinct, k):
-    # Each source sends a subset of the owner's rows in its own order; rows
-    # are numbered as they first come, source by source, up to K per source.
-    sources = data.draw(
-        st.lists(
-            st.permutations(range(distinct)).flatmap(
-                lambda p: st.integers(0, distinct).map(lambda m: p[:m])
-            ),
-            min_size=1,
-            max_size=4,
-        )
-    )
-    unique_slots = np.array(data.draw(st.permutations(range(100, 100 + distinct))), np.int32)
-    first = np.array([u for sent in sources for u in sent], np.int32)
-    sent = np.array([len(x) for x in sources], np.int64)
-    bounds = np.concatenate([[0], np.cumsum(sent)])
-    slots = np.full(distinct, -3, np.int32)
-    requests = np.full((len(sources), k), -3, np.int32)
-    owner_inverse = np.full(len(sources) * k, -3, np.int32)
-    number = np.full(distinct, -1, np.int32)
-    count = owner_route(
-        unique_slots, first, bounds, sent, k, slots, requests, owner_inverse, number
-    )
-    seen: dict[int, int] = {}
-    for s, rows in enumerate(sources):
-        for j, u in enumerate(rows[:k]):
-            assert requests[s, j] == unique_slots[u]
-            assert owner_inverse[s * k + j] == seen.setdefault(u, len(seen))
-        assert (requests[s, len(rows[:k]) :] == -3).all()  # the rest left as it was
-    assert count == len(seen)
-    np.testing.assert_array_equal(slots[:count], unique_slots[sorted(seen, key=seen.__getitem__)])
-    np.testing.assert_array_equal(number[list(seen)], list(seen.values()))
 
 
 @settings(max_examples=200, deadline=None)

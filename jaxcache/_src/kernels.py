@@ -54,7 +54,7 @@ __all__ = [
     "count_lookups",
     "distinct_ranks",
     "fill_inverse",
-    "first_appearance",
+    "fill_negative",
     "lookup",
     "lookup_entries",
     "mark_new",
@@ -63,7 +63,6 @@ __all__ = [
     "place_rows",
     "real_positions",
     "region",
-    "resolve_first",
     "restore_misses",
     "sample_ids",
     "shadow_rekey",
@@ -205,22 +204,23 @@ def lookup(
     stamp,
     inverse,
     hits,
-    hit_counts,
+    hit_rows,
     miss_ids,
-    miss_counts,
-    miss_at,
+    miss_rows,
+    counts,
 ):
     """Looks a batch's ids up in the directory, counting each distinct id.
 
-    Writes ``inverse[p]``: ``-1`` for padding, the hit's rank among the
-    distinct hits (in order of first appearance) for a resident id, and
-    ``-2 - q`` for the ``q``-th distinct missed id (in order of first
-    appearance); ``hits[:h]``: the distinct hit slots, marked ``stamp``, and
-    their lookups ``hit_counts[:h]``; ``miss_ids[:m]``, ``miss_counts[:m]``:
-    the distinct missed ids and their lookups; ``miss_at``: the positions of
-    the missed lookups. Misses are told apart through the directory itself:
-    while a batch is being planned, ``slot_of_id`` of its ``q``-th miss holds
-    ``-2 - q`` (``restore_misses`` undoes it; ``Planner.commit`` overwrites it).
+    The batch's distinct ids are numbered in order of first appearance,
+    hits and misses alike: their *rows*. Writes ``inverse[p]``: ``-1`` for
+    padding, else the row of position ``p``'s id; ``hits[:h]``: the distinct
+    hit slots (in order of appearance), marked ``stamp``, and
+    ``hit_rows[:h]`` their rows; ``miss_ids[:m]``, ``miss_rows[:m]``: the
+    distinct missed ids and their rows; ``counts[:h + m]``: each row's
+    lookups (room for every distinct id). Misses are told apart through the
+    directory itself: while a batch is being planned, ``slot_of_id`` of a
+    missed id holds ``-2 - row`` (``restore_misses`` undoes it;
+    ``Planner.commit`` overwrites it).
 
     Returns:
       ``(h, m, missed, valid, bad)``: ``missed`` missed lookups, ``valid``
@@ -257,26 +257,25 @@ def lookup(
         if s >= 0:
             if mark[s] != stamp:
                 mark[s] = stamp
-                rank[s] = h
+                rank[s] = h + m
                 hits[h] = s
-                hit_counts[h] = 0
+                hit_rows[h] = h + m
+                counts[h + m] = 0
                 h += 1
             r = rank[s]
-            hit_counts[r] += 1
-            inverse[p] = r
-            continue
-        if s == -1:  # the first lookup of this miss
-            q = m
-            slot_of_id[i] = -2 - q
-            miss_ids[m] = i
-            miss_counts[m] = 0
-            m += 1
         else:
-            q = -2 - s
-        miss_counts[q] += 1
-        inverse[p] = -2 - q
-        miss_at[missed] = p
-        missed += 1
+            if s == -1:  # the first lookup of this miss
+                r = h + m
+                slot_of_id[i] = -2 - r
+                miss_ids[m] = i
+                miss_rows[m] = r
+                counts[r] = 0
+                m += 1
+            else:
+                r = -2 - s
+            missed += 1
+        counts[r] += 1
+        inverse[p] = r
     return h, m, missed, valid, -1
 
 
@@ -293,9 +292,10 @@ def lookup_entries(
     source_stamp,
     source_rank,
     hits,
-    hit_counts,
+    hit_rows,
     miss_ids,
-    miss_counts,
+    miss_rows,
+    counts,
     miss_source,
     miss_rank,
     first,
@@ -306,27 +306,24 @@ def lookup_entries(
 
     The partition's entries (real local ids, checked) are
     ``local[chunk_lo[s]:chunk_hi[s]]`` for each source ``s``. Besides the
-    distinct hits and misses with their lookups (as ``lookup``, misses coded
-    in the directory), it ranks the distinct ids of each source in order of
-    appearance: rank ``k`` of source ``s`` is ``first[b_s + k]`` (the hit's
-    rank, or ``-1 - q`` for the ``q``-th miss; ``b_s`` the entries of the
-    sources before ``s``), ``sent[s]`` how many there are, and ``ranks[j]``
-    each entry's rank, at the entry's own index ``j`` of ``local``.
-    ``source_mark`` is stamped with ``source_stamp + s``.
+    distinct hits and misses with their rows and lookups (as ``lookup``:
+    rows in order of first appearance, source after source; misses coded in
+    the directory), it ranks the distinct ids of each source in order of
+    appearance: rank ``k`` of source ``s`` is ``first[b_s + k]`` (the row;
+    ``b_s`` the entries of the sources before ``s``), ``sent[s]`` how many
+    there are, and ``ranks[j]`` each entry's rank, at the entry's own index
+    ``j`` of ``local``. ``source_mark`` is stamped with ``source_stamp + s``.
 
     The hit and miss steps are written out here and in ``lookup`` rather
     than shared: called as compiled helpers they made both loops about four
     times slower (59 against 14 ns per id, even asked to inline).
-
-    ``hit_counts`` has room for every distinct id: the misses' lookups are
-    copied after the hits' at the end (``hit_counts[:h + m]``), here rather
-    than by NumPy on the host thread (see ``threads``).
 
     Returns:
       ``(h, m, missed)``: distinct hits and misses, and lookups of misses.
     """
     h = 0
     m = 0
+    missed = 0
     base = 0
     for s in range(chunk_lo.size):
         k = 0
@@ -347,40 +344,42 @@ def lookup_entries(
             if v >= 0:
                 if mark[v] != stamp:
                     mark[v] = stamp
-                    rank[v] = h
+                    rank[v] = h + m
                     hits[h] = v
-                    hit_counts[h] = 0
+                    hit_rows[h] = h + m
+                    counts[h + m] = 0
                     h += 1
-                hit_counts[rank[v]] += 1
+                r = rank[v]
+                counts[r] += 1
                 if source_mark[v] != tag:
                     source_mark[v] = tag
                     source_rank[v] = k
-                    first[base + k] = rank[v]
+                    first[base + k] = r
                     k += 1
                 ranks[j] = source_rank[v]
                 continue
             if v == -1:  # the first lookup of this miss
                 q = m
+                r = h + m
                 slot_of_id[i] = -2 - q
                 miss_ids[m] = i
-                miss_counts[m] = 0
+                miss_rows[m] = r
+                counts[r] = 0
                 miss_source[m] = -1
                 m += 1
             else:
                 q = -2 - v
-            miss_counts[q] += 1
+                r = miss_rows[q]
+            counts[r] += 1
+            missed += 1
             if miss_source[q] != s:
                 miss_source[q] = s
                 miss_rank[q] = k
-                first[base + k] = -1 - q
+                first[base + k] = r
                 k += 1
             ranks[j] = miss_rank[q]
         sent[s] = k
         base += chunk_hi[s] - chunk_lo[s]
-    missed = 0
-    for q in range(m):
-        hit_counts[h + q] = miss_counts[q]
-        missed += miss_counts[q]
     return h, m, missed
 
 
@@ -396,9 +395,8 @@ def place_rows(
     per_id,
     per_slot,
     lookups,
-    first,
-    bounds,
-    sent,
+    hit_rows,
+    miss_rows,
     index,
     train,
     evicted_ids,
@@ -413,13 +411,12 @@ def place_rows(
     leaves the directory; those that were dirty are listed in
     ``evicted_ids`` / ``evicted_slots`` (for write-back). A new row's
     ``per_slot`` entry is copied from ``per_id`` (the policy's ``mirror``;
-    empty arrays: none). The plan's distinct slots, ``hits`` then
-    ``victims``, go to ``unique_slots``; each gets ``index`` as its last
-    use, and is dirty if the plan trains (a new row is clean otherwise).
+    empty arrays: none). The plan's distinct slots go to ``unique_slots``:
+    hit ``j`` at row ``hit_rows[j]`` and victim ``q`` at ``miss_rows[q]``
+    (the rows ``lookup`` numbered); each gets ``index`` as its last use, and
+    is dirty if the plan trains (a new row is clean otherwise).
     With ``lookups`` (the policy counts them; else empty), each distinct
     row's lookups are added to its ``per_id`` count (``count_lookups``).
-    With ``bounds`` (a partition's entries; else empty), the misses' codes
-    in ``first`` become their rows (``resolve_first``).
 
     Returns:
       ``(evictions, dirty evictions)``.
@@ -443,19 +440,16 @@ def place_rows(
         dirty[v] = False
         if mirrored:
             per_slot[v] = per_id[i]
-    h = hits.size
-    for j in range(h):
-        unique_slots[j] = hits[j]
+    for j in range(hits.size):
+        unique_slots[hit_rows[j]] = hits[j]
     for j in range(victims.size):
-        unique_slots[h + j] = victims[j]
+        unique_slots[miss_rows[j]] = victims[j]
     for s in unique_slots:
         last_use[s] = index
         if train:
             dirty[s] = True
     if lookups.size:
         count_lookups(unique_slots, id_of_slot, lookups, per_id, per_slot)
-    if bounds.size:
-        resolve_first(first, bounds, sent, h)
     return evictions, written
 
 
@@ -464,18 +458,6 @@ def restore_misses(slot_of_id, miss_ids, m):
     """Clears the codes ``lookup`` left in the directory for ``miss_ids[:m]``."""
     for q in range(m):
         slot_of_id[miss_ids[q]] = -1
-
-
-@kernel
-def resolve_first(first, bounds, sent, hits):
-    """Turns the misses' codes ``-1 - q`` of ``lookup_entries``' ranks into
-    their rows ``hits + q`` (the misses follow the hits)."""
-    for s in range(bounds.size - 1):
-        base = bounds[s]
-        for j in range(base, base + sent[s]):
-            code = first[j]
-            if code < 0:
-                first[j] = hits - 1 - code
 
 
 @kernel
@@ -578,6 +560,16 @@ def count_lookups(unique_slots, id_of_slot, lookups, counts, slot_counts):
         c = counts[i] + lookups[k]
         counts[i] = c
         slot_counts[s] = c
+
+
+@kernel
+def fill_negative(values, fill):
+    """A copy of 1-D ``values`` with every negative entry (padding) set to ``fill``."""
+    out = np.empty_like(values)
+    for p in range(values.size):
+        v = values[p]
+        out[p] = fill if v < 0 else v
+    return out
 
 
 @kernel
@@ -793,61 +785,19 @@ _WINDOW = 64
 
 
 @kernel
-def owner_route(
-    unique_slots, first, bounds, sent, per_destination, slots, requests, owner_inverse, number
-):
-    """One owner's share of a route: ``requests[s, k]``, the local slot of
-    the k-th row it serves source ``s``, and ``owner_inverse[s K + k]``, that
-    row's number among its distinct rows; rows at ``K`` or beyond are left
-    for the overflow path.
-
-    The distinct rows are numbered in order of first appearance, source by
-    source and ``k`` by ``k``, not in the plan's order (hits, then misses):
-    the numbers then depend only on the batch's ids, never on which rows
-    were cached, so the device sums each row's gradients in the same order
-    at any capacity. ``number`` (``-1`` on entry) gets each plan row's
-    number and ``slots`` the local slot of each number. Returns how many
-    rows were numbered."""
-    c = 0
+def owner_route(unique_slots, first, bounds, sent, per_destination, slots, requests, owner_inverse):
+    """One owner's share of a route: its distinct local slots copied to
+    ``slots``; ``requests[s, k]``, the local slot of the k-th row it serves
+    source ``s``, and ``owner_inverse[s K + k]``, that row's index among its
+    distinct rows (their plan's rows, numbered as the batch's ids first
+    appear); rows at ``K`` or beyond are left for the overflow path."""
+    slots[: unique_slots.size] = unique_slots
     for s in range(bounds.size - 1):
         base = bounds[s]
         for k in range(min(sent[s], per_destination)):
             u = first[base + k]
             requests[s, k] = unique_slots[u]
-            r = number[u]
-            if r < 0:
-                r = c
-                number[u] = c
-                slots[c] = unique_slots[u]
-                c += 1
-            owner_inverse[s * per_destination + k] = r
-    return c
-
-
-@kernel
-def first_appearance(ranks, distinct, fill):
-    """Renumbers a one-device plan's ``ranks`` (each position's row among
-    the plan's ``distinct`` rows; negative for padding) in order of first
-    appearance. Returns ``(out, order, count)``: ``out[p]``, position
-    ``p``'s row number (``fill`` for padding); ``order[c]``, the plan row
-    numbered ``c``; ``count``, the rows that appear."""
-    number = np.full(distinct, -1, np.int32)
-    order = np.empty(distinct, np.int32)
-    out = np.empty_like(ranks)
-    c = 0
-    for p in range(ranks.size):
-        u = ranks[p]
-        if u < 0:
-            out[p] = fill
-            continue
-        r = number[u]
-        if r < 0:
-            r = c
-            number[u] = c
-            order[c] = u
-            c += 1
-        out[p] = r
-    return out, order, c
+            owner_inverse[s * per_destination + k] = u
 
 
 @kernel

@@ -60,7 +60,10 @@ class Plan(NamedTuple):
 
     Attributes:
       index: sequence number of the plan.
-      unique_slots: ``int32 [U]`` slot of each distinct id of the batch.
+      unique_slots: ``int32 [U]`` slot of each distinct id of the batch, in
+        the order the ids first appear in it (whether they hit or missed,
+        so the order depends on the batch alone; a device partition's,
+        ``jaxcache._src.partitions``: source after source).
       inverse: ``int32`` of the ids' shape: position of each id in
         ``unique_slots``; ``-1`` for padding.
       fetch_ids: ``int64 [M]`` ids to copy host -> device.
@@ -107,9 +110,8 @@ class Plan(NamedTuple):
 # Compared with ids where there is no padding id: equal to none of them.
 _NO_PAD = np.iinfo(np.int64).min
 # ``place_rows``' arrays for what a plan does not have: a policy's mirror
-# (``per_id``, ``per_slot``) or lookups to count; a partition's sources' ranks.
+# (``per_id``, ``per_slot``) or lookups to count.
 _NONE = (np.zeros(0, np.int64), np.zeros(0, np.int64))
-_NO_ENTRIES = (np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
 def check_state(state: dict[str, Any], num_embeddings: int) -> None:
@@ -141,15 +143,16 @@ class _Checked(NamedTuple):
     misses are coded in the directory meanwhile (see ``kernels.lookup``)."""
 
     shape: tuple[int, ...]
-    inverse: np.ndarray | None  # int32 [ids]: hit ranks, miss codes, -1 for padding
-    miss_at: np.ndarray | None  # positions of the missed lookups
+    inverse: np.ndarray | None  # int32 [ids]: each id's row, -1 for padding
     hits: np.ndarray  # int32 [h] distinct hit slots, in order of appearance
     miss_ids: np.ndarray  # [m] distinct missed ids, in order of appearance
-    counts: np.ndarray  # int64 [h + m] lookups of each distinct id, hits first
+    counts: np.ndarray  # int64 [h + m] lookups of each row
     lookups: int
     missed: int  # missed lookups
     stamp: int
-    first: np.ndarray | None = None  # entries: each source's ranks (lookup_entries)
+    hit_rows: np.ndarray  # int32 [h] each hit's row (in order of first appearance)
+    miss_rows: np.ndarray  # int32 [m] each miss's row
+    first: np.ndarray | None = None  # entries: each source's ranks' rows (lookup_entries)
     bounds: np.ndarray | None = None
     sent: np.ndarray | None = None
 
@@ -463,11 +466,11 @@ class Planner:
         self._stamp += 1  # the hits are marked protected as they are found
         size = flat.size
         hits = np.empty(min(size, self.capacity), np.int32)
-        hit_counts = np.empty(hits.size, np.int64)
+        hit_rows = np.empty(hits.size, np.int32)
         miss_ids = np.empty(min(size, cfg.num_embeddings), np.int64)
-        miss_counts = np.empty(miss_ids.size, np.int64)
+        miss_rows = np.empty(miss_ids.size, np.int32)
+        counts = np.empty(miss_ids.size, np.int64)  # room for every distinct id
         inverse = np.empty(size, np.int32)
-        miss_at = np.empty(size, np.int64)
         h, m, missed, lookups, bad = kernels.lookup(
             flat,
             pad,
@@ -478,10 +481,10 @@ class Planner:
             self._stamp,
             inverse,
             hits,
-            hit_counts,
+            hit_rows,
             miss_ids,
-            miss_counts,
-            miss_at,
+            miss_rows,
+            counts,
         )
         if bad >= 0:  # check_ids words the error; the kernel found where
             validation.check_ids(array, cfg.num_embeddings, cfg.padding_id, "ids")
@@ -489,13 +492,14 @@ class Planner:
         checked = _Checked(
             array.shape,
             inverse,
-            miss_at[:missed],
             hits[:h],
             miss_ids[:m],
-            np.concatenate([hit_counts[:h], miss_counts[:m]]),
+            counts[: h + m],
             int(lookups),
             int(missed),
             self._stamp,
+            hit_rows[:h],
+            miss_rows[:m],
         )
         return self._admit(checked, released, max_distinct)
 
@@ -521,9 +525,10 @@ class Planner:
             self._source_mark = np.zeros(self.capacity, np.int64)
             self._source_rank = np.empty(self.capacity, np.int32)
         hits = np.empty(min(size, self.capacity), np.int32)
-        counts = np.empty(size, np.int64)  # the hits', then the misses'
+        hit_rows = np.empty(hits.size, np.int32)
         miss_ids = np.empty(min(size, self.config.num_embeddings), np.int64)
-        miss_counts = np.empty(miss_ids.size, np.int64)
+        miss_rows = np.empty(miss_ids.size, np.int32)
+        counts = np.empty(miss_ids.size, np.int64)  # room for every distinct id
         first = np.empty(size, np.int32)
         sent = np.empty(chunk_lo.size, np.int64)
         h, m, missed = kernels.lookup_entries(
@@ -538,9 +543,10 @@ class Planner:
             source_stamp,
             self._source_rank,
             hits,
-            counts,
+            hit_rows,
             miss_ids,
-            miss_counts,
+            miss_rows,
+            counts,
             np.empty(miss_ids.size, np.int64),
             np.empty(miss_ids.size, np.int32),
             first,
@@ -552,13 +558,14 @@ class Planner:
         checked = _Checked(
             (size,),
             None,
-            None,
             hits[:h],
             miss_ids[:m],
             counts[: h + m],
             size,
             int(missed),
             self._stamp,
+            hit_rows[:h],
+            miss_rows[:m],
             first,
             bounds,
             sent,
@@ -610,12 +617,12 @@ class Planner:
         victims = self._choose_victims(miss_ids.size)
         evict_ids = np.empty(victims.size, np.int64)
         evict_slots = np.empty(victims.size, np.int32)
-        # Distinct slots: the hits' (in order of appearance), then the new
-        # rows' (misses in order of appearance, in victims of rising slot).
+        # Distinct slots: in the order their ids first appear in the batch
+        # (a partition's: source after source), the rows ``lookup`` numbered;
+        # the misses take victims of rising slot in their order of appearance.
         h = hits.size
         unique_slots = np.empty(h + victims.size, np.int32)
         policy = self.policy
-        entries = checked.inverse is None  # a partition's: sources' ranks in ``first``
         # Old rows out (the dirty ones listed), new rows in (the misses'
         # directory codes replaced by their slots), every slot used.
         evictions, written = kernels.place_rows(
@@ -628,7 +635,8 @@ class Planner:
             self.last_use,
             *(policy.mirror or _NONE),
             checked.counts if policy.counts_lookups else _NONE[0],
-            *((checked.first, checked.bounds, checked.sent) if entries else _NO_ENTRIES),
+            checked.hit_rows,
+            checked.miss_rows,
             index,
             train,
             evict_ids,
@@ -638,10 +646,8 @@ class Planner:
         policy.on_insert(self, victims, miss_ids)
         inverse = checked.inverse
         if inverse is not None:
-            if checked.missed:  # code -2 - q becomes rank h + q
-                inverse[checked.miss_at] = h - 2 - inverse[checked.miss_at]
             inverse = inverse.reshape(checked.shape)
-        else:
+        else:  # a partition's: its sources' ranks' rows
             inverse = checked.first
             assert inverse is not None, "a plan without ranks has its sources' entries"
         self._in_flight[index] = unique_slots

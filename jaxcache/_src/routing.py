@@ -20,8 +20,9 @@ Everything about *which* row goes *where* is computed on the host, per owner
 and per source in parallel, from the partitions' plans; the device only
 moves data. Every number a route gives a row (its place in a received
 buffer, among an owner's rows, in the overflow list) follows the order in
-which the batch's ids first appear, never the slots or a plan's order, so
-the device's sums of a row's gradients take the same order at any capacity.
+which the batch's ids first appear (a plan numbers its rows so), never the
+slots, so the device's sums of a row's gradients take the same order at any
+capacity.
 
 Shape letters: ``n`` devices, ``K`` rows per (source, destination) pair,
 ``O`` overflow rows, ``R = n K + O`` rows each device receives, ``V`` distinct
@@ -128,26 +129,14 @@ def _positions_in(overflow: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
     return lambda slots: sorter[np.searchsorted(ordered, slots)].astype(np.int32)
 
 
-def _one_device_order(step: StepPlan, fill: int) -> tuple[np.ndarray, np.ndarray]:
-    """A one-device plan's rows renumbered by first appearance:
-    ``(inverse, order)`` (``kernels.first_appearance``), padding ``fill``."""
-    plan = step.plans[0]
-    ranks = np.ascontiguousarray(plan.inverse, dtype=np.int32).reshape(-1)
-    inverse, order, count = kernels.first_appearance(ranks, plan.distinct, fill)
-    if count != plan.distinct:
-        raise RuntimeError(f"the plan lists {plan.distinct} rows, its batch looks up {count}")
-    return inverse, order
-
-
-def _owners(step: StepPlan, layout: Layout, order: np.ndarray | None = None):
+def _owners(step: StepPlan, layout: Layout):
     """``(device, plan, first, bounds, sent)`` of each own partition; on one
-    device (one source) the plan's rows in order of first appearance
-    (``order``, from ``_one_device_order``; found here if not given)."""
+    device the plan's distinct rows are its ranks (one source), already in
+    order of first appearance."""
     if step.bounds is None:
         plan = step.plans[0]
-        if order is None:
-            order = _one_device_order(step, 0)[1]
-        yield layout.own[0], plan, order, np.array([0, plan.distinct]), step.sent[0]
+        first = np.arange(plan.distinct, dtype=np.int32)
+        yield layout.own[0], plan, first, np.array([0, plan.distinct]), step.sent[0]
         return
     firsts = [plan.inverse for plan in step.plans]
     yield from zip(layout.own, step.plans, firsts, step.bounds, step.sent, strict=True)
@@ -215,47 +204,30 @@ def build_route(
     owner_slots = np.full((own, owner_size), cl, np.int32)
     owner_inverse = np.full((own, received), owner_size, np.int32)
     position = _positions_in(overflow)
-    split = step.split
-    order = None
-    if split is None:  # one device: the plan's rows by first appearance, padding R
-        out_inverse, order = _one_device_order(step, received)
-    else:
-        out_inverse = np.empty(flat.size, np.int32)
-    owners = list(enumerate(_owners(step, layout, order)))
+    owners = list(enumerate(_owners(step, layout)))
 
     def fill_owner(item) -> None:
         e, (device, plan, first, bounds, sent) = item
-        number = np.full(plan.distinct, -1, np.int32)
-        count = kernels.owner_route(
-            plan.unique_slots,
-            first,
-            bounds,
-            sent,
-            k,
-            owner_slots[e],
-            requests[e],
-            owner_inverse[e],
-            number,
+        kernels.owner_route(
+            plan.unique_slots, first, bounds, sent, k, owner_slots[e], requests[e], owner_inverse[e]
         )
         if overflow.size:
             parts = [first[b + k : b + m] for b, m in zip(bounds[:-1], sent, strict=True) if m > k]
             if parts:
                 rows = np.concatenate(parts)
-                at = position(device * cl + plan.unique_slots[rows])
-                fresh = number[rows] < 0  # rows no source got directly: in the list's order
-                _, firsts = np.unique(at[fresh], return_index=True)
-                new = rows[fresh][firsts]
-                number[new] = count + np.arange(new.size, dtype=np.int32)
-                owner_slots[e, count : count + new.size] = plan.unique_slots[new]
-                owner_inverse[e, n * k + at] = number[rows]
+                owner_inverse[e, n * k + position(device * cl + plan.unique_slots[rows])] = rows
 
-    if split is None:
+    out_inverse = np.empty(flat.size, np.int32)
+    split = step.split
+    if split is None:  # one device: the plan's rows, -1 for padding
         _run(threads, [*before, *(partial(fill_owner, o) for o in owners), *after])
+        out_inverse[:] = kernels.fill_negative(
+            np.ascontiguousarray(step.plans[0].inverse, dtype=np.int32).reshape(-1), received
+        )
         if overflow.size:
             late = out_inverse >= k
             late &= out_inverse < received
-            assert order is not None
-            slots = step.plans[0].unique_slots[order[out_inverse[late]]]
+            slots = step.plans[0].unique_slots[out_inverse[late]]
             out_inverse[late] = n * k + position(slots)
     else:
         size = flat.size // n  # a source's slice of the batch
