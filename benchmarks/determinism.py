@@ -29,14 +29,16 @@ import os
 from typing import NamedTuple
 
 import _harness
+import _training
 import jax
 import numpy as np
-from flax import nnx
 
 import jaxcache
 
 
 class Run(NamedTuple):
+    """What one training run ends with."""
+
     rows: np.ndarray
     state: dict[str, np.ndarray]
     losses: np.ndarray
@@ -53,8 +55,9 @@ def train(
     capacity: int | None,
     lookahead: int | None,
 ) -> Run:
-    """Rows, optimizer state and losses after ``STEPS`` steps; ``capacity``
-    None is the whole table on device, ``lookahead`` None unpipelined."""
+    """Rows, optimizer state, losses and evictions after ``STEPS`` steps;
+    ``capacity`` None is the whole table on device, ``lookahead`` None
+    unpipelined."""
     cfg = jaxcache.CacheConfig(
         data.num_embeddings,
         8,
@@ -70,9 +73,8 @@ def train(
         else jaxcache.EmbeddingCache.full_table(cfg, table=table)
     )
     embed = jaxcache.nnx.CachedEmbed(cache)
-    model = jaxcache.models.DLRM(
-        embed, num_sparse=data.num_features, features=8, bottom=(32, 8), top=(32,), rngs=nnx.Rngs(0)
-    )
+    setup = _training.Setup("determinism", data, features=8, bottom=(32, 8), top=(32,))
+    model = _training.make_model(setup, embed, seed=0)
     tx = jaxcache.models.dense_optimizer("adagrad", 0.05)
     _, step = jaxcache.models.make_train_step(model, tx)
     batches = list(data.batches(STEPS))
