@@ -359,25 +359,23 @@ def lookup_entries(
                 ranks[j] = source_rank[v]
                 continue
             if v == -1:  # the first lookup of this miss
-                q = m
                 r = h + m
-                slot_of_id[i] = -2 - q
+                slot_of_id[i] = -2 - r
                 miss_ids[m] = i
                 miss_rows[m] = r
                 counts[r] = 0
-                miss_source[m] = -1
+                miss_source[r] = -1
                 m += 1
             else:
-                q = -2 - v
-                r = miss_rows[q]
+                r = -2 - v
             counts[r] += 1
             missed += 1
-            if miss_source[q] != s:
-                miss_source[q] = s
-                miss_rank[q] = k
+            if miss_source[r] != s:
+                miss_source[r] = s
+                miss_rank[r] = k
                 first[base + k] = r
                 k += 1
-            ranks[j] = miss_rank[q]
+            ranks[j] = miss_rank[r]
         sent[s] = k
         base += chunk_hi[s] - chunk_lo[s]
     return h, m, missed

@@ -547,8 +547,8 @@ class Planner:
             miss_ids,
             miss_rows,
             counts,
-            np.empty(miss_ids.size, np.int64),
-            np.empty(miss_ids.size, np.int32),
+            np.empty(miss_ids.size, np.int64),  # by row: a miss's last source
+            np.empty(miss_ids.size, np.int32),  # and its rank there
             first,
             sent,
             ranks,
