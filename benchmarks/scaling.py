@@ -32,6 +32,12 @@ One run measures, on a Criteo-shaped table of about 4M rows x 16 (LFU,
    ``benchmarks/throughput.py`` (512 samples x 26 bags of up to 16 ids,
    3.4M rows, 2% cache): real ids staged per second of CPU.
    ``stage_ids_per_s`` (millions).
+5. **One device, several partitions**: the one-device batch of part 1 on a
+   cache of ``q`` partitions per device (``partitions_per_device``), ``q``
+   the cores this process may use (at most 8), staged on ``q`` threads,
+   against one partition on one thread, in turns of ``BLOCK`` steps;
+   staging wall time. ``one_device_partitions_over_1`` (the figure a
+   one-GPU host cares about; on 2 cores, 2 partitions on 2 threads).
 
 Medians over the timed steps; ratios printed as ``name=value``. On a CPU the
 "devices" are simulated on the host's cores; run it with the machine
@@ -60,7 +66,7 @@ from jaxcache._src.partitions import Partitions
 from jaxcache._src.placement import Layout
 from jaxcache._src.stager import Stager
 from jaxcache._src.stats import CacheStats
-from jaxcache._src.threads import HostThreads
+from jaxcache._src.threads import HostThreads, cores
 from jaxcache._src.write_back import WriteBacks
 
 SCALE = 0.12  # of the Criteo Kaggle cardinalities: about 4.05M rows
@@ -229,6 +235,33 @@ def heavy_batch(args: argparse.Namespace) -> float:
     return real / cpu / 1e6
 
 
+def one_device_partitions(args: argparse.Namespace) -> float:
+    q = min(8, cores())
+    print(f"5. one device, {PER_DEVICE} samples x 26 ids, partitions per device on host threads")
+    data = jaxcache.synthetic.SyntheticCriteo(scale=SCALE, batch_size=PER_DEVICE, seed=0)
+    cfg = _config(data, CAPACITY)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("rows",))
+    runs = {
+        (parts, threads): Runner(
+            jaxcache.EmbeddingCache(cfg, mesh=mesh, threads=threads, partitions_per_device=parts)
+        )
+        for parts, threads in dict.fromkeys([(1, 1), (q, 1), (q, q)])
+    }
+    total = args.warmup + args.steps
+    for start in range(0, total, BLOCK):
+        block = [data.batch(index)["sparse"] for index in range(start, min(start + BLOCK, total))]
+        for runner in runs.values():
+            for index, ids in enumerate(block, start):
+                runner.step(ids, index >= args.warmup)
+    one = float(np.median(runs[1, 1].wall))
+    print(f"   {'partitions':>10} {'threads':>7} {'wall ms/step':>13} {'vs 1 x 1':>9} {'hits':>9}")
+    for (parts, threads), runner in runs.items():
+        wall = float(np.median(runner.wall))
+        hits = runner.cache.stats.total.hits / max(1, runner.cache.stats.total.distinct)
+        print(f"   {parts:>10} {threads:>7} {1e3 * wall:>13.2f} {wall / one:>9.3f} {hits:>9.3f}")
+    return float(np.median(runs[q, q].wall)) / one
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run")
@@ -241,12 +274,14 @@ def main() -> None:
     threads = thread_scaling(args)
     processes = process_scaling(args)
     ids_per_s = heavy_batch(args)
+    one_device = one_device_partitions(args)
     _harness.print_results(
         {
             "partition_cpu_8_over_1": partition,
             "caches_8_in_turn_over_1": in_turn,
             "threads_2_over_1": threads,
             "per_process_2_over_1": processes,
+            "one_device_partitions_over_1": one_device,
         }
     )
     _harness.print_results({"stage_ids_per_s": ids_per_s}, digits=1)

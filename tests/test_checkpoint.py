@@ -302,6 +302,44 @@ def test_restore_onto_two_devices(tmp_path):
     assert "devices 2" in out.stdout
 
 
+@pytest.mark.parametrize("saved_split, restored_split", [(4, 4), (1, 4), (4, 1)])
+def test_restore_across_partitions_per_device(tmp_path, saved_split, restored_split):
+    """A checkpoint of a cache of one partition per device restores into
+    one of four, and back; onto the same split every row goes back to its
+    slot and training continues bit for bit."""
+    batches = _data(8)
+    config = _cache("lfu", capacity=120).config
+
+    def cache(split):
+        return jaxcache.EmbeddingCache(config, seed=1, partitions_per_device=split)
+
+    original = _model(cache(saved_split))
+    _train(*original, batches[:4], lookahead=2)
+    jaxcache.Checkpointer(tmp_path / "ckpt").save(4, model=original[0], optimizer=original[1])
+    restored = _model(cache(restored_split), seed=9)
+    jaxcache.Checkpointer(tmp_path / "ckpt").restore(model=restored[0], optimizer=restored[1])
+    target = restored[0].embed.cache
+    assert len(target.planner.planners) == restored_split
+    jaxcache.testing.check_invariants(target)
+    resident = target.planner.resident_ids()
+    saved = original[0].embed.cache.planner.resident_ids()
+    if saved_split == restored_split:
+        np.testing.assert_array_equal(
+            target.planner.id_of_slot, original[0].embed.cache.planner.id_of_slot
+        )
+    else:  # the hottest of the saved rows that fit each partition
+        assert np.isin(resident, saved).all() and resident.size > 0.8 * saved.size
+    losses = _train(*restored, batches[4:], lookahead=2)
+    expected = _train(*original, batches[4:], lookahead=2)
+    if saved_split == restored_split:
+        assert losses == expected
+        _assert_same_values(original, restored)
+    else:
+        np.testing.assert_allclose(losses, expected, atol=1e-6)
+        rows, _ = restored[0].embed.export()
+        np.testing.assert_allclose(rows, original[0].embed.export()[0], atol=1e-6)
+
+
 def test_export_loads_into_a_plain_nnx_embed_without_jaxcache(tmp_path):
     original = _model(_cache("lru"))
     _train(*original, _data(5))

@@ -235,23 +235,29 @@ def test_choose_victims_takes_the_lowest_key_then_slot_among_unprotected(keys, c
 
 @settings(max_examples=100, deadline=None)
 @given(
-    sizes=st.lists(st.integers(0, 6), min_size=1, max_size=5),
-    devices=st.integers(1, 9),
+    blocks=st.integers(1, 4),
+    split=st.integers(1, 3),
+    parts=st.integers(1, 9),
     data=st.data(),
 )
-def test_block_ids_places_each_devices_local_ids_in_its_block(sizes, devices, data):
-    residues = np.array(data.draw(st.lists(st.integers(0, devices - 1), min_size=len(sizes),
-                                            max_size=len(sizes))), np.int64)  # fmt: skip
+def test_block_ids_places_each_partitions_local_ids_in_its_device_block(blocks, split, parts, data):
+    # ``blocks`` devices of ``split`` partitions each, residues modulo ``parts``;
+    # a device's partitions' ids go one after another into its block.
+    groups = blocks * split
+    sizes = data.draw(st.lists(st.integers(0, 6), min_size=groups, max_size=groups))
+    residues = np.array(data.draw(st.lists(st.integers(0, parts - 1), min_size=groups,
+                                            max_size=groups)), np.int64)  # fmt: skip
     local = [np.array(data.draw(st.lists(st.integers(0, 2**40), min_size=m, max_size=m)),
                       np.int64) for m in sizes]  # fmt: skip
     bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    size = max(sizes) + data.draw(st.integers(0, 3))
+    per_device = [sum(sizes[d * split : (d + 1) * split]) for d in range(blocks)]
+    size = max(per_device) + data.draw(st.integers(0, 3))
+    device = np.arange(groups) // split
+    starts = device * size - bounds[device * split]
     flat = np.concatenate(local)
     ids, at = np.full(flat.size, -1, np.int64), np.full(flat.size, -1, np.int64)
-    block_ids(flat, bounds, residues, devices, size, ids, at)
-    expected = [
-        q * devices + r for q_block, r in zip(local, residues, strict=True) for q in q_block
-    ]
-    places = [b * size + k for b, q_block in enumerate(local) for k in range(q_block.size)]
+    block_ids(flat, bounds, residues, parts, starts, ids, at)
+    expected = [q * parts + r for q_block, r in zip(local, residues, strict=True) for q in q_block]
+    places = [d * size + k for d in range(blocks) for k in range(per_device[d])]
     assert ids.tolist() == [int(i) for i in expected]
     assert at.tolist() == places

@@ -18,14 +18,18 @@ from jaxcache._src.threads import HostThreads
 class DictPlanner:
     """Slots as Python lists, one id at a time: the specification.
 
-    Id ``i`` lives only in the slots of its home device ``i % devices``
-    (each device's ``local`` slots, or as many as it has ids); each device
-    chooses its victims among its own unprotected slots, and its misses, in
-    order of first appearance, take them in rising slot order."""
+    Id ``i`` lives only in the slots of its home partition (``Layout``:
+    ``i % devices`` picks the device, ``i // devices % split`` which of its
+    ``split`` partitions; each partition's ``local`` slots, or as many as it
+    has ids); each partition chooses its victims among its own unprotected
+    slots, and its misses, in order of first appearance, take them in
+    rising slot order."""
 
-    def __init__(self, n, capacity, policy, frequencies, devices=1):
-        self.devices, self.local = devices, capacity // devices
-        self.sizes = [min(self.local, len(range(d, n, devices))) for d in range(devices)]
+    def __init__(self, n, capacity, policy, frequencies, devices=1, split=1):
+        layout = Layout(devices=devices, split=split)
+        self.home = lambda i: int(layout.part_of(np.array(i)))
+        self.parts, self.local = layout.parts, capacity // layout.parts
+        self.sizes = [min(self.local, layout.part_rows(n, t)) for t in range(self.parts)]
         self.ids = [None] * capacity
         self.last_use = [-1] * capacity
         self.policy = policy
@@ -53,9 +57,9 @@ class DictPlanner:
         protected = {s for s in range(len(self.ids)) if self.last_use[s] > released}
         protected |= {resident[i] for i in distinct if i in resident}
         fetched = []
-        for device in range(self.devices):
-            block = range(device * self.local, device * self.local + self.sizes[device])
-            mine = [i for i in misses if i % self.devices == device]
+        for part in range(self.parts):
+            block = range(part * self.local, part * self.local + self.sizes[part])
+            mine = [i for i in misses if self.home(i) == part]
             candidates = sorted(
                 (s for s in block if s not in protected), key=lambda s: (self.key(s), s)
             )
@@ -72,15 +76,10 @@ class DictPlanner:
         return len(distinct) - len(misses), fetched
 
 
-def _too_full(ids, in_flight, sizes):
-    """Whether some device's distinct ids and in-flight rows exceed its slots."""
+def _too_full(ids, in_flight, sizes, home):
+    """Whether some partition's distinct ids and in-flight rows exceed its slots."""
     needed = set(ids) | in_flight
-    devices = len(sizes)
-    return any(len([i for i in needed if i % devices == d]) > sizes[d] for d in range(devices))
-
-
-def _partitions(cfg, devices, **kwargs):
-    return Partitions(cfg, Layout(devices=devices), **kwargs)
+    return any(len([i for i in needed if home(i) == t]) > sizes[t] for t in range(len(sizes)))
 
 
 # The adaptive policy has a model of its own (tests/test_adaptive.py) that
@@ -96,18 +95,21 @@ FIXED_POLICIES = ("frequency", "lfu", "lru")
     lags=st.lists(st.integers(0, 2), min_size=1, max_size=30),
     reserve=st.sampled_from([1, 3, 4096]),
     devices=st.sampled_from([1, 2, 4]),
+    split=st.sampled_from([1, 1, 2, 3]),
     padded=st.booleans(),
 )
-def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devices, padded):
+def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devices, split, padded):
     n = 40
-    capacity = capacity // devices * devices
+    layout = Layout(devices=devices, split=split)
+    parts = layout.parts
+    capacity = max(parts, capacity // parts * parts)
     rng = np.random.default_rng(seed)
     frequencies = rng.integers(0, 50, n)
     cfg = jaxcache.CacheConfig(n, 1, capacity, policy=policy, padding_id=-1 if padded else None)
     counts = frequencies if policy != "lru" else None
-    planner = _partitions(cfg, devices, frequencies=counts, reserve=reserve)
-    model = DictPlanner(n, capacity, policy, counts, devices)
-    local = capacity // devices
+    planner = Partitions(cfg, layout, frequencies=counts, reserve=reserve)
+    model = DictPlanner(n, capacity, policy, counts, devices, split)
+    local = capacity // parts
     for lag in lags:
         # Release all but the last `lag` plans, as a pipeline with look-ahead does.
         released = planner.next_index - 1 - lag
@@ -123,15 +125,12 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
         except jaxcache.CapacityError:
             # Refused: nothing may have changed, and it was really too full.
             np.testing.assert_array_equal(planner.id_of_slot, before)
-            assert _too_full(real.tolist(), in_flight, model.sizes)
-            _check_fits_after(planner, ids, model.sizes)
+            assert _too_full(real.tolist(), in_flight, model.sizes, model.home)
+            _check_fits_after(planner, ids, model.sizes, model.home)
             continue
         hits, misses = model.plan(real.tolist(), planner.released)
         assert step.total("hits") == hits
-        fetched = [
-            Layout(devices=devices).global_ids(d, plan.fetch_ids)
-            for d, plan in enumerate(step.plans)
-        ]
+        fetched = [layout.part_global_ids(t, plan.fetch_ids) for t, plan in enumerate(step.plans)]
         assert np.concatenate(fetched).tolist() == misses
         assert step.total("hits") + step.misses == step.distinct == len(set(real.tolist()))
         assert step.total("lookups") == real.size
@@ -139,9 +138,10 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
         assert planner.id_of_slot.tolist() == [-1 if i is None else i for i in model.ids]
         # Rows of in-flight plans never leave.
         assert in_flight <= set(planner.id_of_slot.tolist())
-        # Every row sits in its home device's slots.
+        # Every row sits in its home partition's slots (of its home device).
         occupied = np.flatnonzero(planner.id_of_slot >= 0)
-        assert (occupied // local == planner.id_of_slot[occupied] % devices).all()
+        assert (occupied // local == layout.part_of(planner.id_of_slot[occupied])).all()
+        assert (occupied // (local * layout.split) == planner.id_of_slot[occupied] % devices).all()
         for d, (part, plan) in enumerate(zip(planner.planners, step.plans, strict=True)):
             # Each directory is a bijection between resident ids and occupied slots.
             mine = np.flatnonzero(part.id_of_slot >= 0)
@@ -151,8 +151,8 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
             assert len(set(plan.unique_slots.tolist())) == plan.distinct
             # Every id maps to a slot that holds it: through its rank among the
             # distinct ids its source (a slice of the batch) sends its home.
-            real_at = np.flatnonzero((ids >= 0) & (ids % devices == d))
-            if devices == 1:
+            real_at = np.flatnonzero((ids >= 0) & (layout.part_of(ids) == d))
+            if parts == 1:
                 rows = plan.inverse.reshape(-1)[real_at]
             else:
                 source = real_at // (ids.size // devices)
@@ -173,7 +173,7 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
                     named = plan.inverse[step.bounds[d][s] : step.bounds[d][s] + step.sent[d][s]]
                     assert np.unique(named).size == named.size
             held = part.id_of_slot[plan.unique_slots[rows]]
-            assert (Layout(devices=devices).global_ids(d, held) == ids[real_at]).all()
+            assert (layout.part_global_ids(d, held) == ids[real_at]).all()
 
 
 @settings(max_examples=60, deadline=None)
@@ -183,8 +183,11 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
     processes=st.sampled_from([2, 4]),
     steps=st.integers(1, 4),
     threads=st.sampled_from([1, 2]),
+    split=st.sampled_from([1, 2]),
 )
-def test_processes_rank_what_crosses_between_them_alike(seed, devices, processes, steps, threads):
+def test_processes_rank_what_crosses_between_them_alike(
+    seed, devices, processes, steps, threads, split
+):
     # A source ranks the ids it sends another process's device with a hash
     # table; that owner ranks them in its planner. Both must agree on every
     # rank (the row each entry reads) and on how many rows cross, on any
@@ -195,7 +198,7 @@ def test_processes_rank_what_crosses_between_them_alike(seed, devices, processes
     n = 64
     cfg = jaxcache.CacheConfig(n, 1, n, policy="lru", padding_id=-1)  # every row fits
     parts = [
-        Partitions(cfg, Layout(devices, processes, p), threads=HostThreads(threads))
+        Partitions(cfg, Layout(devices, processes, p, split), threads=HostThreads(threads))
         for p in range(processes)
     ]
     for _ in range(steps):
@@ -206,13 +209,13 @@ def test_processes_rank_what_crosses_between_them_alike(seed, devices, processes
             part.release_all()
         for home, plan in zip(parts, plans, strict=True):
             others = [(s, p) for s, p in zip(parts, plans, strict=True) if s is not home]
-            for row, device in enumerate(home.devices):
-                residue = home.layout.residue(device)
+            for row, part in enumerate(home.parts):
+                residue = home.layout.part_residue(part)
                 got_lo, got_hi = plan.split.chunks(residue)
                 for sender, sent in others:
                     lo, hi = sent.split.chunks(residue)
-                    for at, source in enumerate(sender.devices):
-                        assert sent.sent_out[at, device] == plan.sent[row, source]
+                    for at, source in enumerate(sender.layout.own):
+                        assert sent.sent_out[at, part] == plan.sent[row, source]
                         for field in ("ranks", "local"):
                             np.testing.assert_array_equal(
                                 getattr(sent.split, field)[lo[source] : hi[source]],
@@ -220,12 +223,12 @@ def test_processes_rank_what_crosses_between_them_alike(seed, devices, processes
                             )
 
 
-def _check_fits_after(planner, ids, sizes):
+def _check_fits_after(planner, ids, sizes, home):
     """A refused plan names the first release after which it fits, exactly."""
     with pytest.raises(jaxcache.CapacityError) as info:
         planner.plan(ids)
     after = info.value.fits_after
-    if _too_full(ids[ids >= 0].tolist(), set(), sizes):
+    if _too_full(ids[ids >= 0].tolist(), set(), sizes, home):
         assert after is None
         return
     assert planner.released < after < planner.next_index
@@ -283,16 +286,16 @@ def test_warm_then_repeat_batch_is_all_hits(policy):
 
 def test_new_rows_go_to_their_home_devices():
     cfg = jaxcache.CacheConfig(1000, 1, 64, policy="lru")
-    step = _partitions(cfg, 4).plan(np.arange(40))
+    step = Partitions(cfg, Layout(devices=4)).plan(np.arange(40))
     assert [plan.misses for plan in step.plans] == [10, 10, 10, 10]
     assert step.plans[3].fetch_ids.tolist() == list(range(10))  # ids 3, 7, ..., 39
 
 
 def test_a_directory_saved_with_other_devices_is_placed_by_home():
     cfg = jaxcache.CacheConfig(40, 1, 8, policy="lfu")
-    one = _partitions(cfg, 1)
+    one = Partitions(cfg, Layout(devices=1))
     one.plan(np.arange(0, 16, 2))  # even ids only: all homed on device 0 of two
-    two = _partitions(cfg, 2)
+    two = Partitions(cfg, Layout(devices=2))
     two.load_state_dict(one.state_dict())
     slots = np.flatnonzero(two.id_of_slot >= 0)
     # Four fit in device 0's slots (0-3); the hottest others would need device 1.

@@ -27,7 +27,15 @@ def _mesh(devices):
 
 
 def _train(
-    devices, policy, capacity, lookahead, steps=12, route_capacity=None, opt=None, threads=1
+    devices,
+    policy,
+    capacity,
+    lookahead,
+    steps=12,
+    route_capacity=None,
+    opt=None,
+    threads=1,
+    split=None,
 ):
     opt = opt or jaxcache.adam(0.02)
     batches = [{"ids": i, "y": y} for i, y in zipf_batches(N, B, F, steps, seed=11)]
@@ -41,6 +49,7 @@ def _train(
         frequencies=freq,
         mesh=_mesh(devices),
         threads=threads,
+        partitions_per_device=split,
     )
     model, train = make_cached(cache, F)
     with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=lookahead) as pipeline:
@@ -71,26 +80,31 @@ def _assert_matches(model, losses, reference, ref_losses, tol=1e-5):
     np.testing.assert_allclose(losses, ref_losses, atol=tol)
 
 
-@pytest.mark.parametrize("devices", [1, 2, 4, 8])
-def test_sharded_training_matches_full_table(devices):
+@pytest.mark.parametrize("devices, split", [(1, 1), (2, 1), (4, 1), (8, 1), (1, 4), (2, 3)])
+def test_sharded_training_matches_full_table(devices, split):
     reference, ref_losses = _reference()
     for policy in jaxcache.planning.POLICIES:
         # Heavy churn: the cache holds barely more than the look-ahead window.
-        cache, model, losses, _ = _train(devices, policy, capacity=400, lookahead=2)
+        cache, model, losses, _ = _train(devices, policy, 400, lookahead=2, split=split)
         assert cache.devices == devices and cache.stats.total.evictions > 60, policy
+        assert len(cache.planner.planners) == devices * split
         rows = model.embed.rows[...]
-        assert rows.sharding.shard_shape(rows.shape)[0] == 400 // devices
+        capacity = -(-400 // (devices * split)) * devices * split  # rounded up
+        assert rows.sharding.shard_shape(rows.shape)[0] == capacity // devices
         _assert_matches(model, losses, reference, ref_losses)
 
 
-@pytest.mark.parametrize("lookahead", [0, 2])
-def test_training_is_bit_identical_for_any_number_of_host_threads(lookahead):
-    # Heavy churn on 4 devices: each device's share planned, routed, gathered
-    # and written back on 1, 2 or 4 host threads.
+@pytest.mark.parametrize("lookahead, devices, split", [(0, 4, 1), (2, 4, 1), (2, 1, 4)])
+def test_training_is_bit_identical_for_any_number_of_host_threads(lookahead, devices, split):
+    # Heavy churn on 4 devices, or on one device of 4 partitions: each
+    # partition planned, routed, gathered and written back on 1, 2 or 4
+    # host threads.
     for policy in jaxcache.planning.POLICIES:
         runs = []
         for threads in (1, 2, 4):
-            cache, model, losses, _ = _train(4, policy, 400, lookahead, threads=threads)
+            cache, model, losses, _ = _train(
+                devices, policy, 400, lookahead, threads=threads, split=split
+            )
             assert cache.threads.count == threads and cache.stats.total.evictions > 60
             rows, state = model.embed.export()
             runs.append((losses, rows, state, cache.stats.total, cache.planner.id_of_slot))
@@ -231,8 +245,8 @@ def test_capacity_rounds_up_to_the_devices():
     assert cache.config.capacity == 64 and cache.local_capacity == 8
 
 
-@pytest.mark.parametrize("k", [1, 2, 8])
-def test_routed_gather_and_update_against_numpy(k):
+@pytest.mark.parametrize("k, split", [(1, 1), (2, 1), (8, 1), (1, 2), (8, 5)])
+def test_routed_gather_and_update_against_numpy(k, split):
     from jax.sharding import PartitionSpec as P
 
     from jaxcache._src import routing
@@ -244,16 +258,17 @@ def test_routed_gather_and_update_against_numpy(k):
     ids = rng.choice(1000, size=(16, 5))
     ids[0, 0] = -1  # padding
     real = ids >= 0
-    layout = Layout(devices=n)
+    layout = Layout(devices=n, split=split)
     parts = Partitions(jaxcache.CacheConfig(1000, d, n * cl, padding_id=-1), layout)
     step = parts.plan(ids)
-    # Each id's global slot: its home device's block, its local slot there.
-    homes = layout.device_of(ids)
+    # Each id's global slot: its home partition's block (of its home
+    # device's), its local slot there.
+    homes = layout.part_of(ids)
     slots = np.where(real, -1, -1)
-    for device, planner in enumerate(parts.planners):
-        mine = real & (homes == device)
-        slots[mine] = device * cl + planner.slot_of_id[layout.local_ids(ids[mine])]
-    _, owner_size = routing.needs(step)
+    for part, planner in enumerate(parts.planners):
+        mine = real & (homes == part)
+        slots[mine] = part * (cl // split) + planner.slot_of_id[layout.part_local_ids(ids[mine])]
+    _, owner_size = routing.needs(step, layout)
     overflow = routing.overflow_slots(step, layout, cl, k)
     overflowing = overflow.size
     route = routing.build_route(

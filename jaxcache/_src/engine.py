@@ -101,14 +101,22 @@ class EmbeddingCache:
       axis: mesh axis of the rows.
       threads: host threads that plan, gather and write back the devices'
         shares of a step in parallel (default: the cores the device runtime
-        does not need, at most one per device of this process). Results do
-        not depend on it.
+        does not need, at most one per partition of this process). Results
+        do not depend on it.
+      partitions_per_device: ``q``, planners per device (default 1). Each
+        plans the ids ``i % (n q)`` of one residue over ``C_l / q`` of the
+        device's slots, so one device's batch is planned, gathered and
+        written back on up to ``q`` host threads. Like the device count, it
+        decides which slots rows take and which rows a full partition
+        evicts, so results depend on it (within float rounding of the
+        full-table reference, as always), and ``capacity`` rounds up to a
+        multiple of ``n q``.
 
     Attributes:
       config: the configuration.
       table: the ``HostTable`` (id order; this process's share of it when
         the mesh spans several processes).
-      planner: the ``Partitions``: a ``Planner`` per device of this process.
+      planner: the ``Partitions``: a ``Planner`` per partition of this process.
       stats: the ``CacheStats``.
       shard: ``(index, count)``: which share of the host rows this process
         stores (``process_shard``); ``(0, 1)`` in one process.
@@ -136,6 +144,7 @@ class EmbeddingCache:
         mesh: Mesh | None = None,
         axis: str = "rows",
         threads: int | None = None,
+        partitions_per_device: int | None = None,
     ) -> None:
         if table is not None and table.config.num_embeddings != config.num_embeddings:
             raise ValueError(
@@ -159,13 +168,19 @@ class EmbeddingCache:
                 f"shard {self.shard} of a mesh over {processes} process(es); build it with "
                 "HostTable(config, shard=jaxcache.host.process_shard(mesh, axis))."
             )
-        if config.capacity % devices:
-            rounded = -(-config.capacity // devices) * devices
+        split = 1 if partitions_per_device is None else partitions_per_device
+        layout = Layout(devices, processes, shard, split)  # checks the split first
+        parts = layout.parts
+        if config.capacity % parts:
+            over = (
+                f"{devices} devices" if split == 1 else f"{devices} device(s) x {split} partitions"
+            )
+            rounded = -(-config.capacity // parts) * parts
             if rounded > config.num_embeddings:
-                below = config.capacity // devices * devices
+                below = config.capacity // parts * parts
                 raise ValueError(
-                    f"capacity={config.capacity} does not split over {devices} devices and "
-                    f"rounding it up exceeds the table; use a multiple of {devices}"
+                    f"capacity={config.capacity} does not split over {over} and "
+                    f"rounding it up exceeds the table; use a multiple of {parts}"
                     + (f", such as {below}." if below else " within the table.")
                 )
             config = dataclasses.replace(config, capacity=rounded)
@@ -175,10 +190,10 @@ class EmbeddingCache:
                 f"process, but this mesh spans {processes}; leave it None (the routes are "
                 "then sized from each batch)."
             )
-        self.layout = Layout(devices, processes, shard)
+        self.layout = layout
         platform = mesh.devices.flat[0].platform
         self.threads = HostThreads(
-            default_threads(platform, self.layout.per_process) if threads is None else threads
+            default_threads(platform, layout.per_process * split) if threads is None else threads
         )
         self.config = config
         self.table = table if table is not None else HostTable(config, seed=seed, shard=self.shard)
@@ -195,7 +210,9 @@ class EmbeddingCache:
         self._first = self.layout.own[0]
         self.blocks = Blocks(mesh, axis, processes)
         self.row_sharding = self.blocks.row_sharding
-        self._write_back = functools.partial(_write_back, self.table, self.threads, self._blocks)
+        self._write_back = functools.partial(
+            _write_back, self.table, self.threads, self._blocks * split
+        )
         self.write_backs = WriteBacks(self._write_back, functools.partial(_count_wait, self.stats))
         self.stager = Stager(
             config,
@@ -493,17 +510,20 @@ class EmbeddingCache:
         count = sum(slots.size for slots in dirty)
         if count == 0:
             return
-        size = bucket_size(
-            max(s.size for s in dirty), max(1, self.config.min_bucket // self.devices)
-        )
+        q, width = self.layout.split, planner.part_capacity
+        per_device = np.add.reduceat([slots.size for slots in dirty], np.arange(0, len(dirty), q))
+        size = bucket_size(per_device.max(), max(1, self.config.min_bucket // self.devices))
         blocks = np.full(self._blocks * size, self.local_capacity, np.int32)
         ids, at = [], []
-        for block, (device, slots, p) in enumerate(
-            zip(self.layout.own, dirty, planner.planners, strict=True)
+        fill = np.arange(self._blocks) * size  # each device block's next place
+        for index, (part, slots, p) in enumerate(
+            zip(self.layout.own_parts, dirty, planner.planners, strict=True)
         ):
-            blocks[block * size : block * size + slots.size] = slots
-            ids.append(self.layout.global_ids(device, p.id_of_slot[slots]))
-            at.append(block * size + np.arange(slots.size))
+            start = fill[index // q]
+            blocks[start : start + slots.size] = slots + (part % q) * width
+            ids.append(self.layout.part_global_ids(part, p.id_of_slot[slots]))
+            at.append(start + np.arange(slots.size))
+            fill[index // q] += slots.size
         rows, opt = device_ops.read_blocks(
             state, self.blocks.put(blocks, self.row_sharding), mesh=self.mesh, axis=self.axis
         )
@@ -652,22 +672,23 @@ class EmbeddingCache:
 def _write_back(
     table: HostTable,
     threads: HostThreads,
-    blocks: int,
+    pieces: int,
     ids: np.ndarray,
     at: np.ndarray,
     rows: Any,
     opt: dict,
 ) -> None:
-    """Writes the rows at ``at`` of this process's ``blocks`` blocks of a
-    read-out to ``ids``, one piece per device block on the host threads."""
+    """Writes the rows at ``at`` of a read-out of this process's blocks to
+    ``ids`` (distinct), in ``pieces`` pieces of about as many rows on the
+    host threads (one per partition of this process)."""
     rows = local_data(rows)
     opt = {k: local_data(v) for k, v in opt.items()}
-    # Blocks of the read-out (the host-callback form's compact rows split alike).
-    block = np.minimum(at // max(1, rows.shape[0] // blocks), blocks - 1)
-    pieces = [np.flatnonzero(block == b) for b in range(blocks)]
+    bounds = np.linspace(0, ids.size, min(pieces, ids.size) + 1).astype(np.int64)
     threads.map(
-        lambda mine: table.scatter(ids[mine], rows, opt, at=at[mine]),
-        [mine for mine in pieces if mine.size],
+        lambda lo_hi: table.scatter(
+            ids[lo_hi[0] : lo_hi[1]], rows, opt, at=at[lo_hi[0] : lo_hi[1]]
+        ),
+        list(itertools.pairwise(bounds)),
     )
 
 

@@ -301,11 +301,14 @@ def lookup_entries(
     first,
     sent,
     ranks,
+    per_source,
 ):
     """``lookup`` for a device partition, and the ranks of what each source sends.
 
-    The partition's entries (real local ids, checked) are
-    ``local[chunk_lo[s]:chunk_hi[s]]`` for each source ``s``. Besides the
+    The partition's entries (real local ids, checked) come in chunks
+    ``local[chunk_lo[g]:chunk_hi[g]]``, ``per_source`` chunks from each
+    source in turn (source ``s``'s are ``s per_source`` to ``(s + 1)
+    per_source - 1``, in order). Besides the
     distinct hits and misses with their rows and lookups (as ``lookup``:
     rows in order of first appearance, source after source; misses coded in
     the directory), it ranks the distinct ids of each source in order of
@@ -325,11 +328,14 @@ def lookup_entries(
     m = 0
     missed = 0
     base = 0
-    for s in range(chunk_lo.size):
-        k = 0
+    k = 0
+    for g in range(chunk_lo.size):
+        s = g // per_source
+        if g % per_source == 0:  # a source's first chunk
+            k = 0
         tag = source_stamp + s
-        hi = chunk_hi[s]
-        for j in range(chunk_lo[s], hi):
+        hi = chunk_hi[g]
+        for j in range(chunk_lo[g], hi):
             if j + _AHEAD < hi:
                 _prefetch(slot_of_id, local[j + _AHEAD])
             if j + _AHEAD_SLOT < hi:
@@ -376,8 +382,10 @@ def lookup_entries(
                 first[base + k] = r
                 k += 1
             ranks[j] = miss_rank[r]
-        sent[s] = k
-        base += chunk_hi[s] - chunk_lo[s]
+        if g % per_source == per_source - 1:  # a source's last chunk
+            sent[s] = k
+            for c in range(g + 1 - per_source, g + 1):
+                base += chunk_hi[c] - chunk_lo[c]
     return h, m, missed
 
 
@@ -874,16 +882,16 @@ class IdIndex:
 
 
 @kernel
-def block_ids(local, bounds, residues, devices, size, ids, at):
-    """Blocks of local ids, one per device, as ids and places: entry ``j``
-    of block ``b`` (``bounds[b] <= j < bounds[b + 1]``) is local id
-    ``local[j]`` of the device whose ids have residue ``residues[b]``;
-    writes its id ``local[j] * devices + residues[b]`` to ``ids[j]`` and its
-    place in blocks of ``size`` rows, ``b * size + j - bounds[b]``, to ``at[j]``."""
+def block_ids(local, bounds, residues, parts, starts, ids, at):
+    """Groups of local ids, one per partition, as ids and places: entry
+    ``j`` of group ``b`` (``bounds[b] <= j < bounds[b + 1]``) is local id
+    ``local[j]`` of the partition whose ids have residue ``residues[b]``
+    (modulo ``parts``); writes its id ``local[j] * parts + residues[b]`` to
+    ``ids[j]`` and its place, ``starts[b] + j``, to ``at[j]``."""
     for b in range(residues.size):
-        r, start = residues[b], b * size - bounds[b]
+        r, start = residues[b], starts[b]
         for j in range(bounds[b], bounds[b + 1]):
-            ids[j] = local[j] * devices + r
+            ids[j] = local[j] * parts + r
             at[j] = start + j
 
 

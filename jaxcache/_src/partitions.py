@@ -59,19 +59,24 @@ __all__ = ["Partitions", "Split", "StepPlan", "check_invariants"]
 class Split(NamedTuple):
     """A batch's real ids grouped by source slice, then by residue (home).
 
-    Source ``s``'s entries of residue ``r`` are ``[begin[s, r], end[s, r])``
-    of each array (each source's in a room of its own, with gaps between the
-    groups); the sources of other processes keep only the residues homed
-    here (the others' groups are empty).
+    Each source's slice is split in ``per_source`` chunks of consecutive
+    positions (``span``), split on their own (in parallel): chunk ``g``'s
+    entries of residue ``r`` are ``[begin[g, r], end[g, r])`` of each array
+    (each chunk's in a room of its own, with gaps between the groups);
+    source ``s``'s chunks are ``s per_source`` to ``(s + 1) per_source -
+    1``. The sources of other processes keep only the residues homed here
+    (the others' groups are empty).
 
     Attributes:
-      local: ``int64``: each entry's local id (``id // n``).
+      local: ``int64``: each entry's local id (``id // (n q)``).
       at: ``int32``: its position in the flattened batch (for the sources
         of this process; not written for other processes' sources).
-      begin: ``int64 [n, n]``: where each (source, residue) group begins.
-      end: ``int64 [n, n]``: where it ends.
+      begin: ``int64 [n c, n q]``: where each (chunk, residue) group begins.
+      end: ``int64 [n c, n q]``: where it ends.
       ranks: ``int32``: each entry's rank among the distinct ids its source
-        sends its home device, in order of first appearance.
+        sends its home partition, in order of first appearance.
+      per_source: ``c``, chunks of each source's slice.
+      share: positions of each source's slice.
     """
 
     local: np.ndarray
@@ -79,10 +84,22 @@ class Split(NamedTuple):
     begin: np.ndarray
     end: np.ndarray
     ranks: np.ndarray
+    per_source: int = 1
+    share: int = 0
 
     def chunks(self, residue: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(lo, hi)``, each ``[n]``: every source's entries of ``residue``."""
+        """``(lo, hi)``, each ``[n c]``: every chunk's entries of ``residue``."""
         return self.begin[:, residue], self.end[:, residue]
+
+    def span(self, chunk: int) -> tuple[int, int]:
+        """The positions ``[lo, hi)`` of the flattened batch that ``chunk`` covers."""
+        return _span(chunk, self.per_source, self.share)
+
+
+def _span(chunk: int, per_source: int, share: int) -> tuple[int, int]:
+    source, part = divmod(chunk, per_source)
+    start = source * share
+    return start + part * share // per_source, start + (part + 1) * share // per_source
 
 
 class StepPlan(NamedTuple):
@@ -91,19 +108,20 @@ class StepPlan(NamedTuple):
     Attributes:
       index: sequence number of the plan (the same in every partition).
       shape: shape of the batch's ids.
-      plans: one ``Plan`` per own partition, in local ids and local slots.
-        With several devices a plan's ``inverse`` holds, for source ``s``'s
-        rank ``k``, the distinct row (index into its ``unique_slots``) at
-        ``bounds[s] + k``.
+      plans: one ``Plan`` per own partition (``L q``, a device's ``q`` one
+        after another), in local ids and local slots (of the partition's
+        ``C_l / q``). With several partitions a plan's ``inverse`` holds,
+        for source ``s``'s rank ``k``, the distinct row (index into its
+        ``unique_slots``) at ``bounds[s] + k``.
       bounds: per own partition, ``int64 [n + 1]``: where each source's
-        ranks start (``None`` on one device).
-      sent: ``int64 [L, n]``: distinct ids each source sends each own partition.
+        ranks start (``None`` with one partition).
+      sent: ``int64 [L q, n]``: distinct ids each source sends each own partition.
       real: ``int64 [L]``: real (not padding) ids of each own source's slice.
-      sent_out: ``int64 [L, n]``: distinct ids each own source sends each
-        device (those of other processes ranked here too); ``None`` in one
-        process, where ``sent`` covers every pair.
-      split: the batch's real ids grouped by source and home (``None`` on
-        one device, where the plan's ``inverse`` holds the ranks).
+      sent_out: ``int64 [L, n q]``: distinct ids each own source sends each
+        partition of another process (ranked here too; 0 for those here);
+        ``None`` in one process, where ``sent`` covers every pair.
+      split: the batch's real ids grouped by source and home (``None`` with
+        one partition, where the plan's ``inverse`` holds the ranks).
     """
 
     index: int  # type: ignore[assignment]  # the field shadows tuple.index
@@ -139,7 +157,7 @@ class Partitions:
     """The planners of this process's device partitions, planned as one.
 
     Args:
-      config: the table's configuration (``capacity`` a multiple of ``n``).
+      config: the table's configuration (``capacity`` a multiple of ``n q``).
       layout: the homes of ids (devices, processes, this process).
       frequencies: ``int [N]`` dataset access counts (see ``Planner``).
       reserve: victim candidates per partition (see ``Planner``).
@@ -147,8 +165,9 @@ class Partitions:
 
     Attributes:
       planners: the ``Planner`` of each own partition (local ids).
-      devices: the own partitions' devices.
+      parts: the own partitions (``Layout``'s numbers).
       local_capacity: ``C_l``, slots per device.
+      part_capacity: ``C_l / q``, slots per partition.
 
     Examples:
       >>> import numpy as np, jaxcache
@@ -171,11 +190,11 @@ class Partitions:
         reserve: int = 4096,
         threads: HostThreads | None = None,
     ) -> None:
-        n = layout.devices
-        if config.capacity % n:
+        n, parts = layout.devices, layout.parts
+        if config.capacity % parts:
+            over = f"{n} devices" if parts == n else f"{n} device(s) x {layout.split} partitions"
             raise ValueError(
-                f"capacity={config.capacity} does not split over {n} devices; use a multiple "
-                f"of {n}."
+                f"capacity={config.capacity} does not split over {over}; use a multiple of {parts}."
             )
         if frequencies is not None:
             frequencies = validation.check_frequencies(
@@ -185,35 +204,36 @@ class Partitions:
         self.layout = layout
         self.threads = threads or HostThreads(1)
         self.local_capacity = int(config.capacity) // n
-        self.devices = tuple(layout.own)
+        self.part_capacity = int(config.capacity) // parts
+        self.parts = tuple(layout.own_parts)
         self._source_stamp = 1  # stamps of the sources' ranking, n per plan
         # What the split of each source keeps, fixed by the layout: a source
         # of this process needs every residue ranked, another process's
-        # source only the residues homed here (``_split``).
-        self._keep_all = np.ones(n, bool)
-        self._keep_mine = np.zeros(n, bool)
-        self._keep_mine[[layout.residue(d) for d in self.devices]] = True
-        self._foreign = np.array([d for d in range(n) if d not in layout.own], np.int64)
-        self._foreign_residues = np.array([layout.residue(d) for d in self._foreign], np.int64)
-        self._row_of = {source: row for row, source in enumerate(self.devices)}
-        self._own = np.array(self.devices, np.int64)
+        # source only the residues of the partitions here (``_split``).
+        self._keep_all = np.ones(parts, bool)
+        self._keep_mine = np.zeros(parts, bool)
+        self._keep_mine[[layout.part_residue(t) for t in self.parts]] = True
+        self._foreign = np.array([t for t in range(parts) if t not in layout.own_parts], np.int64)
+        self._foreign_residues = np.array([layout.part_residue(t) for t in self._foreign], np.int64)
+        self._row_of = {source: row for row, source in enumerate(layout.own)}
+        self._own = np.array(layout.own, np.int64)
         self.planners = [
             Planner(
-                self._partition_config(d),
-                frequencies=None if frequencies is None else layout.partition_of(frequencies, d),
+                self._partition_config(t),
+                frequencies=None if frequencies is None else layout.part_values(frequencies, t),
                 reserve=reserve,
             )
-            for d in self.devices
+            for t in self.parts
         ]
 
-    def _partition_config(self, device: int) -> CacheConfig:
-        if self.layout.devices == 1:
+    def _partition_config(self, part: int) -> CacheConfig:
+        if self.layout.parts == 1:
             return self.config
-        rows = self.layout.partition_rows(self.config.num_embeddings, device)
+        rows = self.layout.part_rows(self.config.num_embeddings, part)
         return dataclasses.replace(
             self.config,
             num_embeddings=rows,
-            capacity=min(self.local_capacity, rows),
+            capacity=min(self.part_capacity, rows),
             padding_id=None,  # the split drops padding
         )
 
@@ -248,10 +268,11 @@ class Partitions:
         self.release(self.next_index - 1)
 
     def _blocks(self, values: list[np.ndarray], fill: Any, dtype: Any) -> np.ndarray:
-        """Per-partition slot arrays, each padded to ``C_l``, one after another."""
-        out = np.full(len(values) * self.local_capacity, fill, dtype)
+        """Per-partition slot arrays, each padded to ``C_l / q``, one after
+        another (a device's ``C_l`` slots are its partitions')."""
+        out = np.full(len(values) * self.part_capacity, fill, dtype)
         for block, array in enumerate(values):
-            start = block * self.local_capacity
+            start = block * self.part_capacity
             out[start : start + array.size] = array
         return out
 
@@ -261,8 +282,8 @@ class Partitions:
         (global ids, ``-1`` for a free slot); a copy."""
         return self._blocks(
             [
-                np.where(p.id_of_slot >= 0, self.layout.global_ids(d, p.id_of_slot), -1)
-                for d, p in zip(self.devices, self.planners, strict=True)
+                np.where(p.id_of_slot >= 0, self.layout.part_global_ids(t, p.id_of_slot), -1)
+                for t, p in zip(self.parts, self.planners, strict=True)
             ],
             -1,
             np.int64,
@@ -296,9 +317,11 @@ class Partitions:
     def check_invariants(self, table: str) -> None:
         """``Planner.check_invariants`` of every own partition, naming
         ``table`` (and the device, with several)."""
-        several = self.layout.devices > 1
-        for device, planner in zip(self.devices, self.planners, strict=True):
-            where = f" on device {device}" if several else ""
+        layout = self.layout
+        for part, planner in zip(self.parts, self.planners, strict=True):
+            where = f" on device {part // layout.split}" if layout.devices > 1 else ""
+            if layout.split > 1:
+                where += f", partition {part % layout.split}"
             planner.check_invariants(f"table {table!r}{where}")
 
     def resident_ids(self) -> np.ndarray:
@@ -311,14 +334,14 @@ class Partitions:
         """Places ``ids`` (global, not yet resident) into free slots of their
         homes, in order; ids beyond a partition's free slots are ignored."""
         ids = validation.check_ids(ids, self.config.num_embeddings, None, "ids").reshape(-1)
-        homes = self.layout.device_of(ids)
-        for device, planner in zip(self.devices, self.planners, strict=True):
-            planner.warm(self.layout.local_ids(ids[homes == device]))
+        homes = self.layout.part_of(ids)
+        for part, planner in zip(self.parts, self.planners, strict=True):
+            planner.warm(self.layout.part_local_ids(ids[homes == part]))
 
     def warm_hottest(self, frequencies: np.ndarray) -> None:
         """Fills every partition's free slots with its hottest ids by ``frequencies``."""
-        for device, planner in zip(self.devices, self.planners, strict=True):
-            counts = self.layout.partition_of(np.asarray(frequencies), device)
+        for part, planner in zip(self.parts, self.planners, strict=True):
+            counts = self.layout.part_values(np.asarray(frequencies), part)
             planner.warm(hottest(counts, planner.capacity))
 
     # ------------------------------------------------------------------ plan
@@ -341,7 +364,7 @@ class Partitions:
             in-flight rows (nothing changed); ``fits_after`` covers them all.
         """
         array = validation.check_id_type(ids, "ids")
-        if self.layout.devices == 1:
+        if self.layout.parts == 1:
             plan = self.planners[0].plan(
                 array, train=train, released=released, max_distinct=max_distinct
             )
@@ -355,11 +378,19 @@ class Partitions:
         self._source_stamp += n
 
         def check(item):
-            device, planner = item
-            lo, hi = split.chunks(self.layout.residue(device))
-            return planner.check_entries(split.local, lo, hi, split.ranks, stamp, released=released)
+            part, planner = item
+            lo, hi = split.chunks(self.layout.part_residue(part))
+            return planner.check_entries(
+                split.local,
+                lo,
+                hi,
+                split.ranks,
+                stamp,
+                released=released,
+                per_source=split.per_source,
+            )
 
-        own = list(zip(self.devices, self.planners, strict=True))
+        own = list(zip(self.parts, self.planners, strict=True))
         checked = self.threads.gather(check, own)
         self._raise_refusals(checked, max_distinct)
         plans = self.threads.map(
@@ -372,62 +403,77 @@ class Partitions:
             tuple(plans),
             tuple(c.bounds for c in checked),
             np.stack([c.sent for c in checked]),
-            (split.end - split.begin)[self._own].sum(1),
+            (split.end - split.begin).reshape(n, -1)[self._own].sum(1),
             sent_out,
             split,
         )
 
     def _split(self, array: np.ndarray, flat: np.ndarray) -> tuple[Split, np.ndarray | None]:
         """The real ids of each source's slice grouped by residue
-        (``split_by_home``), one piece per source, and ``sent_out`` (``None``
-        in one process): the distinct ids each own source sends each device
-        of another process. Those ids are ranked as their owners rank them
-        (``distinct_ranks``) in the source's own piece, with no map of their
-        own; the other ranks are the check's."""
-        cfg, layout, n = self.config, self.layout, self.layout.devices
+        (``split_by_home``), one piece per chunk of a slice, and ``sent_out``
+        (``None`` in one process): the distinct ids each own source sends
+        each partition of another process. Those ids are ranked as their
+        owners rank them (``distinct_ranks``) in the source's own piece, with
+        no map of their own; the other ranks are the check's.
+
+        In one process each slice splits in ``q`` chunks (the partitions per
+        device), so that a device's slice is split on ``q`` threads as its
+        partitions are planned on ``q``; the ranks do not depend on it. With
+        several processes a slice is one chunk (the ranking of what it sends
+        elsewhere runs over the whole slice)."""
+        cfg, layout, n, parts = self.config, self.layout, self.layout.devices, self.layout.parts
         share = flat.size // n
+        c = layout.split if layout.processes == 1 else 1
         pad = _NO_PAD if cfg.padding_id is None else cfg.padding_id
-        room = n * int(kernels.region(share, n)) + 1  # each source's (see split_by_home)
-        local = np.empty(n * room, np.int64)
-        at = np.empty(n * room, np.int32)
-        ranks = np.empty(n * room, np.int32)
-        begin = np.empty((n, n), np.int64)
-        end = np.empty((n, n), np.int64)
+        longest = -(-share // c)
+        room = parts * int(kernels.region(longest, parts)) + 1  # each chunk's (split_by_home)
+        local = np.empty(n * c * room, np.int64)
+        at = np.empty(n * c * room, np.int32)
+        ranks = np.empty(n * c * room, np.int32)
+        begin = np.empty((n * c, parts), np.int64)
+        end = np.empty((n * c, parts), np.int64)
         everything, mine, row_of = self._keep_all, self._keep_mine, self._row_of
         foreign, residues = self._foreign, self._foreign_residues
         sent_out = None
         if layout.processes > 1:
-            sent_out = np.zeros((len(self.devices), n), np.int64)
+            sent_out = np.zeros((layout.per_process, parts), np.int64)
 
-        def split(source: int) -> int:
-            lo, hi = source * share, (source + 1) * share
+        def split(chunk: int) -> int:
+            lo, hi = _span(chunk, c, share)
+            source = chunk // c
             own = source in row_of  # only its entries' positions are routed here
-            out = slice(source * room, (source + 1) * room)
+            out = slice(chunk * room, (chunk + 1) * room)
             bad = kernels.split_by_home(
-                flat, lo, hi, pad, cfg.num_embeddings, n, everything if own else mine,
-                local[out], at[out], own, begin[source], end[source],
+                flat, lo, hi, pad, cfg.num_embeddings, parts, everything if own else mine,
+                local[out], at[out], own, begin[chunk], end[chunk],
             )  # fmt: skip
-            if bad < 0 and own and sent_out is not None:
+            if bad < 0 and own and sent_out is not None:  # one chunk a source
                 counts = np.empty(foreign.size, np.int64)
                 kernels.distinct_ranks(
-                    local[out], begin[source, residues], end[source, residues], ranks[out], counts
+                    local[out], begin[chunk, residues], end[chunk, residues], ranks[out], counts
                 )
                 sent_out[row_of[source], foreign] = counts
             return bad
 
-        bad = [p for p in self.threads.map(split, range(n)) if p >= 0]
+        bad = [p for p in self.threads.map(split, range(n * c)) if p >= 0]
         if bad:  # check_ids words the error; the kernel found where
             validation.check_ids(array, cfg.num_embeddings, cfg.padding_id, "ids")
             raise ValueError(f"ids hold {flat[bad[0]]}, outside [0, {cfg.num_embeddings}).")
-        offsets = room * np.arange(n)[:, None]
+        offsets = room * np.arange(n * c)[:, None]
         begin += offsets
         end += offsets
-        return Split(local, at, begin, end, ranks), sent_out
+        return Split(local, at, begin, end, ranks, c, share), sent_out
+
+    def _where(self, part: int) -> str:
+        """Partition ``part`` in words: its device (and which of its partitions)."""
+        split = self.layout.split
+        where = f"device {part // split}"
+        return where if split == 1 else f"{where}, partition {part % split}"
 
     def _raise_refusals(self, checked: list[Any], max_distinct: int | None) -> None:
         """Raises the error of a partition that refused the batch, or when the
         batch has more than ``max_distinct`` distinct ids in all."""
-        found = [(d, raised(c)) for d, c in zip(self.devices, checked, strict=True)]
+        found = [(t, raised(c)) for t, c in zip(self.parts, checked, strict=True)]
         errors: list[tuple[int, Any]] = [(d, e) for d, e in found if e is not None]
         distinct = sum(c.hits.size + c.miss_ids.size for c in checked if raised(c) is None)
         if errors or (max_distinct is not None and distinct > max_distinct):
@@ -439,20 +485,20 @@ class Partitions:
                 raise error
         never = [(d, e) for d, e in errors if e.fits_after is None]
         if never:
-            device, error = max(never, key=lambda item: item[1].distinct or 0)
-            n = self.layout.devices
+            part, error = max(never, key=lambda item: item[1].distinct or 0)
             distinct = error.distinct
             refusal = CapacityError(
-                f"the batch has {distinct} distinct ids homed on device {device} (ids i with "
-                f"i % {n} == {self.layout.residue(device)}) but each device holds "
-                f"{self.local_capacity} rows; raise capacity to at least {n * distinct} or "
-                "use smaller batches."
+                f"the batch has {distinct} distinct ids homed on {self._where(part)} (ids i with "
+                f"i % {self.layout.parts} == {self.layout.part_residue(part)}) but each "
+                f"{'partition' if self.layout.split > 1 else 'device'} holds "
+                f"{self.part_capacity} rows; raise capacity to at least "
+                f"{self.layout.parts * distinct} or use smaller batches."
             )
             refusal.distinct = distinct
             raise refusal
         if errors:
-            device, error = max(errors, key=lambda item: item[1].fits_after)
-            refusal = CapacityError(f"device {device}: {error}")
+            part, error = max(errors, key=lambda item: item[1].fits_after)
+            refusal = CapacityError(f"{self._where(part)}: {error}")
             refusal.fits_after = error.fits_after
             raise refusal
         if max_distinct is not None:
@@ -615,12 +661,13 @@ class Partitions:
         """Per-partition arrays over local ids as one array over this
         process's ids ``i % P == p`` (id order)."""
         layout = self.layout
-        if layout.devices == 1:
+        if layout.parts == 1:
             return parts[0]
         share = len(range(layout.process, self.config.num_embeddings, layout.processes))
         out = np.empty((share, *parts[0].shape[1:]), parts[0].dtype)
-        for device, part in zip(self.devices, parts, strict=True):
-            out[device % layout.per_process :: layout.per_process] = part
+        stride = layout.per_process * layout.split
+        for t, part in zip(self.parts, parts, strict=True):
+            out[layout.share_start(t) :: stride] = part
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -639,12 +686,12 @@ class Partitions:
         Raises:
           ValueError: the state does not fit this table (nothing changed).
         """
-        n, cl = self.layout.devices, self.local_capacity
+        layout, cl = self.layout, self.part_capacity
         ids = np.asarray(state["id_of_slot"], np.int64)
         last_use = np.asarray(state["last_use"], np.int64)
         policy = dict(state.get("policy", {}))
         keys = _per_id_keys(policy, self.planners[0].policy.per_id)
-        if n == 1:
+        if layout.parts == 1:
             policy = {k: self._policy_part(k in keys, v, 0, 0) for k, v in policy.items()}
             self.planners[0].load_state_dict({**state, "policy": policy})
             return
@@ -652,23 +699,23 @@ class Partitions:
             {"id_of_slot": ids, "last_use": last_use, "policy": {}}, self.config.num_embeddings
         )
         same_layout = ids.size == self.capacity and bool(
-            (self.layout.device_of(ids[ids >= 0]) == np.flatnonzero(ids >= 0) // cl).all()
+            (layout.part_of(ids[ids >= 0]) == np.flatnonzero(ids >= 0) // cl).all()
         )
         parts = []
-        for index, (device, planner) in enumerate(zip(self.devices, self.planners, strict=True)):
+        for index, (t, planner) in enumerate(zip(self.parts, self.planners, strict=True)):
             part_policy = {
-                key: self._policy_part(key in keys, value, device, index if same_layout else -1)
+                key: self._policy_part(key in keys, value, t, index if same_layout else -1)
                 for key, value in policy.items()
             }
             if same_layout:
-                block = slice(device * cl, device * cl + planner.capacity)
+                block = slice(t * cl, t * cl + planner.capacity)
                 slots, used = ids[block], last_use[block]
             else:
-                mine = (ids >= 0) & (self.layout.device_of(ids) == device)
+                mine = (ids >= 0) & (layout.part_of(ids) == t)
                 slots, used = ids[mine], last_use[mine]
                 if slots.size == planner.capacity:  # not the same slots: rank them
                     slots, used = np.append(slots, -1), np.append(used, -1)
-            local = np.where(slots >= 0, self.layout.local_ids(slots), -1)
+            local = np.where(slots >= 0, layout.part_local_ids(slots), -1)
             part = {
                 "id_of_slot": local,
                 "last_use": used,
@@ -680,15 +727,15 @@ class Partitions:
         for planner, part in zip(self.planners, parts, strict=True):
             planner.load_state_dict(part)
 
-    def _policy_part(self, per_id: bool, value: Any, device: int, index: int) -> Any:
-        """Partition ``device``'s part of a saved policy entry: its ids' entries
+    def _policy_part(self, per_id: bool, value: Any, part: int, index: int) -> Any:
+        """Partition ``part``'s part of a saved policy entry: its ids' entries
         of a per-id array; of another array saved per partition (``[L, ...]``,
         or the list of the processes' stacks), entry ``index`` of this
         process's when the layout is the same (``index >= 0``), else nothing
         (``None``: the policy starts that state afresh); other values as
         they are."""
         if per_id:
-            return self._per_id_part(value, device)
+            return self._per_id_part(value, part)
         if isinstance(value, (list, tuple)):  # the processes' stacks, in order
             if len(value) != self.layout.processes:
                 return None
@@ -699,8 +746,8 @@ class Partitions:
             return None
         return value[index]
 
-    def _per_id_part(self, value: Any, device: int) -> np.ndarray:
-        """``device``'s local ids' entries of a per-id array ``[N]``, or of
+    def _per_id_part(self, value: Any, part: int) -> np.ndarray:
+        """Partition ``part``'s local ids' entries of a per-id array ``[N]``, or of
         the list of its process shares."""
         if not isinstance(value, (list, tuple)):
             value = np.asarray(value)
@@ -709,10 +756,10 @@ class Partitions:
                 raise ValueError(
                     f"saved access counts have shape {value.shape}, the table has {n} rows."
                 )
-            return self.layout.partition_of(value, device)
+            return self.layout.part_values(value, part)
         shares = len(value)
-        ids = self.layout.global_ids(
-            device, np.arange(self.layout.partition_rows(self.config.num_embeddings, device))
+        ids = self.layout.part_global_ids(
+            part, np.arange(self.layout.part_rows(self.config.num_embeddings, part))
         )
         out = np.empty((ids.size, *np.shape(value[0])[1:]), np.asarray(value[0][:0]).dtype)
         for share, part in enumerate(value):

@@ -104,13 +104,20 @@ class Layout:
     homes depend on ``n`` alone, so one process and several plan the same
     slots.
 
-    Each device's share is a partition: a planner of its own over its local
-    ids ``0 .. N_d - 1`` (``N_d = len(range(r, N, n))``) and ``C_l`` slots.
+    Each device's share splits into ``q`` partitions (``split``), each a
+    planner of its own over ``C_l / q`` consecutive slots of the device, so
+    that one device's batch is planned on ``q`` host threads. Partition
+    ``t`` (of ``n q``, a device's ``q`` one after another) is partition
+    ``j = t % q`` of device ``t // q`` and holds the ids ``i % (n q) == r +
+    n j`` of the device's residue ``r``: its *residue* ``r + n j``, and
+    its local ids ``i // (n q)``, ``0 .. N_t - 1``. With ``q = 1`` a
+    partition is a device.
 
     Args:
       devices: ``n``, devices of the rows axis.
       processes: ``P``, processes owning them (``n % P == 0``).
       process: this process's index ``p`` among them.
+      split: ``q``, partitions per device.
 
     Examples:
       >>> import numpy as np
@@ -119,11 +126,15 @@ class Layout:
       [0, 2, 1, 3, 0, 2, 1, 3]
       >>> list(layout.own), layout.residue(3), layout.local_ids(np.array([7])).tolist()
       ([2, 3], 3, [1])
+      >>> halves = Layout(devices=2, split=2)  # ids 0 and 4 in partition 0 of device 0
+      >>> halves.part_of(np.arange(8)).tolist(), halves.part_residue(1)
+      ([0, 2, 1, 3, 0, 2, 1, 3], 2)
     """
 
     devices: int = 1
     processes: int = 1
     process: int = 0
+    split: int = 1
 
     def __post_init__(self) -> None:
         if self.devices < 1 or self.processes < 1 or self.devices % self.processes:
@@ -133,6 +144,11 @@ class Layout:
             )
         if not 0 <= self.process < self.processes:
             raise ValueError(f"process={self.process} is not in [0, {self.processes}).")
+        if isinstance(self.split, bool) or not isinstance(self.split, int) or self.split < 1:
+            raise ValueError(
+                f"partitions_per_device={self.split!r} must be a positive integer (1: one "
+                "planner per device)."
+            )
 
     @property
     def per_process(self) -> int:
@@ -168,10 +184,45 @@ class Layout:
         """The ids of ``device``'s local ids ``local``."""
         return np.asarray(local, np.int64) * self.devices + self.residue(device)
 
-    def partition_rows(self, num_embeddings: int, device: int) -> int:
-        """``N_d``: ids homed on ``device`` in a table of ``num_embeddings`` rows."""
-        return len(range(self.residue(device), num_embeddings, self.devices))
+    # ------------------------------------------------------------ partitions
+    @property
+    def parts(self) -> int:
+        """``n q``, partitions of all devices."""
+        return self.devices * self.split
 
-    def partition_of(self, values: np.ndarray, device: int) -> np.ndarray:
-        """The entries of a per-id array ``[N, ...]`` that belong to ``device``, in local order."""
-        return values[self.residue(device) :: self.devices]
+    @property
+    def own_parts(self) -> range:
+        """The partitions of this process's devices, in mesh order."""
+        per = self.per_process * self.split
+        return range(self.process * per, (self.process + 1) * per)
+
+    def part_residue(self, part: int) -> int:
+        """The residue ``i % (n q)`` of the ids of partition ``part``."""
+        return self.residue(part // self.split) + self.devices * (part % self.split)
+
+    def part_of(self, ids: np.ndarray) -> np.ndarray:
+        """The partition of each id."""
+        ids = np.asarray(ids)
+        return self.device_of(ids) * self.split + (ids // self.devices) % self.split
+
+    def part_local_ids(self, ids: np.ndarray) -> np.ndarray:
+        """Each id's local id in its partition."""
+        return np.asarray(ids) // self.parts
+
+    def part_global_ids(self, part: int, local: np.ndarray) -> np.ndarray:
+        """The ids of partition ``part``'s local ids ``local``."""
+        return np.asarray(local, np.int64) * self.parts + self.part_residue(part)
+
+    def part_rows(self, num_embeddings: int, part: int) -> int:
+        """``N_t``: ids of partition ``part`` in a table of ``num_embeddings`` rows."""
+        return len(range(self.part_residue(part), num_embeddings, self.parts))
+
+    def part_values(self, values: np.ndarray, part: int) -> np.ndarray:
+        """The entries of a per-id array ``[N, ...]`` of partition ``part``, in local order."""
+        return values[self.part_residue(part) :: self.parts]
+
+    def share_start(self, part: int) -> int:
+        """Where partition ``part``'s ids begin in its process's share of the
+        ids (``i % P == p``, in id order), which holds them every
+        ``L q``-th entry on."""
+        return part // self.split % self.per_process + self.per_process * (part % self.split)

@@ -512,9 +512,11 @@ class Planner:
         source_stamp: int,
         *,
         released: int | None = None,
+        per_source: int = 1,
     ) -> _Checked:
         """``check`` for a device partition's entries: real local ids
-        ``local[chunk_lo[s]:chunk_hi[s]]`` from each source ``s``.
+        ``local[chunk_lo[g]:chunk_hi[g]]``, ``per_source`` chunks ``g`` from
+        each source in turn.
 
         Also ranks the distinct ids each source sends (``lookup_entries``),
         writing each entry's rank to ``ranks`` at the entry's index.
@@ -530,7 +532,8 @@ class Planner:
         miss_rows = np.empty(miss_ids.size, np.int32)
         counts = np.empty(miss_ids.size, np.int64)  # room for every distinct id
         first = np.empty(size, np.int32)
-        sent = np.empty(chunk_lo.size, np.int64)
+        sources = chunk_lo.size // per_source
+        sent = np.empty(sources, np.int64)
         h, m, missed = kernels.lookup_entries(
             local,
             chunk_lo,
@@ -552,9 +555,10 @@ class Planner:
             first,
             sent,
             ranks,
+            per_source,
         )
-        bounds = np.zeros(chunk_lo.size + 1, np.int64)
-        np.cumsum(chunk_hi - chunk_lo, out=bounds[1:])
+        bounds = np.zeros(sources + 1, np.int64)
+        np.cumsum((chunk_hi - chunk_lo).reshape(sources, per_source).sum(1), out=bounds[1:])
         checked = _Checked(
             (size,),
             None,

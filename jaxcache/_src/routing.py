@@ -85,14 +85,25 @@ class HostRoute(NamedTuple):
     positions: np.ndarray | None = None
 
 
-def needs(step: StepPlan) -> tuple[int, int]:
+def needs(step: StepPlan, layout: Layout) -> tuple[int, int]:
     """The most distinct rows one source needs from one owner (``K`` without
     overflow), and the most distinct rows one owner serves (``V``), as far as
     this process sees them (its owners, and its sources)."""
-    k = int(step.sent.max(initial=0))
+    k = int(_sent(step, layout).max(initial=0))
     if step.sent_out is not None:
-        k = max(k, int(step.sent_out.max(initial=0)))
-    return k, max(plan.distinct for plan in step.plans)
+        out = step.sent_out.reshape(len(step.sent_out), layout.devices, layout.split)
+        k = max(k, int(out.sum(2).max(initial=0)))
+    q = layout.split
+    distinct = [plan.distinct for plan in step.plans]
+    return k, max(sum(distinct[t : t + q]) for t in range(0, len(distinct), q))
+
+
+def _sent(step: StepPlan, layout: Layout) -> np.ndarray:
+    """``int64 [L, n]``: distinct ids each source sends each own device (the
+    sum over its partitions)."""
+    if layout.split == 1:
+        return step.sent
+    return step.sent.reshape(-1, layout.split, step.sent.shape[1]).sum(1)
 
 
 def overflow_slots(step: StepPlan, layout: Layout, local_capacity: int, k: int) -> np.ndarray:
@@ -111,10 +122,10 @@ def overflow_slots(step: StepPlan, layout: Layout, local_capacity: int, k: int) 
       [5, 7]
     """
     found = []
-    for device, plan, first, bounds, sent in _owners(step, layout):
+    for device, unique_slots, first, bounds, sent in _owners(step, layout, local_capacity):
         rows = [first[b + k : b + m] for b, m in zip(bounds[:-1], sent, strict=True) if m > k]
         if rows:
-            found.append(device * local_capacity + plan.unique_slots[np.concatenate(rows)])
+            found.append(device * local_capacity + unique_slots[np.concatenate(rows)])
     if not found:
         return np.zeros(0, np.int64)
     every = np.concatenate(found).astype(np.int64)
@@ -129,17 +140,67 @@ def _positions_in(overflow: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
     return lambda slots: sorter[np.searchsorted(ordered, slots)].astype(np.int32)
 
 
-def _owners(step: StepPlan, layout: Layout):
-    """``(device, plan, first, bounds, sent)`` of each own partition; on one
-    device the plan's distinct rows are its ranks (one source), already in
-    order of first appearance."""
+def _owners(step: StepPlan, layout: Layout, local_capacity: int):
+    """``_owner`` of each own device, in order."""
+    for row in range(len(layout.own)):
+        yield _owner(step, layout, local_capacity, row)
+
+
+def _owner(
+    step: StepPlan, layout: Layout, local_capacity: int, row: int
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(device, unique_slots, first, bounds, sent)`` of own device ``row``:
+    its distinct rows' local slots, and for source ``s``'s rank ``k`` the
+    row at ``first[bounds[s] + k]`` (``sent[s]`` ranks). With one partition
+    the plan's distinct rows are its ranks (one source), already in order
+    of first appearance; a device of several partitions numbers its rows
+    and each source's ranks partition after partition."""
+    device = layout.own[row]
     if step.bounds is None:
         plan = step.plans[0]
         first = np.arange(plan.distinct, dtype=np.int32)
-        yield layout.own[0], plan, first, np.array([0, plan.distinct]), step.sent[0]
-        return
-    firsts = [plan.inverse for plan in step.plans]
-    yield from zip(layout.own, step.plans, firsts, step.bounds, step.sent, strict=True)
+        bounds = np.array([0, plan.distinct])
+        return device, plan.unique_slots, first, bounds, step.sent[0]
+    q = layout.split
+    if q == 1:
+        plan = step.plans[row]
+        return device, plan.unique_slots, plan.inverse, step.bounds[row], step.sent[row]
+    width = local_capacity // q
+    parts = range(row * q, (row + 1) * q)
+    plans = [step.plans[t] for t in parts]
+    rows = np.cumsum([0] + [plan.distinct for plan in plans])
+    unique = np.concatenate([plan.unique_slots + j * width for j, plan in enumerate(plans)])
+    sent = step.sent[parts.start : parts.stop].sum(0)
+    bounds = np.zeros(sent.size + 1, np.int64)
+    np.cumsum(sent, out=bounds[1:])
+    ranked = np.concatenate(
+        [
+            step.plans[t].inverse[b[s] : b[s] + m[s]] + rows[j]
+            for s in range(sent.size)
+            for j, t in enumerate(parts)
+            for b, m in ((step.bounds[t], step.sent[t]),)
+        ]
+    )
+    return device, unique.astype(np.int32), ranked.astype(np.int32), bounds, sent
+
+
+def _rank_base(step: StepPlan, layout: Layout, k: int) -> np.ndarray:
+    """``int64 [L, n q]``: for each own source and residue ``i % (n q)``,
+    what a rank of the source's ids of that residue adds to become the row
+    of its device's received buffer: ``K`` times the home device, and with
+    several partitions per device, the ranks the source's ids of the
+    device's partitions before this one took."""
+    homes = layout.part_of(np.arange(layout.parts))  # the partition of each residue
+    q = layout.split
+    if q == 1:
+        return np.repeat((homes * k)[None], len(layout.own), axis=0)
+    counts = np.zeros((len(layout.own), layout.parts), np.int64)  # [own source, partition]
+    if step.sent_out is not None:
+        counts += step.sent_out
+    counts[:, layout.own_parts.start : layout.own_parts.stop] = step.sent[:, layout.own].T
+    grouped = counts.reshape(len(layout.own), layout.devices, q)
+    before = (np.cumsum(grouped, axis=2) - grouped).reshape(counts.shape)
+    return (homes // q) * k + before[:, homes]
 
 
 def build_route(
@@ -204,18 +265,18 @@ def build_route(
     owner_slots = np.full((own, owner_size), cl, np.int32)
     owner_inverse = np.full((own, received), owner_size, np.int32)
     position = _positions_in(overflow)
-    owners = list(enumerate(_owners(step, layout)))
+    owners = range(own)
 
-    def fill_owner(item) -> None:
-        e, (device, plan, first, bounds, sent) = item
+    def fill_owner(e: int) -> None:
+        device, unique_slots, first, bounds, sent = _owner(step, layout, cl, e)
         kernels.owner_route(
-            plan.unique_slots, first, bounds, sent, k, owner_slots[e], requests[e], owner_inverse[e]
+            unique_slots, first, bounds, sent, k, owner_slots[e], requests[e], owner_inverse[e]
         )
         if overflow.size:
             parts = [first[b + k : b + m] for b, m in zip(bounds[:-1], sent, strict=True) if m > k]
             if parts:
                 rows = np.concatenate(parts)
-                owner_inverse[e, n * k + position(device * cl + plan.unique_slots[rows])] = rows
+                owner_inverse[e, n * k + position(device * cl + unique_slots[rows])] = rows
 
     out_inverse = np.empty(flat.size, np.int32)
     split = step.split
@@ -230,34 +291,38 @@ def build_route(
             slots = step.plans[0].unique_slots[out_inverse[late]]
             out_inverse[late] = n * k + position(slots)
     else:
-        size = flat.size // n  # a source's slice of the batch
-        base = layout.homes * k  # by residue
+        base = _rank_base(step, layout, k)  # by own source and residue
+        c, first_own = split.per_source, layout.own[0]
 
-        def fill_source(source: int) -> None:
+        def fill_source(chunk: int) -> None:
             kernels.fill_inverse(
                 split.at,
                 split.ranks,
-                split.begin[source],
-                split.end[source],
-                base,
+                split.begin[chunk],
+                split.end[chunk],
+                base[chunk // c - first_own],
                 out_inverse,
-                source * size,
-                (source + 1) * size,
+                *split.span(chunk),
                 received,  # padding's row: past the rows received
             )
 
-        sources = [partial(fill_source, source) for source in layout.own]
+        chunks = range(first_own * c, (layout.own[-1] + 1) * c)
+        sources = [partial(fill_source, chunk) for chunk in chunks]
         _run(threads, [*before, *sources, *(partial(fill_owner, o) for o in owners), *after])
         if overflow.size:  # one process (see EmbeddingCache): every source is here
-            for device, plan, first, bounds, _ in _owners(step, layout):
-                lo, hi = split.chunks(layout.residue(device))
-                for source in range(n):
-                    ranks = split.ranks[lo[source] : hi[source]]
-                    late = ranks >= k
-                    rows = first[bounds[source] + ranks[late]]
-                    slots = device * cl + plan.unique_slots[rows]
-                    at = split.at[lo[source] : hi[source]][late]
-                    out_inverse[at] = n * k + position(slots)
+            for device, unique_slots, first, bounds, _ in _owners(step, layout, cl):
+                for t in range(device * layout.split, (device + 1) * layout.split):
+                    residue = layout.part_residue(t)
+                    lo, hi = split.chunks(residue)
+                    for chunk in range(lo.size):
+                        source = chunk // split.per_source
+                        ranks = split.ranks[lo[chunk] : hi[chunk]]
+                        ranks = ranks + (base[source, residue] - device * k)
+                        late = ranks >= k
+                        rows = first[bounds[source] + ranks[late]]
+                        slots = device * cl + unique_slots[rows]
+                        at = split.at[lo[chunk] : hi[chunk]][late]
+                        out_inverse[at] = n * k + position(slots)
     full_overflow = np.full(overflow_size, n * cl, np.int32)
     full_overflow[: overflow.size] = overflow
     share = flat.size // n  # the rows of this process's sources
@@ -268,13 +333,13 @@ def build_route(
         mine.reshape(-1, *step.shape[1:]),
         owner_slots,
         owner_inverse,
-        0 if not overflow.size else _overflowed(step, k),
+        0 if not overflow.size else _overflowed(step, layout, k),
     )
 
 
-def _overflowed(step: StepPlan, k: int) -> int:
+def _overflowed(step: StepPlan, layout: Layout, k: int) -> int:
     """Rows (per source and owner) that take the overflow path at ``K = k``."""
-    return int(np.maximum(step.sent - k, 0).sum())
+    return int(np.maximum(_sent(step, layout) - k, 0).sum())
 
 
 def routed_gather(

@@ -27,6 +27,7 @@ from jaxcache._src.agreement import Agreement
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.host_table import HostTable
 from jaxcache._src.partitions import Partitions, StepPlan
+from jaxcache._src.placement import Layout
 from jaxcache._src.planner import _NO_PAD
 from jaxcache._src.stats import CacheStats, StepStats
 from jaxcache._src.threads import HostThreads
@@ -156,8 +157,10 @@ class Stager:
         self.fetch_bucket = 0  # P
         self.route_buckets = (0, 0, 0)  # K, V, O in use
         self.bag_bucket = 0  # real ids per device in a batch of bags
-        # The residue of each own device's ids (``_blocks``).
-        self.residues = np.array([self.layout.residue(d) for d in self.layout.own], np.int64)
+        # The residue of each own partition's ids (``_blocks``).
+        self.residues = np.array(
+            [self.layout.part_residue(t) for t in self.layout.own_parts], np.int64
+        )
 
     @property
     def _minimum(self) -> int:
@@ -232,8 +235,12 @@ class Stager:
         """The padded sizes of a step: from buckets (with every process's
         needs, which they agree on), or the fixed ``size`` of the
         host-callback form (no overflow possible, no bags skipped)."""
-        k_need, v_need = routing.needs(step)
-        moved = max(max(plan.misses, len(plan.evict_ids)) for plan in step.plans)
+        k_need, v_need = routing.needs(step, self.layout)
+        q = self.layout.split
+        moved = max(
+            max(sum(p.misses for p in device), sum(len(p.evict_ids) for p in device))
+            for device in (step.plans[t : t + q] for t in range(0, len(step.plans), q))
+        )
         real = int(step.real.max(initial=0))
         k_need, v_need, moved, real = self.agreement.max(
             step.index, np.array([k_need, v_need, moved, real])
@@ -341,12 +348,10 @@ class _MovesJob:
 
     def _prepare(self) -> None:
         stager, step, size = self.stager, self.step, self.size
-        ledger, cl = stager.ledger, stager.local_capacity
-        blocks = len(step.plans)
-        self._fetch = wanted, at, bounds = _blocks(
-            step, "fetch_ids", size, stager.residues, stager.layout.devices
-        )
-        self._home: list[np.ndarray | None] = [None] * blocks  # None: all gathered now
+        ledger, cl, layout = stager.ledger, stager.local_capacity, stager.layout
+        self._fetch = wanted, at, bounds = _blocks(step, "fetch_ids", size, stager.residues, layout)
+        # Per partition: None, all gathered now.
+        self._home: list[np.ndarray | None] = [None] * len(step.plans)
         start = time.perf_counter()
         if self.defer:
             ledger.land_ready()
@@ -360,31 +365,29 @@ class _MovesJob:
             ledger.land_for(wanted)
         self.write_back = time.perf_counter() - start
         stager.stats.timers.add("write_back", self.write_back)
-        evicted, evicted_at, _ = _blocks(
-            step, "evict_ids", size, stager.residues, stager.layout.devices
-        )
+        evicted, evicted_at, _ = _blocks(step, "evict_ids", size, stager.residues, layout)
         if evicted.size:  # after landing: a plan never fetches what it evicts
             ledger.register(step.index, evicted, evicted_at)
         # Fresh buffers (the device may alias them).
-        table, total = stager.table, blocks * size
+        table, total = stager.table, len(layout.own) * size
         evict_slots = np.full(total, cl, np.int32)
         fetch_slots = np.full(total, cl, np.int32)
-        evict_slots[evicted_at] = np.concatenate([plan.evict_slots for plan in step.plans])
-        fetch_slots[at] = np.concatenate([plan.fetch_slots for plan in step.plans])
+        evict_slots[evicted_at] = _device_slots(step, "evict_slots", layout, cl)
+        fetch_slots[at] = _device_slots(step, "fetch_slots", layout, cl)
         rows = np.zeros((total, *table.rows.shape[1:]), table.rows.dtype)
         opt = {k: np.zeros((total, *v.shape[1:]), v.dtype) for k, v in table.state.items()}
         self.moves = (evict_slots, fetch_slots, rows, opt)
 
     def gathers(self) -> list[Callable[[], None]]:
-        """One piece per block with rows to fetch."""
+        """One piece per partition with rows to fetch."""
         return [partial(self._gather, b) for b, plan in enumerate(self.step.plans) if plan.misses]
 
-    def _gather(self, block: int) -> None:
+    def _gather(self, part: int) -> None:
         self._ready.wait()
         if self.moves is None:  # ``prepare`` failed
             return
         wanted, at, bounds = self._fetch
-        lo, hi, keep = bounds[block], bounds[block + 1], self._home[block]
+        lo, hi, keep = bounds[part], bounds[part + 1], self._home[part]
         ids, places = wanted[lo:hi], at[lo:hi]
         if keep is not None:  # NumPy calls here only where some rows wait
             if not keep.any():
@@ -395,18 +398,34 @@ class _MovesJob:
 
 
 def _blocks(
-    step: StepPlan, field: str, size: int, residues: np.ndarray, devices: int
+    step: StepPlan, field: str, size: int, residues: np.ndarray, layout: Layout
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(ids, at, bounds)`` of every own partition's ``field`` (``fetch_ids``
-    or ``evict_ids``, in local ids): the ids, one block after another; each
-    id's place in blocks of ``size`` rows, one block per device; where each
-    block's ids begin and end (``[L + 1]``). ``residues``: each block's
-    residue modulo ``devices``. Two NumPy calls and one compiled pass,
-    whatever the number of blocks."""
+    or ``evict_ids``, in local ids): the ids, one partition after another;
+    each id's place in blocks of ``size`` rows, one block per device (its
+    partitions' ids one after another); where each partition's ids begin
+    and end (``[L q + 1]``). ``residues``: each partition's residue modulo
+    ``n q``. Two NumPy calls and one compiled pass, whatever the number of
+    partitions."""
     local = [getattr(plan, field) for plan in step.plans]
     bounds = np.zeros(len(local) + 1, np.int64)
     np.cumsum([ids.size for ids in local], out=bounds[1:])
+    q = layout.split
+    device = np.arange(len(local)) // q
+    starts = device * size - bounds[device * q]  # a device's first partition starts its block
     flat = np.concatenate(local).astype(np.int64, copy=False)
     ids, at = np.empty_like(flat), np.empty_like(flat)
-    kernels.block_ids(flat, bounds, residues, devices, size, ids, at)
+    kernels.block_ids(flat, bounds, residues, layout.parts, starts, ids, at)
     return ids, at, bounds
+
+
+def _device_slots(step: StepPlan, field: str, layout: Layout, local_capacity: int) -> np.ndarray:
+    """Every own partition's ``field`` (``fetch_slots`` or ``evict_slots``),
+    one after another, as local slots of its device (partition ``j`` of a
+    device has its ``j``-th ``C_l / q`` slots)."""
+    slots = [getattr(plan, field) for plan in step.plans]
+    q = layout.split
+    if q == 1:
+        return np.concatenate(slots)
+    width = local_capacity // q
+    return np.concatenate([s + (t % q) * width for t, s in enumerate(slots)])
