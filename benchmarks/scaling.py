@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Iterable
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -158,6 +159,19 @@ def caches_in_turn(args: argparse.Namespace, count: int) -> float:
     return float(np.median(np.concatenate([runner.cpu for runner in runners])))
 
 
+def _in_turns(
+    args: argparse.Namespace, data: jaxcache.synthetic.SyntheticCriteo, runners: Iterable[Runner]
+) -> None:
+    """Stages the same batches through every runner, the runners taking
+    turns in blocks of ``BLOCK`` steps (see section 2 of the docstring)."""
+    total = args.warmup + args.steps
+    for start in range(0, total, BLOCK):
+        block = [data.batch(index)["sparse"] for index in range(start, min(start + BLOCK, total))]
+        for runner in runners:
+            for index, ids in enumerate(block, start):
+                runner.step(ids, index >= args.warmup)
+
+
 def thread_scaling(args: argparse.Namespace) -> float:
     devices = 8
     counts = (1, 2, 4)
@@ -165,12 +179,7 @@ def thread_scaling(args: argparse.Namespace) -> float:
     data = jaxcache.synthetic.SyntheticCriteo(scale=SCALE, batch_size=PER_DEVICE * devices, seed=0)
     cfg = _config(data, CAPACITY * devices)
     runners = {t: Runner(_cache(cfg, devices, threads=t)) for t in counts}
-    total = args.warmup + args.steps
-    for start in range(0, total, BLOCK):
-        block = [data.batch(index)["sparse"] for index in range(start, min(start + BLOCK, total))]
-        for runner in runners.values():
-            for index, ids in enumerate(block, start):
-                runner.step(ids, index >= args.warmup)
+    _in_turns(args, data, runners.values())
     one = float(np.median(runners[1].wall))
     print(f"   {'threads':>7} {'wall ms/step':>13} {'vs 1 thread':>12}")
     for threads, runner in runners.items():
@@ -247,12 +256,7 @@ def one_device_partitions(args: argparse.Namespace) -> float:
         )
         for parts, threads in dict.fromkeys([(1, 1), (q, 1), (q, q)])
     }
-    total = args.warmup + args.steps
-    for start in range(0, total, BLOCK):
-        block = [data.batch(index)["sparse"] for index in range(start, min(start + BLOCK, total))]
-        for runner in runs.values():
-            for index, ids in enumerate(block, start):
-                runner.step(ids, index >= args.warmup)
+    _in_turns(args, data, runs.values())
     one = float(np.median(runs[1, 1].wall))
     print(f"   {'partitions':>10} {'threads':>7} {'wall ms/step':>13} {'vs 1 x 1':>9} {'hits':>9}")
     for (parts, threads), runner in runs.items():
