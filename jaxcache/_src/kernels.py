@@ -316,6 +316,9 @@ def lookup_entries(
     ``b_s`` the entries of the sources before ``s``), ``sent[s]`` how many
     there are, and ``ranks[j]`` each entry's rank, at the entry's own index
     ``j`` of ``local``. ``source_mark`` is stamped with ``source_stamp + s``.
+    From a single source (one device of several partitions) a rank is the
+    row, and ``source_mark``, ``source_rank``, ``miss_source`` and
+    ``miss_rank`` are neither read nor written.
 
     The hit and miss steps are written out here and in ``lookup`` rather
     than shared: called as compiled helpers they made both loops about four
@@ -329,6 +332,7 @@ def lookup_entries(
     missed = 0
     base = 0
     k = 0
+    one = chunk_lo.size == per_source  # a single source: its ranks are the rows
     for g in range(chunk_lo.size):
         s = g // per_source
         if g % per_source == 0:  # a source's first chunk
@@ -343,8 +347,9 @@ def lookup_entries(
                 if slot >= 0:
                     _prefetch(mark, slot)
                     _prefetch(rank, slot)
-                    _prefetch(source_mark, slot)
-                    _prefetch(source_rank, slot)
+                    if not one:
+                        _prefetch(source_mark, slot)
+                        _prefetch(source_rank, slot)
             i = local[j]
             v = slot_of_id[i]
             if v >= 0:
@@ -354,9 +359,14 @@ def lookup_entries(
                     hits[h] = v
                     hit_rows[h] = h + m
                     counts[h + m] = 0
+                    if one:
+                        first[h + m] = h + m
                     h += 1
                 r = rank[v]
                 counts[r] += 1
+                if one:
+                    ranks[j] = r
+                    continue
                 if source_mark[v] != tag:
                     source_mark[v] = tag
                     source_rank[v] = k
@@ -370,12 +380,18 @@ def lookup_entries(
                 miss_ids[m] = i
                 miss_rows[m] = r
                 counts[r] = 0
-                miss_source[r] = -1
+                if one:
+                    first[r] = r
+                else:
+                    miss_source[r] = -1
                 m += 1
             else:
                 r = -2 - v
             counts[r] += 1
             missed += 1
+            if one:
+                ranks[j] = r
+                continue
             if miss_source[r] != s:
                 miss_source[r] = s
                 miss_rank[r] = k
@@ -383,7 +399,7 @@ def lookup_entries(
                 k += 1
             ranks[j] = miss_rank[r]
         if g % per_source == per_source - 1:  # a source's last chunk
-            sent[s] = k
+            sent[s] = h + m if one else k
             for c in range(g + 1 - per_source, g + 1):
                 base += chunk_hi[c] - chunk_lo[c]
     return h, m, missed
