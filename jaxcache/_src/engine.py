@@ -229,6 +229,10 @@ class EmbeddingCache:
         )
         self.lifecycle = Lifecycle(self.planner, self.write_backs)
         self.callbacks = HostCallbacks(self.stager, self.lifecycle, platform)
+        # On an accelerator a read-out starts its copy to the host as soon as
+        # the swap has run, so that landing it later finds it there; the CPU
+        # backend's arrays are host memory already.
+        self._copy_ahead = platform != "cpu"
         if warm is None:
             warm = self.planner.planners[0].policy.warms
         if warm:
@@ -465,6 +469,9 @@ class EmbeddingCache:
             state, rows, opt = device_ops.swap_blocks(
                 state, *staged.moves, mesh=self.mesh, axis=self.axis
             )
+        if self._copy_ahead and self.write_backs.expects(staged.plan.index):
+            for array in (rows, *opt.values()):
+                array.copy_to_host_async()
         self.write_backs.dispatched(staged.plan.index, rows, opt)
         return state
 
