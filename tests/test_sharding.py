@@ -245,6 +245,21 @@ def test_capacity_rounds_up_to_the_devices():
     assert cache.config.capacity == 64 and cache.local_capacity == 8
 
 
+def test_capacity_rounds_up_to_the_partitions_and_a_bad_split_is_refused():
+    cache = jaxcache.EmbeddingCache(
+        jaxcache.CacheConfig(N, D, 61), mesh=_mesh(2), partitions_per_device=3
+    )
+    assert cache.config.capacity == 66 and cache.planner.part_capacity == 11
+    assert [p.capacity for p in cache.planner.planners] == [11] * 6
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="partitions_per_device"):
+            jaxcache.EmbeddingCache(jaxcache.CacheConfig(N, D, 64), partitions_per_device=bad)
+    with pytest.raises(ValueError, match="2 device\\(s\\) x 3 partitions"):
+        jaxcache.EmbeddingCache(
+            jaxcache.CacheConfig(10, D, 9), mesh=_mesh(2), partitions_per_device=3
+        )
+
+
 @pytest.mark.parametrize("k, split", [(1, 1), (2, 1), (8, 1), (1, 2), (8, 5)])
 def test_routed_gather_and_update_against_numpy(k, split):
     from jax.sharding import PartitionSpec as P

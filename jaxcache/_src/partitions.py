@@ -1,17 +1,19 @@
-"""Planning a batch whose rows are split over devices: one planner per device.
+"""Planning a batch whose rows are split over devices: one planner per partition.
 
 Every id has a home device (``Layout``) and its row only ever sits in that
 device's slots, so the cache is a set of independent partitions, each with a
 ``Planner`` of its own over the ids homed there (its local ids), its own
-policy, victim reserve and protection of in-flight batches. A process plans
-only the partitions of its own devices.
+policy, victim reserve and protection of in-flight batches. A device is one
+partition, or ``q`` (``Layout.split``), each over ``C_l / q`` of its slots.
+A process plans only the partitions of its own devices.
 
 A batch is split over the same devices (data parallel): device ``s`` (a
 *source*) looks up the ids of its slice. Planning a batch takes three
 passes, each split into independent pieces that run on the host threads:
 
-1. **split** (per source): the real ids of the slice, grouped by home, as
-   local ids; padding and range errors are found here.
+1. **split** (per source, or per chunk of a source's slice): the real ids
+   of the slice, grouped by home, as local ids; padding and range errors
+   are found here.
 2. **plan** (per home partition): the partition's planner checks the ids
    sent to it by every source (hits, misses, room); only when every
    partition fits does each commit (victims, directory, policy). The check
@@ -22,8 +24,8 @@ passes, each split into independent pieces that run on the host threads:
    other processes are ranked the same way by the source's split piece.
 3. The route's padded arrays, built once the sizes are known (the stager).
 
-On one device the split and the ranking are skipped: the planner looks the
-batch up directly and its ranks are the ranks.
+On one device of one partition the split and the ranking are skipped: the
+planner looks the batch up directly and its ranks are the ranks.
 
 A checkpoint holds each process's part of the planners' state as flat
 arrays (``Partitions.state_arrays``); a restore joins the parts of every
@@ -31,8 +33,9 @@ process that saved them and places each row on its home device, whatever
 the device count. ``check_invariants`` checks every partition's
 bookkeeping (for tests).
 
-Shape letters: ``n`` devices, ``L`` devices of this process, ``E`` entries
-(real ids) a partition receives, ``U`` its distinct ids.
+Shape letters: ``n`` devices, ``L`` devices of this process, ``q``
+partitions per device, ``E`` entries (real ids) a partition receives, ``U``
+its distinct ids.
 """
 
 from __future__ import annotations

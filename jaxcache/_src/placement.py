@@ -124,7 +124,7 @@ class Layout:
       >>> layout = Layout(devices=4, processes=2, process=1)
       >>> layout.device_of(np.arange(8)).tolist()  # ids 1, 3, 5, 7 live on process 1
       [0, 2, 1, 3, 0, 2, 1, 3]
-      >>> list(layout.own), layout.residue(3), layout.local_ids(np.array([7])).tolist()
+      >>> list(layout.own), layout.residue(3), layout.part_local_ids(np.array([7])).tolist()
       ([2, 3], 3, [1])
       >>> halves = Layout(devices=2, split=2)  # ids 0 and 4 in partition 0 of device 0
       >>> halves.part_of(np.arange(8)).tolist(), halves.part_residue(1)
@@ -164,25 +164,10 @@ class Layout:
         """The residue ``i % n`` of the ids homed on ``device``."""
         return (device % self.per_process) * self.processes + device // self.per_process
 
-    @functools.cached_property
-    def homes(self) -> np.ndarray:
-        """``int64 [n]``: the home device of each residue (read-only)."""
-        homes = self.device_of(np.arange(self.devices))
-        homes.flags.writeable = False
-        return homes
-
     def device_of(self, ids: np.ndarray) -> np.ndarray:
         """The home device of each id."""
         residue = np.asarray(ids) % self.devices
         return (residue % self.processes) * self.per_process + residue // self.processes
-
-    def local_ids(self, ids: np.ndarray) -> np.ndarray:
-        """Each id's local id in its home partition."""
-        return np.asarray(ids) // self.devices
-
-    def global_ids(self, device: int, local: np.ndarray) -> np.ndarray:
-        """The ids of ``device``'s local ids ``local``."""
-        return np.asarray(local, np.int64) * self.devices + self.residue(device)
 
     # ------------------------------------------------------------ partitions
     @property
@@ -199,6 +184,13 @@ class Layout:
     def part_residue(self, part: int) -> int:
         """The residue ``i % (n q)`` of the ids of partition ``part``."""
         return self.residue(part // self.split) + self.devices * (part % self.split)
+
+    @functools.cached_property
+    def part_homes(self) -> np.ndarray:
+        """``int64 [n q]``: the partition of each residue ``i % (n q)`` (read-only)."""
+        homes = self.part_of(np.arange(self.parts))
+        homes.flags.writeable = False
+        return homes
 
     def part_of(self, ids: np.ndarray) -> np.ndarray:
         """The partition of each id."""

@@ -190,7 +190,7 @@ def _rank_base(step: StepPlan, layout: Layout, k: int) -> np.ndarray:
     of its device's received buffer: ``K`` times the home device, and with
     several partitions per device, the ranks the source's ids of the
     device's partitions before this one took."""
-    homes = layout.part_of(np.arange(layout.parts))  # the partition of each residue
+    homes = layout.part_homes
     q = layout.split
     if q == 1:
         return np.repeat((homes * k)[None], len(layout.own), axis=0)
