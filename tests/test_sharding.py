@@ -339,10 +339,14 @@ def test_routed_gather_and_update_against_numpy(k, split):
     np.testing.assert_allclose(np.asarray(new), table - summed, atol=1e-5)
 
 
-def test_host_callback_form_with_lists_shorter_than_a_device_share_matches_full_table():
+@pytest.mark.parametrize("split, capacity", [(1, 64), (2, 128)])
+def test_host_callback_form_with_lists_shorter_than_a_device_share_matches_full_table(
+    split, capacity
+):
     # Batches of few distinct ids, each repeated: the host-callback form's
     # lists (callback_rows) are shorter than one device's share of the ids,
-    # so a device's requests to one owner are bounded by the list size.
+    # so a device's requests to one owner are bounded by the list size. With
+    # two partitions per device, the form stages through them alike.
     rng = np.random.default_rng(5)
     batches = [
         {"ids": (rng.choice(40, (B, F)) + 25 * step) * 7, "y": rng.random(B).astype(np.float32)}
@@ -351,9 +355,11 @@ def test_host_callback_form_with_lists_shorter_than_a_device_share_matches_full_
     rows = max(np.unique(b["ids"]).size for b in batches)
     assert rows < B * F // 2  # the share of one of two devices
     cfg = jaxcache.CacheConfig(
-        N, D, 64, policy="lru", optimizer=jaxcache.adam(0.02), callback_rows=rows
+        N, D, capacity, policy="lru", optimizer=jaxcache.adam(0.02), callback_rows=rows
     )
-    cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, seed=1), mesh=_mesh(2))
+    cache = jaxcache.EmbeddingCache(
+        cfg, table=jaxcache.HostTable(cfg, seed=1), mesh=_mesh(2), partitions_per_device=split
+    )
     model, optimizer, step = make_callback(cache, F)
     with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=1, callback=True) as pipeline:
         losses = [float(step(model, optimizer, b["ids"], b["y"])) for b in pipeline]
