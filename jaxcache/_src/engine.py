@@ -518,8 +518,8 @@ class EmbeddingCache:
         if count == 0:
             return
         q, width = self.layout.split, planner.part_capacity
-        per_device = np.add.reduceat([slots.size for slots in dirty], np.arange(0, len(dirty), q))
-        size = bucket_size(per_device.max(), max(1, self.config.min_bucket // self.devices))
+        most = self.layout.per_device([slots.size for slots in dirty]).max()
+        size = bucket_size(int(most), max(1, self.config.min_bucket // self.devices))
         blocks = np.full(self._blocks * size, self.local_capacity, np.int32)
         ids, at = [], []
         fill = np.arange(self._blocks) * size  # each device block's next place

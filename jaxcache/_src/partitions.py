@@ -320,11 +320,9 @@ class Partitions:
     def check_invariants(self, table: str) -> None:
         """``Planner.check_invariants`` of every own partition, naming
         ``table`` (and the device, with several)."""
-        layout = self.layout
+        several = self.layout.parts > 1
         for part, planner in zip(self.parts, self.planners, strict=True):
-            where = f" on device {part // layout.split}" if layout.devices > 1 else ""
-            if layout.split > 1:
-                where += f", partition {part % layout.split}"
+            where = f" on {self._where(part)}" if several else ""
             planner.check_invariants(f"table {table!r}{where}")
 
     def resident_ids(self) -> np.ndarray:

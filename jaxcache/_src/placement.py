@@ -192,6 +192,14 @@ class Layout:
         homes.flags.writeable = False
         return homes
 
+    def per_device(self, values: np.ndarray | list[int]) -> np.ndarray:
+        """Per-partition values ``[L q, ...]`` (a device's ``q`` one after
+        another) summed over each device's partitions: ``[L, ...]``."""
+        values = np.asarray(values)
+        if self.split == 1:
+            return values
+        return values.reshape(-1, self.split, *values.shape[1:]).sum(1)
+
     def part_of(self, ids: np.ndarray) -> np.ndarray:
         """The partition of each id."""
         ids = np.asarray(ids)

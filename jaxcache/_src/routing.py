@@ -89,21 +89,11 @@ def needs(step: StepPlan, layout: Layout) -> tuple[int, int]:
     """The most distinct rows one source needs from one owner (``K`` without
     overflow), and the most distinct rows one owner serves (``V``), as far as
     this process sees them (its owners, and its sources)."""
-    k = int(_sent(step, layout).max(initial=0))
+    k = int(layout.per_device(step.sent).max(initial=0))
     if step.sent_out is not None:
         out = step.sent_out.reshape(len(step.sent_out), layout.devices, layout.split)
         k = max(k, int(out.sum(2).max(initial=0)))
-    q = layout.split
-    distinct = [plan.distinct for plan in step.plans]
-    return k, max(sum(distinct[t : t + q]) for t in range(0, len(distinct), q))
-
-
-def _sent(step: StepPlan, layout: Layout) -> np.ndarray:
-    """``int64 [L, n]``: distinct ids each source sends each own device (the
-    sum over its partitions)."""
-    if layout.split == 1:
-        return step.sent
-    return step.sent.reshape(-1, layout.split, step.sent.shape[1]).sum(1)
+    return k, int(layout.per_device([plan.distinct for plan in step.plans]).max())
 
 
 def overflow_slots(step: StepPlan, layout: Layout, local_capacity: int, k: int) -> np.ndarray:
@@ -339,7 +329,7 @@ def build_route(
 
 def _overflowed(step: StepPlan, layout: Layout, k: int) -> int:
     """Rows (per source and owner) that take the overflow path at ``K = k``."""
-    return int(np.maximum(_sent(step, layout) - k, 0).sum())
+    return int(np.maximum(layout.per_device(step.sent) - k, 0).sum())
 
 
 def routed_gather(

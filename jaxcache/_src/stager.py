@@ -236,10 +236,10 @@ class Stager:
         needs, which they agree on), or the fixed ``size`` of the
         host-callback form (no overflow possible, no bags skipped)."""
         k_need, v_need = routing.needs(step, self.layout)
-        q = self.layout.split
+        per_device = self.layout.per_device
         moved = max(
-            max(sum(p.misses for p in device), sum(len(p.evict_ids) for p in device))
-            for device in (step.plans[t : t + q] for t in range(0, len(step.plans), q))
+            int(per_device([p.misses for p in step.plans]).max()),
+            int(per_device([len(p.evict_ids) for p in step.plans]).max()),
         )
         real = int(step.real.max(initial=0))
         k_need, v_need, moved, real = self.agreement.max(
