@@ -268,11 +268,10 @@ def build_route(
                 rows = np.concatenate(parts)
                 owner_inverse[e, n * k + position(device * cl + unique_slots[rows])] = rows
 
-    out_inverse = np.empty(flat.size, np.int32)
     split = step.split
     if split is None:  # one device: the plan's rows, -1 for padding
         _run(threads, [*before, *(partial(fill_owner, o) for o in owners), *after])
-        out_inverse[:] = kernels.fill_negative(
+        out_inverse = kernels.fill_negative(
             np.ascontiguousarray(step.plans[0].inverse, dtype=np.int32).reshape(-1), received
         )
         if overflow.size:
@@ -281,6 +280,7 @@ def build_route(
             slots = step.plans[0].unique_slots[out_inverse[late]]
             out_inverse[late] = n * k + position(slots)
     else:
+        out_inverse = np.empty(flat.size, np.int32)
         base = _rank_base(step, layout, k)  # by own source and residue
         c, first_own = split.per_source, layout.own[0]
 
