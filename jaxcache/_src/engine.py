@@ -447,7 +447,7 @@ class EmbeddingCache:
             with timers.time("device_wait"):  # the evicting swaps may still be queued
                 for rows in read_outs:  # their state comes out of the same program
                     rows.block_until_ready()
-        with timers.time("gather"):
+        with timers.time("deferred"):
             for plan, source in sources.items():
                 mine = plans == plan
                 if source is None:  # landed meanwhile: the host table has them

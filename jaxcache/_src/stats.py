@@ -98,13 +98,17 @@ class StepStats:
 class PhaseTimers:
     """Seconds and counts spent in each phase of the cache's work.
 
-    Phases: ``plan``, ``write_back`` and ``gather``, ``transfer`` (host side),
-    ``swap`` (dispatching the device swap), ``wait`` (the training loop
-    waiting for a prefetched batch) and ``device_wait`` (the training loop
-    waiting for a swap still queued on the device, whose read-out holds rows
-    the batch it transfers fetches: time the device is busy, not the host).
-    With a pipeline the host phases run on a background thread, so their
-    time is hidden behind the device step unless ``wait`` grows.
+    Phases: ``plan``, ``write_back`` and ``gather`` (staging a batch),
+    ``deferred`` (copying into a staged batch the rows it fetches whose
+    write-back had not landed when it was staged, from the read-out that
+    holds them, before its transfer), ``transfer`` (host side), ``swap``
+    (dispatching the device swap), ``wait`` (the training loop waiting for a
+    prefetched batch) and ``device_wait`` (the training loop waiting for a
+    swap still queued on the device, whose read-out holds rows the batch it
+    transfers fetches: time the device is busy, not the host). With a
+    pipeline the staging phases run on a background thread, so their time
+    is hidden behind the device step unless ``wait`` grows; the others run
+    on the training thread.
 
     Examples:
       >>> import jaxcache
@@ -115,7 +119,16 @@ class PhaseTimers:
       (1, True)
     """
 
-    PHASES = ("plan", "write_back", "gather", "transfer", "swap", "wait", "device_wait")
+    PHASES = (
+        "plan",
+        "write_back",
+        "gather",
+        "deferred",
+        "transfer",
+        "swap",
+        "wait",
+        "device_wait",
+    )
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
