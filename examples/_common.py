@@ -473,9 +473,9 @@ class Progress:
             ),
             "counters": self.cache.stats.as_dict(),
             # Mean ms per occurrence of each phase of the cache's work. With a
-            # look-ahead, plan/write_back/gather/transfer run on the producer
-            # thread and only "wait" (the loop waiting for a staged batch) and
-            # "swap" are spent in the training loop.
+            # look-ahead, plan/write_back/gather run on the producer thread;
+            # deferred, transfer, swap, wait (the loop waiting for a staged
+            # batch) and device_wait are spent in the training loop.
             "phase_mean_ms": self.cache.stats.timers.mean_ms(),
         }
 

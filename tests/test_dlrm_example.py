@@ -115,6 +115,7 @@ def test_last_line_is_a_json_result(runs):
             "plan",
             "write_back",
             "gather",
+            "deferred",
             "transfer",
             "swap",
             "wait",
