@@ -30,12 +30,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # step per optimizer whatever the policy, and the reference, examples and
     # docs pages build theirs again. XLA's compilation cache on disk, in the
     # controller's scratch directory, lets the xdist workers and the programs
-    # the tests start (examples, processes, the docs' kernels: they inherit
-    # the variables) compile each program once per run; it took three test
-    # files from 354 to 156 s on 2 cores. A hit still counts as a compilation
-    # in ``jaxcache.testing.compilations`` (JAX reports it as one). An entry
+    # the tests start (examples, processes: they inherit the variables)
+    # compile each program once per run; it took three test files from 354
+    # to 156 s on 2 cores. A hit still counts as a compilation in
+    # ``jaxcache.testing.compilations`` (JAX reports it as one). An entry
     # read while another process writes it fails to load and is compiled
-    # again, with a warning; results never depend on the cache.
+    # again, with a warning (the docs build, where a warning is an error,
+    # keeps a cache of its own); results never depend on the cache.
     directory = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(scratch, "xla"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     jax.config.update("jax_compilation_cache_dir", directory)

@@ -4,6 +4,7 @@ import ast
 import html
 import importlib
 import inspect
+import os
 import pathlib
 import re
 import subprocess
@@ -83,11 +84,16 @@ def _text(page: pathlib.Path) -> str:
 @pytest.mark.slow
 def test_sphinx_build_executes_the_pages(tmp_path):
     out = tmp_path / "html"  # executed notebooks go next to it, in tmp_path
+    # The pages' kernels share a compilation cache of their own: one kernel
+    # runs at a time, so none reads an entry while another process writes
+    # it (that read would print a warning, an error under -W).
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla")}
     result = subprocess.run(
         # -T prints the full traceback, including a failing cell's error.
         [sys.executable, "-m", "sphinx", "-T", "-W", "-b", "html", str(DOCS), str(out)],
         capture_output=True,
         text=True,
+        env=env,
         # A guard against a hang, not a speed check: the build took 166 s
         # beside the other test worker on a slow day of a 2-core machine.
         timeout=900,
