@@ -234,13 +234,11 @@ class Stager:
     def _sizes(self, step: StepPlan, ids: np.ndarray, size: int | None) -> _Sizes:
         """The padded sizes of a step: from buckets (with every process's
         needs, which they agree on), or the fixed ``size`` of the
-        host-callback form (no overflow possible, no bags skipped)."""
+        host-callback form (no overflow possible, no bags skipped). A
+        partition evicts at most as many rows as it fetches (its victims
+        are its misses' slots), so the fetches size the moves."""
         k_need, v_need = routing.needs(step, self.layout)
-        per_device = self.layout.per_device
-        moved = max(
-            int(per_device([p.misses for p in step.plans]).max()),
-            int(per_device([len(p.evict_ids) for p in step.plans]).max()),
-        )
+        moved = int(self.layout.per_device([p.misses for p in step.plans]).max())
         real = int(step.real.max(initial=0))
         k_need, v_need, moved, real = self.agreement.max(
             step.index, np.array([k_need, v_need, moved, real])
