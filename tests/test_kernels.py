@@ -17,6 +17,7 @@ from jaxcache._src.kernels import (
     copy_rows,
     distinct_ranks,
     region,
+    reserve_candidates,
     split_by_home,
 )
 
@@ -231,6 +232,55 @@ def test_choose_victims_takes_the_lowest_key_then_slot_among_unprotected(keys, c
         return
     assert out.tolist() == sorted(expected[:count])
     assert (kth, last) == (key[expected[count - 1]], expected[count - 1])
+
+
+# Keys as policies give them (counts, plan indices) and anywhere in int64,
+# where the radix select needs several passes.
+_keys = st.one_of(
+    st.integers(-1, 6),
+    st.integers(-1, 5000),
+    st.integers(-(2**63), 2**63 - 1),
+    st.sampled_from([-(2**63), 2**63 - 1, -1, 0, 2**40]),
+    st.sampled_from([2045, 2046, 2047, 2048, 4095, 4096]),  # at the first window's edge
+)
+
+
+def _check_reserve(priority: list[int], id_of_slot: np.ndarray, size: int) -> None:
+    """``reserve_candidates`` against a sort of every slot by ``(key, slot)``."""
+    capacity = len(priority)
+    key = [-1 if i < 0 else k for i, k in zip(id_of_slot.tolist(), priority, strict=True)]
+    ranked = sorted(range(capacity), key=lambda s: (key[s], s))
+    out = np.full(size, -5, np.int64)
+    scratch = np.empty(capacity, np.uint64)
+    kth, last = reserve_candidates(id_of_slot, np.array(priority, np.int64), size, scratch, out)
+    below = [s for s in ranked[:size] if key[s] < key[ranked[size - 1]]]
+    assert out.tolist() == sorted(below) + ranked[len(below) : size]  # each part by slot
+    assert (kth, last) == (key[ranked[size - 1]], ranked[size - 1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    priority=st.lists(_keys, min_size=1, max_size=5000),
+    free=st.floats(0, 1),
+    data=st.data(),
+)
+def test_reserve_candidates_are_the_lowest_key_then_slot(priority, free, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    id_of_slot = np.where(rng.random(len(priority)) < free, -1, 3)
+    _check_reserve(priority, id_of_slot, data.draw(st.integers(1, len(priority))))
+
+
+@pytest.mark.parametrize(
+    "priority, size",
+    [
+        ([0, 2047, 2047, 3000], 4),  # past the first window, whose last key repeats
+        ([5, 5, 5, 5], 2),  # one key: no pass at all
+        ([2**63 - 1, -(2**63), 0, 2**62], 3),  # the whole int64 range: several passes
+        ([7, 3, 2054, 3, 2055, 1 << 40], 5),
+    ],
+)
+def test_reserve_candidates_at_the_edges_of_the_radix_passes(priority, size):
+    _check_reserve(priority, np.zeros(len(priority), np.int64), size)
 
 
 @settings(max_examples=100, deadline=None)

@@ -63,6 +63,7 @@ __all__ = [
     "place_rows",
     "real_positions",
     "region",
+    "reserve_candidates",
     "restore_misses",
     "sample_ids",
     "shadow_rekey",
@@ -565,6 +566,85 @@ def choose_victims(reserve, mark, stamp, last_use, finished, id_of_slot, priorit
             bits &= bits - one
             n += 1
     return found, kth, last
+
+
+@kernel
+def reserve_candidates(id_of_slot, priority, size, keys, out):
+    """The ``size`` slots of lowest ``(key, slot)``, into ``out``: every slot
+    whose key is below the ``size``-th lowest key, by slot, then the lowest
+    slots of that key. A key is ``-1`` for a free slot, else ``priority[slot]``;
+    ``keys`` is scratch of the slots' number.
+
+    The ``size``-th key is found by a radix select, 11 bits a pass (2,048
+    counts, in the core's cache). The first pass counts the 2,048 keys from
+    the lowest one by one, which holds the answer in one pass when the
+    keys are counts or plan indices (LFU, LRU); otherwise each pass narrows
+    the range to one of 2,048 buckets. The keys are compared as unsigned
+    words with the sign bit flipped, which keeps their order and makes
+    every difference of two of them exact. No pass branches on a key: a key
+    outside the range counts in a spare bucket, and every slot is written
+    to one of two lists whose ends move only for the slots kept (the keys
+    of a step follow no pattern a branch predictor could learn). Four rows
+    of counts, taken in turn, keep a run of equal keys from waiting on one
+    counter.
+
+    Returns:
+      ``(key, slot)``: the ``size``-th key and the last slot taken.
+    """
+    capacity = id_of_slot.size
+    sign = np.uint64(1) << np.uint64(63)
+    lo = ~np.uint64(0)
+    hi = np.uint64(0)
+    for s in range(capacity):
+        k = np.uint64(np.int64(-1) if id_of_slot[s] < 0 else priority[s]) ^ sign
+        keys[s] = k
+        lo = min(lo, k)
+        hi = max(hi, k)
+    below = 0  # keys under ``lo``
+    rank = size - 1  # of the key sought among those in [lo, hi]
+    counts = np.empty((4, 2049), np.int64)  # bucket 2048: keys outside the range
+    low_first = True
+    while lo < hi:
+        span = hi - lo
+        bits = 64 - leading_zeros(span)  # type: ignore[call-arg]  # typed by numba
+        shift = np.uint64(0 if low_first or bits <= 11 else bits - 11)
+        top = min(span, np.uint64(2047) << shift | ((np.uint64(1) << shift) - np.uint64(1)))
+        counts[:] = 0
+        for s in range(capacity):
+            d = keys[s] - lo  # wraps above ``top`` for a key under ``lo``
+            counts[s & 3, (d >> shift) if d <= top else np.uint64(2048)] += 1
+        b = 0
+        found = False
+        while b < 2048:
+            c = counts[0, b] + counts[1, b] + counts[2, b] + counts[3, b]
+            if rank < c:
+                found = True
+                break
+            rank -= c
+            below += c
+            b += 1
+        if not found:  # only the low window (shift 0) can miss: the rest is above it
+            lo += top + np.uint64(1)
+            low_first = False
+            continue
+        first = np.uint64(b) << shift
+        hi = lo + min(span, first + ((np.uint64(1) << shift) - np.uint64(1)))
+        lo += first
+        low_first = False
+    need = size - below  # ties taken, the lowest slots first
+    lows = np.empty(below + 1, np.int64)  # the last entry takes the slots not kept
+    ties = np.empty(need + 1, np.int64)
+    n = 0
+    t = 0
+    for s in range(capacity):
+        k = keys[s]
+        lows[n] = s
+        n += k < lo
+        ties[t] = s
+        t += (k == lo) & (t < need)
+    out[:below] = lows[:below]
+    out[below:size] = ties[:need]
+    return np.int64(lo ^ sign), out[size - 1]
 
 
 @kernel

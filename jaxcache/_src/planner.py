@@ -230,6 +230,7 @@ class Planner:
         self.reserve = int(reserve)
         self._candidates: np.ndarray | None = None
         self._threshold: tuple[int, int] | None = None
+        self._keys: np.ndarray | None = None  # the rebuild's scratch (lazily)
 
     @property
     def capacity(self) -> int:
@@ -709,10 +710,6 @@ class Planner:
             kernels.mark_new(slots, self._mark, self._stamp, self.capacity, counts)
         return int(counts[0])
 
-    def _keys(self, slots: np.ndarray) -> np.ndarray:
-        """Eviction keys of ``slots``: -1 for a free slot, else the policy's priority."""
-        return np.where(self.id_of_slot[slots] < 0, -1, self.policy.priorities(self)[slots])
-
     def _snapshot(self, size: int) -> None:
         """Keeps the ``size`` slots of lowest ``(key, slot)`` as victim candidates.
 
@@ -726,12 +723,14 @@ class Planner:
             self._candidates = np.arange(self.capacity)
             self._threshold = None  # every slot is a candidate
             return
-        keys = self._keys(np.arange(self.capacity))
-        kth = np.partition(keys, size - 1)[size - 1]
-        below = np.flatnonzero(keys < kth)
-        ties = np.flatnonzero(keys == kth)[: size - below.size]
-        self._candidates = np.concatenate([below, ties])
-        self._threshold = (int(kth), int(ties[-1]))
+        if self._keys is None:
+            self._keys = np.empty(self.capacity, np.uint64)
+        candidates = np.empty(size, np.int64)
+        key, slot = kernels.reserve_candidates(
+            self.id_of_slot, self.policy.priorities(self), size, self._keys, candidates
+        )
+        self._candidates = candidates
+        self._threshold = (int(key), int(slot))
 
     def _choose_victims(self, count: int) -> np.ndarray:
         """The ``count`` unprotected slots of lowest ``(key, slot)``, by slot.
