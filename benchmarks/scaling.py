@@ -9,7 +9,9 @@ One run measures, on a Criteo-shaped table of about 4M rows x 16 (LFU,
 
 1. **Weak scaling** in one process: 1, 2, 4, 8 simulated CPU devices, the
    per-device batch fixed, one host thread: staging CPU per step and per
-   device partition. ``partition_cpu_8_over_1``: CPU per partition at 8
+   device partition. The four caches take turns in blocks of ``BLOCK``
+   steps (as in section 2), so that a change of load on the machine falls
+   on each of them. ``partition_cpu_8_over_1``: CPU per partition at 8
    devices over that at 1. For reference, 8 independent one-device caches
    (batches of their own) staged in turn on the same thread: what one
    thread pays per cache once 8 caches' planner state share its CPU caches,
@@ -123,13 +125,17 @@ def weak_scaling(args: argparse.Namespace) -> tuple[float, float]:
         f"   {'devices':>7} {'ids/step':>9} {'CPU ms/step':>12} {'ms/partition':>13} {'M ids/s':>8}"
     )
     per_partition = {}
+    runs = {}
     for devices in (1, 2, 4, 8):
         data = jaxcache.synthetic.SyntheticCriteo(
             scale=SCALE, batch_size=PER_DEVICE * devices, seed=0
         )
-        runner = Runner(_cache(_config(data, CAPACITY * devices), devices, threads=1))
-        for index in range(args.warmup + args.steps):
-            runner.step(data.batch(index)["sparse"], index >= args.warmup)
+        runs[devices] = (
+            data,
+            Runner(_cache(_config(data, CAPACITY * devices), devices, threads=1)),
+        )
+    _in_turns(args, runs.values())
+    for devices, (data, runner) in runs.items():
         cpu = float(np.median(runner.cpu))
         ids = PER_DEVICE * devices * data.num_features
         per_partition[devices] = cpu / devices
@@ -160,15 +166,17 @@ def caches_in_turn(args: argparse.Namespace, count: int) -> float:
 
 
 def _in_turns(
-    args: argparse.Namespace, data: jaxcache.synthetic.SyntheticCriteo, runners: Iterable[Runner]
+    args: argparse.Namespace, runs: Iterable[tuple[jaxcache.synthetic.SyntheticCriteo, Runner]]
 ) -> None:
-    """Stages the same batches through every runner, the runners taking
-    turns in blocks of ``BLOCK`` steps (see section 2 of the docstring)."""
+    """Stages each runner's batches (from its data) through it, the runners
+    taking turns in blocks of ``BLOCK`` steps (see section 2 of the docstring)."""
     total = args.warmup + args.steps
+    runs = list(runs)
     for start in range(0, total, BLOCK):
-        block = [data.batch(index)["sparse"] for index in range(start, min(start + BLOCK, total))]
-        for runner in runners:
-            for index, ids in enumerate(block, start):
+        indices = range(start, min(start + BLOCK, total))
+        blocks = {id(data): [data.batch(index)["sparse"] for index in indices] for data, _ in runs}
+        for data, runner in runs:
+            for index, ids in enumerate(blocks[id(data)], start):
                 runner.step(ids, index >= args.warmup)
 
 
@@ -179,7 +187,7 @@ def thread_scaling(args: argparse.Namespace) -> float:
     data = jaxcache.synthetic.SyntheticCriteo(scale=SCALE, batch_size=PER_DEVICE * devices, seed=0)
     cfg = _config(data, CAPACITY * devices)
     runners = {t: Runner(_cache(cfg, devices, threads=t)) for t in counts}
-    _in_turns(args, data, runners.values())
+    _in_turns(args, [(data, runner) for runner in runners.values()])
     one = float(np.median(runners[1].wall))
     print(f"   {'threads':>7} {'wall ms/step':>13} {'vs 1 thread':>12}")
     for threads, runner in runners.items():
@@ -256,7 +264,7 @@ def one_device_partitions(args: argparse.Namespace) -> float:
         )
         for parts, threads in dict.fromkeys([(1, 1), (q, 1), (q, q)])
     }
-    _in_turns(args, data, runs.values())
+    _in_turns(args, [(data, runner) for runner in runs.values()])
     one = float(np.median(runs[1, 1].wall))
     print(f"   {'partitions':>10} {'threads':>7} {'wall ms/step':>13} {'vs 1 x 1':>9} {'hits':>9}")
     for (parts, threads), runner in runs.items():
