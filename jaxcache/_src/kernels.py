@@ -576,17 +576,17 @@ def reserve_candidates(id_of_slot, priority, size, keys, out):
     ``keys`` is scratch of the slots' number.
 
     The ``size``-th key is found by a radix select, 11 bits a pass (2,048
-    counts, in the core's cache). The first pass counts the 2,048 keys from
-    the lowest one by one, which holds the answer in one pass when the
-    keys are counts or plan indices (LFU, LRU); otherwise each pass narrows
-    the range to one of 2,048 buckets. The keys are compared as unsigned
-    words with the sign bit flipped, which keeps their order and makes
-    every difference of two of them exact. No pass branches on a key: a key
-    outside the range counts in a spare bucket, and every slot is written
-    to one of two lists whose ends move only for the slots kept (the keys
-    of a step follow no pattern a branch predictor could learn). Four rows
-    of counts, taken in turn, keep a run of equal keys from waiting on one
-    counter.
+    counts, in the core's cache). The first pass counts each of the 2,048
+    values from the lowest key up, which holds the answer in one pass when
+    the keys are counts or plan indices (LFU, LRU); otherwise each pass
+    narrows the range to one of 2,048 buckets. The keys are compared as
+    unsigned words with the sign bit flipped, which keeps their order and
+    makes every difference of two of them exact. No pass branches on a key
+    (the keys of a step follow no pattern a branch predictor could learn):
+    a key outside the range counts in a spare bucket, and every slot is
+    written to both lists, whose ends move only for the slots each keeps.
+    Four rows of counts, taken in turn, keep a run of equal keys from
+    waiting on one counter.
 
     Returns:
       ``(key, slot)``: the ``size``-th key and the last slot taken.
