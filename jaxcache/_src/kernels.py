@@ -608,29 +608,26 @@ def reserve_candidates(id_of_slot, priority, size, keys, out):
         span = hi - lo
         bits = 64 - leading_zeros(span)  # type: ignore[call-arg]  # typed by numba
         shift = np.uint64(0 if low_first or bits <= 11 else bits - 11)
+        low_first = False
         top = min(span, np.uint64(2047) << shift | ((np.uint64(1) << shift) - np.uint64(1)))
         counts[:] = 0
         for s in range(capacity):
             d = keys[s] - lo  # wraps above ``top`` for a key under ``lo``
             counts[s & 3, (d >> shift) if d <= top else np.uint64(2048)] += 1
         b = 0
-        found = False
         while b < 2048:
             c = counts[0, b] + counts[1, b] + counts[2, b] + counts[3, b]
             if rank < c:
-                found = True
                 break
             rank -= c
             below += c
             b += 1
-        if not found:  # only the low window (shift 0) can miss: the rest is above it
+        if b == 2048:  # only the low window (shift 0) can miss: the rest is above it
             lo += top + np.uint64(1)
-            low_first = False
             continue
         first = np.uint64(b) << shift
         hi = lo + min(span, first + ((np.uint64(1) << shift) - np.uint64(1)))
         lo += first
-        low_first = False
     need = size - below  # ties taken, the lowest slots first
     lows = np.empty(below + 1, np.int64)  # the last entry takes the slots not kept
     ties = np.empty(need + 1, np.int64)
