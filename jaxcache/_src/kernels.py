@@ -301,6 +301,7 @@ def lookup_entries(
     miss_rank,
     first,
     sent,
+    bounds,
     ranks,
     per_source,
 ):
@@ -314,8 +315,8 @@ def lookup_entries(
     rows in order of first appearance, source after source; misses coded in
     the directory), it ranks the distinct ids of each source in order of
     appearance: rank ``k`` of source ``s`` is ``first[b_s + k]`` (the row;
-    ``b_s`` the entries of the sources before ``s``), ``sent[s]`` how many
-    there are, and ``ranks[j]`` each entry's rank, at the entry's own index
+    ``b_s = bounds[s]``, the entries of the sources before ``s``), ``sent[s]``
+    how many there are, and ``ranks[j]`` each entry's rank, at the entry's own index
     ``j`` of ``local``. ``source_mark`` is stamped with ``source_stamp + s``.
     From a single source (one device of several partitions) a rank is the
     row, and ``source_mark``, ``source_rank``, ``miss_source`` and
@@ -334,6 +335,7 @@ def lookup_entries(
     base = 0
     k = 0
     one = chunk_lo.size == per_source  # a single source: its ranks are the rows
+    bounds[0] = 0
     for g in range(chunk_lo.size):
         s = g // per_source
         if g % per_source == 0:  # a source's first chunk
@@ -403,6 +405,7 @@ def lookup_entries(
             sent[s] = h + m if one else k
             for c in range(g + 1 - per_source, g + 1):
                 base += chunk_hi[c] - chunk_lo[c]
+            bounds[s + 1] = base
     return h, m, missed
 
 
@@ -884,13 +887,22 @@ _WINDOW = 64
 
 
 @kernel
-def owner_route(unique_slots, first, bounds, sent, per_destination, slots, requests, owner_inverse):
+def owner_route(
+    unique_slots, first, bounds, sent, per_destination, pad, slots, requests, owner_inverse
+):
     """One owner's share of a route: its distinct local slots copied to
     ``slots``; ``requests[s, k]``, the local slot of the k-th row it serves
     source ``s``, and ``owner_inverse[s K + k]``, that row's index among its
     distinct rows (their plan's rows, numbered as the batch's ids first
-    appear); rows at ``K`` or beyond are left for the overflow path."""
-    slots[: unique_slots.size] = unique_slots
+    appear); rows at ``K`` or beyond are left for the overflow path. Every
+    other entry is padding: ``pad`` (``C_l``) in ``slots`` and
+    ``requests``, ``slots.size`` (``V``) in ``owner_inverse``, filled here
+    on the owner's thread rather than before the map on the caller's."""
+    used = unique_slots.size
+    slots[:used] = unique_slots
+    slots[used:] = pad
+    requests[:, :] = pad
+    owner_inverse[:] = slots.size
     for s in range(bounds.size - 1):
         base = bounds[s]
         for k in range(min(sent[s], per_destination)):

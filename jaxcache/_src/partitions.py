@@ -377,16 +377,20 @@ class Partitions:
         split, sent_out = self._split(array, flat)
         stamp = self._source_stamp
         self._source_stamp += n
+        counts = split.end - split.begin  # [chunk, residue]
+        entries = counts.sum(0).tolist()
 
         def check(item):
             part, planner = item
-            lo, hi = split.chunks(self.layout.part_residue(part))
+            residue = self.layout.part_residue(part)
+            lo, hi = split.chunks(residue)
             return planner.check_entries(
                 split.local,
                 lo,
                 hi,
                 split.ranks,
                 stamp,
+                entries[residue],
                 released=released,
                 per_source=split.per_source,
             )
@@ -404,7 +408,7 @@ class Partitions:
             tuple(plans),
             tuple(c.bounds for c in checked),
             np.stack([c.sent for c in checked]),
-            (split.end - split.begin).reshape(n, -1)[self._own].sum(1),
+            counts.reshape(n, -1)[self._own].sum(1),
             sent_out,
             split,
         )

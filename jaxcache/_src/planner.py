@@ -511,6 +511,7 @@ class Planner:
         chunk_hi: np.ndarray,
         ranks: np.ndarray,
         source_stamp: int,
+        entries: int,
         *,
         released: int | None = None,
         per_source: int = 1,
@@ -521,9 +522,11 @@ class Planner:
 
         Also ranks the distinct ids each source sends (``lookup_entries``),
         writing each entry's rank to ``ranks`` at the entry's index.
+        ``entries``: how many entries the chunks hold in all (the caller
+        counts them for every partition at once).
         """
         self._stamp += 1
-        size = int((chunk_hi - chunk_lo).sum())
+        size = entries
         if self._source_mark is None:
             self._source_mark = np.zeros(self.capacity, np.int64)
             self._source_rank = np.empty(self.capacity, np.int32)
@@ -535,6 +538,7 @@ class Planner:
         first = np.empty(size, np.int32)
         sources = chunk_lo.size // per_source
         sent = np.empty(sources, np.int64)
+        bounds = np.empty(sources + 1, np.int64)
         h, m, missed = kernels.lookup_entries(
             local,
             chunk_lo,
@@ -555,11 +559,10 @@ class Planner:
             np.empty(miss_ids.size, np.int32),  # and its rank there
             first,
             sent,
+            bounds,
             ranks,
             per_source,
         )
-        bounds = np.zeros(sources + 1, np.int64)
-        np.cumsum((chunk_hi - chunk_lo).reshape(sources, per_source).sum(1), out=bounds[1:])
         checked = _Checked(
             (size,),
             None,

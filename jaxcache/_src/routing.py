@@ -251,16 +251,17 @@ def build_route(
     n, cl, k = layout.devices, local_capacity, per_destination
     own = len(layout.own)
     received = n * k + overflow_size
-    requests = np.full((own, n, k), cl, np.int32)
-    owner_slots = np.full((own, owner_size), cl, np.int32)
-    owner_inverse = np.full((own, received), owner_size, np.int32)
+    # Filled, padding and all, by each owner's piece (``kernels.owner_route``).
+    requests = np.empty((own, n, k), np.int32)
+    owner_slots = np.empty((own, owner_size), np.int32)
+    owner_inverse = np.empty((own, received), np.int32)
     position = _positions_in(overflow)
     owners = range(own)
 
     def fill_owner(e: int) -> None:
         device, unique_slots, first, bounds, sent = _owner(step, layout, cl, e)
         kernels.owner_route(
-            unique_slots, first, bounds, sent, k, owner_slots[e], requests[e], owner_inverse[e]
+            unique_slots, first, bounds, sent, k, cl, owner_slots[e], requests[e], owner_inverse[e]
         )
         if overflow.size:
             parts = [first[b + k : b + m] for b, m in zip(bounds[:-1], sent, strict=True) if m > k]
