@@ -84,6 +84,10 @@ class HostThreads:
                 "step on the calling thread), or None for the default."
             )
         self.count = count
+        # Read once: a system call at every map cost more than the rest of
+        # its start (threads beyond the cores, should the affinity shrink
+        # later, only take turns).
+        self._cores = cores()
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         """``[fn(item) for item in items]``, the calls spread over the threads.
@@ -103,7 +107,7 @@ class HostThreads:
         if self.count == 1 or len(items) < 2:  # no thread to wake, nothing to share
             return [_call(fn, item) for item in items]
         job = _Job(fn, items)
-        helpers = min(self.count, cores(), len(items)) - 1
+        helpers = min(self.count, self._cores, len(items)) - 1
         crew = _crew(helpers) if helpers > 0 else None
         if crew is not None and crew.busy.acquire(blocking=False):
             try:
@@ -113,7 +117,7 @@ class HostThreads:
                 # let go of the GIL: asking for it while a helper still
                 # holds it would put this thread to sleep.
                 kernels.wait_for_helpers(job.done, crew.marks, generation, _SPIN_ROUNDS)
-                job.finished.wait()
+                job.wait()
             finally:
                 crew.clear()
                 crew.busy.release()
@@ -123,15 +127,22 @@ class HostThreads:
 
 
 class _Job(Generic[T]):
-    """One map: its pieces, taken in turn by whichever thread asks next."""
+    """One map: its pieces, taken in turn by whichever thread asks next.
+
+    A map starts several times a step, so its bookkeeping is a lock and a
+    latch (a lock the last piece releases), not a ``threading.Event``: an
+    Event's condition variable cost more to make and to set than the rest of
+    the start.
+    """
 
     def __init__(self, fn: Callable[[T], Any], items: Sequence[T]) -> None:
         self.fn = fn
         self.items = items
         self.results: list[Any] = [None] * len(items)
-        self.finished = threading.Event()
-        self.done = np.zeros(1, np.int64)  # `finished`, for a caller spinning without the GIL
+        self.done = np.zeros(1, np.int64)  # finished, for a caller spinning without the GIL
         self._lock = threading.Lock()
+        self._finished = threading.Lock()  # held until the last piece ends
+        self._finished.acquire()
         self._next = 0
         self._left = len(items)
 
@@ -148,7 +159,12 @@ class _Job(Generic[T]):
                 self._left -= 1
                 if not self._left:
                     self.done[0] = 1
-                    self.finished.set()
+                    self._finished.release()
+
+    def wait(self) -> None:
+        """Returns once every piece has ended."""
+        self._finished.acquire()
+        self._finished.release()
 
 
 class _Crew:
@@ -165,6 +181,7 @@ class _Crew:
         self._wake = threading.Condition()
         self._job: _Job[Any] | None = None
         self._generation = 0
+        self._sleeping = 0  # helpers waiting on ``_wake`` (the rest spin)
         # [0] the map posted last; [1 + k] the last helper k joined; [1 + size + k] it left.
         self.marks = np.zeros(1 + 2 * size, np.int64)
         for k in range(size):
@@ -178,7 +195,8 @@ class _Crew:
             self._job = job
             self._generation += 1
             self.marks[0] = self._generation
-            self._wake.notify_all()
+            if self._sleeping:
+                self._wake.notify_all()
             return self._generation
 
     def clear(self) -> None:
@@ -192,8 +210,10 @@ class _Crew:
         while True:
             if not kernels.park(self.marks, helper, seen, _PARK_ROUNDS):
                 with self._wake:
+                    self._sleeping += 1
                     while self._generation == seen:
                         self._wake.wait()
+                    self._sleeping -= 1
             with self._wake:
                 seen, job = self._generation, self._job
             if job is not None:  # a helper woken late finds the map done or none
