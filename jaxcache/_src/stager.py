@@ -184,10 +184,10 @@ class Stager:
                 step = self.partitions.plan(ids, train=train, released=released, max_distinct=size)
                 sizes = self._sizes(step, ids, size)
             # One map for the route and the moves: the ledger's part and the
-            # buffers on one thread while the others fill the route, the
-            # gathers last, each block's rows on any thread.
+            # buffers on one thread while the others fill the route, then
+            # the evictions and each block's gather, on any thread.
             job = _MovesJob(self, step, defer, sizes.moves) if sizes.moves else None
-            before, after = ((job.prepare,), job.gathers()) if job else ((), [])
+            before, after = ((job.prepare,), job.pieces()) if job else ((), [])
             start = time.perf_counter()
             route = self._route(step, ids, sizes, before, after)
             timers.add("gather", time.perf_counter() - start - (job.write_back if job else 0.0))
@@ -322,13 +322,15 @@ class _MovesJob:
     """This process's blocks of a step's swap, made as pieces of the route's map.
 
     ``prepare`` (one piece, first) lands the write-backs the fetches need (or
-    defers the rows that wait for one), queues the step's own evictions'
-    write-back and fills the blocks' slot lists; ``gathers`` (pieces that
-    run last) copy each block's fetched rows and their optimizer state out of
-    the host table, each waiting for ``prepare`` first (a thread with
-    nothing else left to take). Then ``moves`` are ``(evict_slots,
-    fetch_slots, fetch_rows, fetch_opt)`` and ``deferred`` the fetches
-    deferred to the transfer (``None`` when there are none).
+    defers the rows that wait for one) and makes the buffers; it is the only
+    piece the others wait for, so it does no more. ``pieces`` (run last)
+    are ``evictions``, which queues the step's own evictions' write-back and
+    fills the blocks' evicted slots, and one gather per partition with rows
+    to fetch, which fills its block's fetched slots and copies its rows and
+    their optimizer state out of the host table; each waits for ``prepare``
+    first (a thread with nothing else left to take). Then ``moves`` are
+    ``(evict_slots, fetch_slots, fetch_rows, fetch_opt)`` and ``deferred``
+    the fetches deferred to the transfer (``None`` when there are none).
     """
 
     def __init__(self, stager: Stager, step: StepPlan, defer: bool, size: int) -> None:
@@ -341,7 +343,7 @@ class _MovesJob:
     def prepare(self) -> None:
         try:
             self._prepare()
-        finally:  # on an error the gathers do nothing; the map raises it
+        finally:  # on an error the other pieces do nothing; the map raises it
             self._ready.set()
 
     def _prepare(self) -> None:
@@ -363,22 +365,31 @@ class _MovesJob:
             ledger.land_for(wanted)
         self.write_back = time.perf_counter() - start
         stager.stats.timers.add("write_back", self.write_back)
-        evicted, evicted_at, _ = _blocks(step, "evict_ids", size, stager.residues, layout)
-        if evicted.size:  # after landing: a plan never fetches what it evicts
-            ledger.register(step.index, evicted, evicted_at)
-        # Fresh buffers (the device may alias them).
+        # Fresh buffers (the device may alias them); the pieces fill the slots.
         table, total = stager.table, len(layout.own) * size
         evict_slots = np.full(total, cl, np.int32)
         fetch_slots = np.full(total, cl, np.int32)
-        evict_slots[evicted_at] = _device_slots(step, "evict_slots", layout, cl)
-        fetch_slots[at] = _device_slots(step, "fetch_slots", layout, cl)
         rows = np.zeros((total, *table.rows.shape[1:]), table.rows.dtype)
         opt = {k: np.zeros((total, *v.shape[1:]), v.dtype) for k, v in table.state.items()}
         self.moves = (evict_slots, fetch_slots, rows, opt)
 
-    def gathers(self) -> list[Callable[[], None]]:
-        """One piece per partition with rows to fetch."""
-        return [partial(self._gather, b) for b, plan in enumerate(self.step.plans) if plan.misses]
+    def pieces(self) -> list[Callable[[], None]]:
+        """``evictions``, then one gather per partition with rows to fetch."""
+        gathers = [
+            partial(self._gather, b) for b, plan in enumerate(self.step.plans) if plan.misses
+        ]
+        return [self._evictions, *gathers]
+
+    def _evictions(self) -> None:
+        self._ready.wait()
+        if self.moves is None:  # ``prepare`` failed
+            return
+        stager, step = self.stager, self.step
+        layout, cl = stager.layout, stager.local_capacity
+        evicted, evicted_at, _ = _blocks(step, "evict_ids", self.size, stager.residues, layout)
+        if evicted.size:  # after landing (``prepare``): a plan never fetches what it evicts
+            stager.ledger.register(step.index, evicted, evicted_at)
+            self.moves[0][evicted_at] = _device_slots(step, "evict_slots", layout, cl)
 
     def _gather(self, part: int) -> None:
         self._ready.wait()
@@ -387,11 +398,16 @@ class _MovesJob:
         wanted, at, bounds = self._fetch
         lo, hi, keep = bounds[part], bounds[part + 1], self._home[part]
         ids, places = wanted[lo:hi], at[lo:hi]
+        _, fetch_slots, rows, opt = self.moves
+        start = int(places[0])  # a block's places are a run (``_blocks``)
+        layout = self.stager.layout
+        fetch_slots[start : start + places.size] = _part_slots(
+            self.step, "fetch_slots", part, layout, self.stager.local_capacity
+        )
         if keep is not None:  # NumPy calls here only where some rows wait
             if not keep.any():
                 return
             ids, places = ids[keep], places[keep]
-        _, _, rows, opt = self.moves
         self.stager.table.gather_into(ids, rows, opt, places)
 
 
@@ -419,11 +435,18 @@ def _blocks(
 
 def _device_slots(step: StepPlan, field: str, layout: Layout, local_capacity: int) -> np.ndarray:
     """Every own partition's ``field`` (``fetch_slots`` or ``evict_slots``),
-    one after another, as local slots of its device (partition ``j`` of a
-    device has its ``j``-th ``C_l / q`` slots)."""
-    slots = [getattr(plan, field) for plan in step.plans]
+    one after another, as local slots of its device (``_part_slots``)."""
+    if layout.split == 1:
+        return np.concatenate([getattr(plan, field) for plan in step.plans])
+    parts = range(len(step.plans))
+    return np.concatenate([_part_slots(step, field, t, layout, local_capacity) for t in parts])
+
+
+def _part_slots(
+    step: StepPlan, field: str, part: int, layout: Layout, local_capacity: int
+) -> np.ndarray:
+    """Own partition ``part``'s ``field`` as local slots of its device
+    (partition ``j`` of a device has its ``j``-th ``C_l / q`` slots)."""
+    slots = getattr(step.plans[part], field)
     q = layout.split
-    if q == 1:
-        return np.concatenate(slots)
-    width = local_capacity // q
-    return np.concatenate([s + (t % q) * width for t, s in enumerate(slots)])
+    return slots if q == 1 else slots + (part % q) * (local_capacity // q)
