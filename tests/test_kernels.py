@@ -16,6 +16,7 @@ from jaxcache._src.kernels import (
     choose_victims,
     copy_rows,
     distinct_ranks,
+    owner_route,
     region,
     reserve_candidates,
     split_by_home,
@@ -311,3 +312,36 @@ def test_block_ids_places_each_partitions_local_ids_in_its_device_block(blocks, 
     places = [d * size + k for d in range(blocks) for k in range(per_device[d])]
     assert ids.tolist() == [int(i) for i in expected]
     assert at.tolist() == places
+
+
+@settings(max_examples=100, deadline=None)
+@given(sources=st.integers(1, 4), per_destination=st.integers(1, 5), data=st.data())
+def test_owner_route_fills_its_rows_padding_and_all(sources, per_destination, data):
+    # One owner's route written into buffers of junk: the first K rows each
+    # source asks for, the rest of every row padding (C_l, or V among the
+    # owner's rows), nothing left as it was.
+    local_capacity, k = 50, per_destination
+    distinct = data.draw(st.integers(0, 12))
+    owner_size = distinct + data.draw(st.integers(0, 3))
+    unique_slots = np.array(data.draw(st.permutations(range(local_capacity)))[:distinct], np.int32)
+    sent = np.array(data.draw(st.lists(st.integers(0, distinct), min_size=sources,
+                                       max_size=sources)), np.int64)  # fmt: skip
+    bounds = np.concatenate([[0], np.cumsum(sent)]).astype(np.int64)
+    first = np.array([data.draw(st.integers(0, max(distinct - 1, 0))) for _ in range(bounds[-1])],
+                     np.int32)  # fmt: skip
+    received = sources * k + data.draw(st.integers(0, 3))  # and the overflow's rows
+    slots = np.full(owner_size, -7, np.int32)
+    requests = np.full((sources, k), -7, np.int32)
+    owner_inverse = np.full(received, -7, np.int32)
+    owner_route(
+        unique_slots, first, bounds, sent, k, local_capacity, slots, requests, owner_inverse
+    )
+    assert slots.tolist() == unique_slots.tolist() + [local_capacity] * (owner_size - distinct)
+    expected_inverse = [owner_size] * received
+    for s in range(sources):
+        rows = first[bounds[s] : bounds[s] + min(sent[s], k)].tolist()
+        assert requests[s].tolist() == [int(unique_slots[u]) for u in rows] + [local_capacity] * (
+            k - len(rows)
+        )
+        expected_inverse[s * k : s * k + len(rows)] = rows
+    assert owner_inverse.tolist() == expected_inverse
