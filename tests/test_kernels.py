@@ -206,21 +206,16 @@ def test_split_by_home_finds_the_first_id_out_of_range(keep_all):
     assert split_by_home(ids, 0, 2, -1, 12, 2, keep, *out) == -1
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    keys=st.integers(1, 6),  # few distinct keys: many ties
-    capacity=st.integers(1, 200),
-    data=st.data(),
-)
-def test_choose_victims_takes_the_lowest_key_then_slot_among_unprotected(keys, capacity, data):
+def _check_victims(priority: np.ndarray, capacity: int, data: st.DataObject) -> None:
+    """``choose_victims`` against a sort of the unprotected slots of a
+    random reserve by ``(key, slot)``."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     reserve = rng.permutation(capacity)[: data.draw(st.integers(0, capacity))].astype(np.int64)
     mark = np.where(rng.random(capacity) < 0.2, 7, 0).astype(np.int64)  # stamp 7: hits
     last_use = rng.integers(0, 10, capacity)  # used after plan 8: in flight
     id_of_slot = np.where(rng.random(capacity) < 0.1, -1, rng.integers(0, 10**6, capacity))
-    priority = rng.integers(0, keys, capacity)
     free = [s for s in reserve if mark[s] != 7 and last_use[s] <= 8]
-    key = {s: -1 if id_of_slot[s] < 0 else priority[s] for s in free}
+    key = {s: -1 if id_of_slot[s] < 0 else int(priority[s]) for s in free}
     expected = sorted(free, key=lambda s: (key[s], s))
     count = data.draw(st.integers(1, len(free) + 2))
     out = np.full(count, -5, np.int64)
@@ -233,6 +228,17 @@ def test_choose_victims_takes_the_lowest_key_then_slot_among_unprotected(keys, c
         return
     assert out.tolist() == sorted(expected[:count])
     assert (kth, last) == (key[expected[count - 1]], expected[count - 1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    keys=st.integers(1, 6),  # few distinct keys: many ties
+    capacity=st.integers(1, 200),
+    data=st.data(),
+)
+def test_choose_victims_takes_the_lowest_key_then_slot_among_unprotected(keys, capacity, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    _check_victims(rng.integers(0, keys, capacity), capacity, data)
 
 
 # Keys as policies give them (counts, plan indices) and anywhere in int64,
@@ -257,6 +263,13 @@ def _check_reserve(priority: list[int], id_of_slot: np.ndarray, size: int) -> No
     below = [s for s in ranked[:size] if key[s] < key[ranked[size - 1]]]
     assert out.tolist() == sorted(below) + ranked[len(below) : size]  # each part by slot
     assert (kth, last) == (key[ranked[size - 1]], ranked[size - 1])
+
+
+@settings(max_examples=100, deadline=None)
+@given(priority=st.lists(_keys, min_size=1, max_size=3000), data=st.data())
+def test_choose_victims_with_keys_anywhere_in_int64(priority, data):
+    # Wide keys take the radix select several passes, as in the reserve's rebuild.
+    _check_victims(np.array(priority, np.int64), len(priority), data)
 
 
 @settings(max_examples=200, deadline=None)

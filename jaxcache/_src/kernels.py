@@ -496,60 +496,102 @@ def mark_new(slots, mark, stamp, group_capacity, counts):
 
 
 @kernel
-def _victim_candidates(reserve, mark, stamp, last_use, finished, id_of_slot, priority):
-    """The slots of ``reserve`` a plan may evict, with their eviction keys.
+def _select(keys, n, lo, hi, rank):
+    """The key of rank ``rank`` (from 0) among ``keys[:n]``, all in ``[lo,
+    hi]``, and how many keys are below it: ``(key, below)``.
 
-    A slot is protected when stamped (a hit of the batch, or counted in
-    flight) or used by a plan after ``finished``. A key is ``-1`` for a free
-    slot, else ``priority[slot]``.
-
-    Returns:
-      ``(slots, keys)``, in the order of ``reserve``.
+    Keys are signed integers as unsigned words with the sign bit flipped,
+    which keeps their order and makes every difference of two of them
+    exact. A radix select, 11 bits a pass (2,048 counts, in the core's
+    cache). The first pass counts each of the 2,048 values from the lowest
+    key up, which holds the answer in one pass when the keys are counts or
+    plan indices (LFU, LRU); otherwise each pass narrows the range to one of
+    2,048 buckets. A key outside the range counts in a spare bucket, so no
+    pass branches on a key. Four rows of counts, taken in turn, keep a run
+    of equal keys from waiting on one counter.
     """
-    slots = np.empty(reserve.size, np.int64)
-    keys = np.empty(reserve.size, np.int64)
-    k = 0
-    for s in reserve:
-        if mark[s] == stamp or last_use[s] > finished:
+    below = 0  # keys under ``lo``
+    counts = np.empty((4, 2049), np.int64)  # bucket 2048: keys outside the range
+    low_first = True
+    while lo < hi:
+        span = hi - lo
+        bits = 64 - leading_zeros(span)  # type: ignore[call-arg]  # typed by numba
+        shift = np.uint64(0 if low_first or bits <= 11 else bits - 11)
+        low_first = False
+        top = min(span, np.uint64(2047) << shift | ((np.uint64(1) << shift) - np.uint64(1)))
+        counts[:] = 0
+        for s in range(n):
+            d = keys[s] - lo  # wraps above ``top`` for a key under ``lo``
+            counts[s & 3, (d >> shift) if d <= top else np.uint64(2048)] += 1
+        b = 0
+        while b < 2048:
+            c = counts[0, b] + counts[1, b] + counts[2, b] + counts[3, b]
+            if rank < c:
+                break
+            rank -= c
+            below += c
+            b += 1
+        if b == 2048:  # only the low window (shift 0) can miss: the rest is above it
+            lo += top + np.uint64(1)
             continue
-        slots[k] = s
-        keys[k] = -1 if id_of_slot[s] < 0 else priority[s]
-        k += 1
-    return slots[:k], keys[:k]
+        first = np.uint64(b) << shift
+        hi = lo + min(span, first + ((np.uint64(1) << shift) - np.uint64(1)))
+        lo += first
+    return lo, below
 
 
 @kernel
 def choose_victims(reserve, mark, stamp, last_use, finished, id_of_slot, priority, count, out):
     """The ``count`` slots of ``reserve`` of lowest ``(key, slot)`` that a
-    plan may evict (``_victim_candidates``), by slot, into ``out``.
+    plan may evict, by slot, into ``out``.
 
-    The slots are put in order through a bitmap of all slots (two passes
-    over ``C / 64`` words), not sorted: a compiled sort of a few thousand
-    slots took four times NumPy's.
+    A slot of ``reserve`` may be evicted unless stamped (a hit of the batch,
+    or counted in flight) or used by a plan after ``finished``; its key is
+    ``-1`` for a free slot, else ``priority[slot]``. One pass lists those
+    slots with their keys, ``_select`` finds the ``count``-th key (a radix
+    select, as ``reserve_candidates``), and the slots are put in order
+    through a bitmap of all slots (two passes over ``C / 64`` words), not
+    sorted: a compiled sort of a few thousand slots took four times
+    NumPy's. No pass branches on a key. On the reserves of the scaling
+    benchmark's embedding-heavy batch (13,600 slots, 2,700 victims, four
+    LFU counts among them) this took 86 against 177 us when the ``count``-th
+    key came from ``np.partition`` and the bitmaps were filled with a
+    branch per slot.
 
     Returns:
       ``(candidates, key, slot)``: how many slots of ``reserve`` may be
       evicted (``out`` is written only when at least ``count``), and the
       ``(key, slot)`` of the last one chosen.
     """
-    slots, keys = _victim_candidates(reserve, mark, stamp, last_use, finished, id_of_slot, priority)
-    found = slots.size
+    sign = np.uint64(1) << np.uint64(63)  # keys as unsigned words (``_select``)
+    slots = np.empty(reserve.size, np.int64)
+    keys = np.empty(reserve.size, np.uint64)
+    lo = ~np.uint64(0)
+    hi = np.uint64(0)
+    found = 0
+    for s in reserve:
+        if mark[s] == stamp or last_use[s] > finished:
+            continue
+        key = np.uint64(np.int64(-1) if id_of_slot[s] < 0 else priority[s]) ^ sign
+        slots[found] = s
+        keys[found] = key
+        lo = min(lo, key)
+        hi = max(hi, key)
+        found += 1
     if found < count:
         return found, 0, 0
-    kth = np.partition(keys, count - 1)[count - 1]
+    kth, below = _select(keys, found, lo, hi, count - 1)
     words = (id_of_slot.size + 63) // 64
     chosen = np.zeros(words, np.uint64)  # slots below the k-th key, then the ties taken
     tied = np.zeros(words, np.uint64)
     one = np.uint64(1)
-    need = count
+    zero = np.uint64(0)
     for j in range(found):
         s = slots[j]
         bit = one << np.uint64(s & 63)
-        if keys[j] < kth:
-            chosen[s >> 6] |= bit
-            need -= 1
-        elif keys[j] == kth:
-            tied[s >> 6] |= bit
+        chosen[s >> 6] |= bit if keys[j] < kth else zero
+        tied[s >> 6] |= bit if keys[j] == kth else zero
+    need = count - below
     last = -1
     w = 0
     while need > 0:  # the lowest slots among equal keys
@@ -568,7 +610,7 @@ def choose_victims(reserve, mark, stamp, last_use, finished, id_of_slot, priorit
             out[n] = w * 64 + np.int64(trailing_zeros(bits))  # type: ignore[call-arg]
             bits &= bits - one
             n += 1
-    return found, kth, last
+    return found, np.int64(kth ^ sign), last
 
 
 @kernel
@@ -578,24 +620,16 @@ def reserve_candidates(id_of_slot, priority, size, keys, out):
     slots of that key. A key is ``-1`` for a free slot, else ``priority[slot]``;
     ``keys`` is scratch of the slots' number.
 
-    The ``size``-th key is found by a radix select, 11 bits a pass (2,048
-    counts, in the core's cache). The first pass counts each of the 2,048
-    values from the lowest key up, which holds the answer in one pass when
-    the keys are counts or plan indices (LFU, LRU); otherwise each pass
-    narrows the range to one of 2,048 buckets. The keys are compared as
-    unsigned words with the sign bit flipped, which keeps their order and
-    makes every difference of two of them exact. No pass branches on a key
+    The ``size``-th key is found by ``_select``. No pass branches on a key
     (the keys of a step follow no pattern a branch predictor could learn):
-    a key outside the range counts in a spare bucket, and every slot is
-    written to both lists, whose ends move only for the slots each keeps.
-    Four rows of counts, taken in turn, keep a run of equal keys from
-    waiting on one counter.
+    every slot is written to both lists, whose ends move only for the slots
+    each keeps.
 
     Returns:
       ``(key, slot)``: the ``size``-th key and the last slot taken.
     """
     capacity = id_of_slot.size
-    sign = np.uint64(1) << np.uint64(63)
+    sign = np.uint64(1) << np.uint64(63)  # keys as unsigned words (``_select``)
     lo = ~np.uint64(0)
     hi = np.uint64(0)
     for s in range(capacity):
@@ -603,34 +637,7 @@ def reserve_candidates(id_of_slot, priority, size, keys, out):
         keys[s] = k
         lo = min(lo, k)
         hi = max(hi, k)
-    below = 0  # keys under ``lo``
-    rank = size - 1  # of the key sought among those in [lo, hi]
-    counts = np.empty((4, 2049), np.int64)  # bucket 2048: keys outside the range
-    low_first = True
-    while lo < hi:
-        span = hi - lo
-        bits = 64 - leading_zeros(span)  # type: ignore[call-arg]  # typed by numba
-        shift = np.uint64(0 if low_first or bits <= 11 else bits - 11)
-        low_first = False
-        top = min(span, np.uint64(2047) << shift | ((np.uint64(1) << shift) - np.uint64(1)))
-        counts[:] = 0
-        for s in range(capacity):
-            d = keys[s] - lo  # wraps above ``top`` for a key under ``lo``
-            counts[s & 3, (d >> shift) if d <= top else np.uint64(2048)] += 1
-        b = 0
-        while b < 2048:
-            c = counts[0, b] + counts[1, b] + counts[2, b] + counts[3, b]
-            if rank < c:
-                break
-            rank -= c
-            below += c
-            b += 1
-        if b == 2048:  # only the low window (shift 0) can miss: the rest is above it
-            lo += top + np.uint64(1)
-            continue
-        first = np.uint64(b) << shift
-        hi = lo + min(span, first + ((np.uint64(1) << shift) - np.uint64(1)))
-        lo += first
+    lo, below = _select(keys, capacity, lo, hi, size - 1)
     need = size - below  # ties taken, the lowest slots first
     lows = np.empty(below + 1, np.int64)  # the last entry takes the slots not kept
     ties = np.empty(need + 1, np.int64)
