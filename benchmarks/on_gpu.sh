@@ -42,7 +42,7 @@ print(\"jax\", jax.__version__, \"flax\", flax.__version__, \"optax\", optax.__v
       \"numba\", numba.__version__, \"numpy\", numpy.__version__)
 print(jax.devices())'"
 step throughput "${THROUGHPUT_S:-270}" "$py" benchmarks/throughput.py
-step scaling "${SCALING_S:-100}" env JAX_PLATFORMS=cpu "$py" benchmarks/scaling.py
+step scaling "${SCALING_S:-150}" env JAX_PLATFORMS=cpu "$py" benchmarks/scaling.py
 step exactness "${EXACTNESS_S:-90}" "$py" -m pytest -q -p no:cacheprovider \
   tests/test_exactness.py -k "heavy_churn or bfloat16"
 deterministic=--xla_gpu_deterministic_ops=true

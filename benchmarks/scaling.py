@@ -43,7 +43,11 @@ One run measures, on a Criteo-shaped table of about 4M rows x 16 (LFU,
 
 Medians over the timed steps; ratios printed as ``name=value``. On a CPU the
 "devices" are simulated on the host's cores; run it with the machine
-otherwise idle.
+otherwise idle. A run takes 100 timed steps per cache by default: the
+staging itself is a small part of a run (most of it is making the caches
+and compiling their programs), and with 30 the 2- and 4-thread caches of
+section 2, which run alike on 2 cores, came out 0.13 apart in one run;
+with 100, 0.00-0.05 apart in three (2026-11-28).
 
     python benchmarks/scaling.py            # under a minute on 2 cores
     python benchmarks/scaling.py --quick    # fewer steps
@@ -280,7 +284,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     args = parser.parse_args()
-    args.steps = args.steps or (10 if args.quick else 30)
+    args.steps = args.steps or (10 if args.quick else 100)
     print(f"{_harness.machine()}; {args.steps} timed steps after {args.warmup} warm-up; medians")
     partition, in_turn = weak_scaling(args)
     threads = thread_scaling(args)
