@@ -206,9 +206,10 @@ def test_split_by_home_finds_the_first_id_out_of_range(keep_all):
     assert split_by_home(ids, 0, 2, -1, 12, 2, keep, *out) == -1
 
 
-def _check_victims(priority: np.ndarray, capacity: int, data: st.DataObject) -> None:
+def _check_victims(priority: np.ndarray, data: st.DataObject) -> None:
     """``choose_victims`` against a sort of the unprotected slots of a
-    random reserve by ``(key, slot)``."""
+    random reserve by ``(key, slot)``; ``priority`` has one key per slot."""
+    capacity = priority.size
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     reserve = rng.permutation(capacity)[: data.draw(st.integers(0, capacity))].astype(np.int64)
     mark = np.where(rng.random(capacity) < 0.2, 7, 0).astype(np.int64)  # stamp 7: hits
@@ -238,7 +239,7 @@ def _check_victims(priority: np.ndarray, capacity: int, data: st.DataObject) -> 
 )
 def test_choose_victims_takes_the_lowest_key_then_slot_among_unprotected(keys, capacity, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    _check_victims(rng.integers(0, keys, capacity), capacity, data)
+    _check_victims(rng.integers(0, keys, capacity), data)
 
 
 # Keys as policies give them (counts, plan indices) and anywhere in int64,
@@ -269,7 +270,7 @@ def _check_reserve(priority: list[int], id_of_slot: np.ndarray, size: int) -> No
 @given(priority=st.lists(_keys, min_size=1, max_size=3000), data=st.data())
 def test_choose_victims_with_keys_anywhere_in_int64(priority, data):
     # Wide keys take the radix select several passes, as in the reserve's rebuild.
-    _check_victims(np.array(priority, np.int64), len(priority), data)
+    _check_victims(np.array(priority, np.int64), data)
 
 
 @settings(max_examples=200, deadline=None)
