@@ -90,10 +90,12 @@ _AHEAD_SLOT = 48
 _AHEAD_ROW = 32
 
 
-def _row_pointer(context, builder, array_type, array, index):
-    """LLVM pointer to the start of row ``index`` of ``array`` (its element
-    ``index`` when 1-D), for the intrinsics below; no bounds check."""
-    view = context.make_array(array_type)(context, builder, array)
+def _row_pointer(context, builder, signature, args):
+    """LLVM pointer to the start of row ``args[1]`` of the array ``args[0]``
+    (its element when 1-D), for the intrinsics below; no bounds check."""
+    array_type, index_type = signature.args[0], signature.args[1]
+    view = context.make_array(array_type)(context, builder, args[0])
+    index = context.cast(builder, args[1], index_type, types.intp)  # as wide as the row's 0
     indices = [index] + [context.get_constant(types.intp, 0)] * (array_type.ndim - 1)
     return cgutils.get_item_pointer(context, builder, array_type, view, indices, wraparound=False)
 
@@ -105,7 +107,7 @@ def _prefetch_intrinsic(typingctx, array, index):
     cache levels)."""
 
     def codegen(context, builder, signature, args):
-        pointer = _row_pointer(context, builder, signature.args[0], *args)
+        pointer = _row_pointer(context, builder, signature, args)
         byte = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
         kind = ir.FunctionType(ir.VoidType(), [byte, i32, i32, i32])
@@ -126,7 +128,7 @@ def _load_acquire_intrinsic(typingctx, array, index):
     loop sees another thread's store."""
 
     def codegen(context, builder, signature, args):
-        pointer = _row_pointer(context, builder, signature.args[0], *args)
+        pointer = _row_pointer(context, builder, signature, args)
         return builder.load_atomic(pointer, "acquire", 8)
 
     return types.int64(array, index), codegen
@@ -141,7 +143,7 @@ def _store_release_intrinsic(typingctx, array, index, value):
     are seen first, and it is not moved past later code."""
 
     def codegen(context, builder, signature, args):
-        pointer = _row_pointer(context, builder, signature.args[0], args[0], args[1])
+        pointer = _row_pointer(context, builder, signature, args)
         stored = context.cast(builder, args[2], signature.args[2], types.int64)
         builder.store_atomic(stored, pointer, "release", 8)
         return context.get_dummy_value()
@@ -289,9 +291,8 @@ def lookup_entries(
     rank,
     mark,
     stamp,
-    source_mark,
+    source,
     source_stamp,
-    source_rank,
     hits,
     hit_rows,
     miss_ids,
@@ -317,10 +318,17 @@ def lookup_entries(
     appearance: rank ``k`` of source ``s`` is ``first[b_s + k]`` (the row;
     ``b_s = bounds[s]``, the entries of the sources before ``s``), ``sent[s]``
     how many there are, and ``ranks[j]`` each entry's rank, at the entry's own index
-    ``j`` of ``local``. ``source_mark`` is stamped with ``source_stamp + s``.
-    From a single source (one device of several partitions) a rank is the
-    row, and ``source_mark``, ``source_rank``, ``miss_source`` and
-    ``miss_rank`` are neither read nor written.
+    ``j`` of ``local``. Row ``v`` of ``source`` (``[slots, 2]``) is slot
+    ``v``'s source tag, ``source_stamp + s`` once source ``s`` sends it, and
+    its rank there, the two in one cache line. From a single source (one
+    device of several partitions) the ranks come out as the rows.
+
+    Two things made this pass cost a third more per id than ``lookup``,
+    measured on the eight partitions of ``benchmarks/scaling.py``'s 8-device
+    batch (one thread, in place): a tag array and a rank array of their own
+    (four lines of slot state read by a hit rather than three), and a branch
+    on "one source" in the loop, which LLVM did not hoist out of it. Both
+    gone, the pass took 3.87 against 4.66 ms a step.
 
     The hit and miss steps are written out here and in ``lookup`` rather
     than shared: called as compiled helpers they made both loops about four
@@ -334,7 +342,6 @@ def lookup_entries(
     missed = 0
     base = 0
     k = 0
-    one = chunk_lo.size == per_source  # a single source: its ranks are the rows
     bounds[0] = 0
     for g in range(chunk_lo.size):
         s = g // per_source
@@ -350,9 +357,7 @@ def lookup_entries(
                 if slot >= 0:
                     _prefetch(mark, slot)
                     _prefetch(rank, slot)
-                    if not one:
-                        _prefetch(source_mark, slot)
-                        _prefetch(source_rank, slot)
+                    _prefetch(source, slot)
             i = local[j]
             v = slot_of_id[i]
             if v >= 0:
@@ -362,20 +367,15 @@ def lookup_entries(
                     hits[h] = v
                     hit_rows[h] = h + m
                     counts[h + m] = 0
-                    if one:
-                        first[h + m] = h + m
                     h += 1
                 r = rank[v]
                 counts[r] += 1
-                if one:
-                    ranks[j] = r
-                    continue
-                if source_mark[v] != tag:
-                    source_mark[v] = tag
-                    source_rank[v] = k
+                if source[v, 0] != tag:
+                    source[v, 0] = tag
+                    source[v, 1] = k
                     first[base + k] = r
                     k += 1
-                ranks[j] = source_rank[v]
+                ranks[j] = source[v, 1]
                 continue
             if v == -1:  # the first lookup of this miss
                 r = h + m
@@ -383,18 +383,12 @@ def lookup_entries(
                 miss_ids[m] = i
                 miss_rows[m] = r
                 counts[r] = 0
-                if one:
-                    first[r] = r
-                else:
-                    miss_source[r] = -1
+                miss_source[r] = -1
                 m += 1
             else:
                 r = -2 - v
             counts[r] += 1
             missed += 1
-            if one:
-                ranks[j] = r
-                continue
             if miss_source[r] != s:
                 miss_source[r] = s
                 miss_rank[r] = k
@@ -402,7 +396,7 @@ def lookup_entries(
                 k += 1
             ranks[j] = miss_rank[r]
         if g % per_source == per_source - 1:  # a source's last chunk
-            sent[s] = h + m if one else k
+            sent[s] = k
             for c in range(g + 1 - per_source, g + 1):
                 base += chunk_hi[c] - chunk_lo[c]
             bounds[s + 1] = base

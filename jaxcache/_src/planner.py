@@ -221,9 +221,9 @@ class Planner:
         # last_use. A plan never scans all C slots to find them.
         self._mark = np.zeros(capacity, np.int64)
         self._stamp = 0
-        # Per-source stamps of the slots a partition's sources send (lazily).
-        self._source_mark: np.ndarray | None = None
-        self._source_rank: np.ndarray | None = None
+        # Per slot, the last source that sent it and its rank there (lazily;
+        # ``lookup_entries``).
+        self._source: np.ndarray | None = None
         self._in_flight: dict[int, np.ndarray] = {}  # plan index -> its slots
         self._finished = -1  # the plan being made protects what plans after it use
         # Victim candidates (see _snapshot) and the (key, slot) bound they cover.
@@ -527,9 +527,8 @@ class Planner:
         """
         self._stamp += 1
         size = entries
-        if self._source_mark is None:
-            self._source_mark = np.zeros(self.capacity, np.int64)
-            self._source_rank = np.empty(self.capacity, np.int32)
+        if self._source is None:
+            self._source = np.zeros((self.capacity, 2), np.int64)
         hits = np.empty(min(size, self.capacity), np.int32)
         hit_rows = np.empty(hits.size, np.int32)
         miss_ids = np.empty(min(size, self.config.num_embeddings), np.int64)
@@ -547,9 +546,8 @@ class Planner:
             self._rank,
             self._mark,
             self._stamp,
-            self._source_mark,
+            self._source,
             source_stamp,
-            self._source_rank,
             hits,
             hit_rows,
             miss_ids,
