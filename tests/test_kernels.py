@@ -172,6 +172,40 @@ def test_split_by_home_of_long_slices(size, skewed, positions):
     )
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    devices=st.sampled_from([1, 2, 4, 8]),
+    size=st.integers(0, 6000),
+    skew=st.sampled_from([0.0, 0.3, 0.6, 1.0]),
+    positions=st.booleans(),
+)
+def test_split_by_home_of_slices_long_enough_for_blocks(seed, devices, size, skew, positions):
+    # Slices whose regions hold several blocks of 256 ids (a power of two of
+    # devices), with a share ``skew`` of the ids on residue 0, so that some
+    # fill a region and are split again from the start.
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 100_000, size)
+    heavy = rng.random(size) < skew
+    ids[heavy] = ids[heavy] // devices * devices
+    ids[rng.random(size) < 0.1] = -7  # padding
+    keep = rng.random(devices) < 0.7
+    lo = int(rng.integers(0, 40)) if size > 40 else 0
+    _check_split(ids, lo, size, -7, 100_000, keep, positions)
+
+
+@pytest.mark.parametrize("positions", [True, False])
+def test_split_by_home_of_a_region_overflowing_in_the_last_block(positions):
+    # 2,048 ids over 4 devices (regions of 1,040 entries, blocks of 256): the
+    # first seven blocks fill residue 0's region to 40 short of full, the
+    # last block is all residue 0.
+    rng = np.random.default_rng(3)
+    head = np.concatenate([rng.integers(0, 2500, 1000) * 4, rng.integers(0, 2500, 792) * 4 + 1])
+    ids = np.concatenate([rng.permutation(head), rng.integers(0, 2500, 256) * 4])
+    assert region(ids.size, 4) == 1040
+    _check_split(ids, 0, ids.size, -1, 10_000, np.ones(4, bool), positions)
+
+
 def _check_split(ids, lo, hi, pad, n, keep, positions):
     """``split_by_home`` against a stable sort of the kept ids by residue;
     without ``positions``, ``at`` untouched."""
