@@ -174,6 +174,8 @@ def test_planner_matches_dict_model(policy, capacity, seed, lags, reserve, devic
                     assert np.unique(named).size == named.size
             held = part.id_of_slot[plan.unique_slots[rows]]
             assert (layout.part_global_ids(d, held) == ids[real_at]).all()
+        # The planners' own checks: directories, recency, the policy's mirror.
+        planner.check_invariants("t")
 
 
 @settings(max_examples=60, deadline=None)
