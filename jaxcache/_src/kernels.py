@@ -775,6 +775,8 @@ def _split_blocks(
     function, or the room taken as a minimum over the regions, they ran
     slower than ``_split_checked``.
     """
+    # The shift counted here rather than taken from ``_mask_shift``: with
+    # its ``(-1, -1)`` case in reach, both loops ran 10-14% slower.
     shift = 0
     while (1 << shift) < devices:
         shift += 1
