@@ -25,9 +25,13 @@ class CacheConfig:
       capacity: ``C``, rows kept on device: a row count, or a fraction of
         ``num_embeddings`` in ``(0, 1]`` (rounded up). After construction it
         is always the row count.
-      policy: which resident rows to evict: ``"frequency"`` (static dataset
-        counts, warmed with the hottest rows), ``"lfu"`` (online counts) or
-        ``"lru"``.
+      policy: which resident rows to evict. ``"adaptive"`` (the default):
+        recency plus a learned weight of frequency (lookups so far, or the
+        dataset counts if larger), which admits newcomers at the low end, so
+        ids seen once leave first (``AdaptivePolicy`` in
+        ``jaxcache/_src/policies.py``). ``"frequency"``: static dataset
+        counts (``EmbeddingCache(frequencies=...)``), warmed with the hottest
+        rows. ``"lfu"``: online lookup counts. ``"lru"``: least recently used.
       optimizer: the sparse row optimizer (``jaxcache.sgd`` and friends).
       dtype: dtype of the rows, ``float32`` or ``bfloat16``.
       padding_id: id that marks an empty position in a bag; it looks up a zero
