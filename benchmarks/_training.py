@@ -4,7 +4,8 @@
 ``throughput_*.py`` file is one experiment and runs alone too, with the same
 flags (``parse_args``). A ``Bench`` holds one configuration's batches,
 frequency profile and initial table, and trains through a fresh cache of any
-capacity, from the same initial model, in two ways:
+capacity (built by ``_harness.embedding_cache``, with the planner
+``--planner`` names), from the same initial model, in two ways:
 
 - the **blocking** run (``run_blocking``) waits for every part of a step
   before starting the next, and times the parts alone: ``staging``
@@ -307,9 +308,13 @@ class Bench:
         return 1 << (most - 1).bit_length()
 
     def cache(
-        self, fraction: float | None, callback_rows: int | None = None
+        self,
+        fraction: float | None,
+        callback_rows: int | None = None,
+        planner: str | None = None,
     ) -> jaxcache.EmbeddingCache:
-        """A fresh cache of ``fraction`` of the rows (``None``: the full table)."""
+        """A fresh cache of ``fraction`` of the rows (``None``: the full table),
+        planned by ``planner`` (``None``: the cache's default)."""
         if fraction is None:
             cfg = self.setup.config(1, "lru")
             return jaxcache.EmbeddingCache.full_table(
@@ -317,7 +322,7 @@ class Bench:
             )
         cfg = self.setup.config(fraction, self.args.policy, callback_rows)
         table = jaxcache.HostTable(cfg, rows=self.base)
-        return jaxcache.EmbeddingCache(cfg, table=table, frequencies=self.frequencies)
+        return _harness.embedding_cache(cfg, planner, table=table, frequencies=self.frequencies)
 
     def blocking(self, fraction: float | None, name: str) -> Timing:
         return run_blocking(self.setup, self.batches, self.cache(fraction), name, **self.common)
@@ -333,15 +338,16 @@ class Bench:
         lookahead: int,
         host_callback: bool = False,
         batch_sized: bool = False,
+        planner: str | None = None,
     ) -> Timing:
         """``host_callback``: the step looks the ids up with the host-callback
         form, its lists ``callback_rows`` long (``batch_sized``: the default,
-        as long as the batch's ids)."""
+        as long as the batch's ids). ``planner``: as for ``cache``."""
         rows = self.callback_rows if host_callback and not batch_sized else None
         return run_loop(
             self.setup,
             self.batches,
-            self.cache(fraction, rows),
+            self.cache(fraction, rows, planner),
             name,
             lookahead=lookahead,
             host_callback=host_callback,
@@ -385,10 +391,21 @@ def parse_args(
         )
     parser.add_argument("--scale", type=float, default=None, help="SyntheticCriteo scale")
     parser.add_argument("--policy", default="frequency", choices=jaxcache.planning.POLICIES)
+    parser.add_argument(
+        "--planner",
+        choices=_harness.PLANNERS,
+        default=None,
+        help="the cache's planner in the runs against the plain table (default: both where "
+        "jaxcache.EmbeddingCache takes planner=, else its only one)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.lookahead < 0:
         parser.error(f"--lookahead={args.lookahead} must be 0 (unpipelined) or more, e.g. 2.")
+    try:
+        args.planners = _harness.planners(args.planner)
+    except ValueError as error:
+        parser.error(str(error))
     args.scale = args.scale or (0.02 if args.quick else 0.1)
     args.steps = args.steps or (20 if args.quick else 100)
     args.warmup = args.warmup if args.warmup is not None else (5 if args.quick else 20)
