@@ -337,11 +337,11 @@ def run_loop(
     )
     with pipeline:
         steps = ((b["dense"], b["sparse"], b["label"]) for b in pipeline)
-        _time_steps(timing, train_step, steps, warmup, lambda: windows.append(_Window(cache)))
+        time_steps(timing, train_step, steps, warmup, lambda: windows.append(_Window(cache)))
     return windows[0].close(timing)
 
 
-def _time_steps(
+def time_steps(
     timing: Timing,
     train_step: Callable[..., jax.Array],
     steps: Iterable[tuple[Any, ...]],
@@ -384,7 +384,7 @@ def run_staged_loop(
     lookups, inputs = stage_all(cache, batches)
     timing = Timing("staged beforehand", cache.config.capacity)
     steps = ((d, lookup, y) for (d, y), lookup in zip(inputs, lookups, strict=True))
-    _time_steps(timing, train_step, steps, warmup)
+    time_steps(timing, train_step, steps, warmup)
     return timing
 
 
