@@ -479,7 +479,8 @@ def parse_args(
     Args:
       doc: the script's docstring; its first paragraph is the description.
       argv: the arguments (default: ``sys.argv[1:]``).
-      side_by_side_only: offer ``--side-by-side-only`` (``throughput.py``).
+      side_by_side_only: offer ``--side-by-side-only`` and ``--no-dcnv2``
+        (``throughput.py``).
     """
     parser = argparse.ArgumentParser(
         description=doc.split("\n\n")[0],
@@ -501,8 +502,13 @@ def parse_args(
         parser.add_argument(
             "--side-by-side-only",
             action="store_true",
-            help="only the embedding-heavy side-by-side rounds and pipelined_over_ideal "
-            "(about 2.5 minutes)",
+            help="only the embedding-heavy side-by-side rounds, pipelined_over_ideal and "
+            "the plain table's runs (about 3 minutes)",
+        )
+        parser.add_argument(
+            "--no-dcnv2",
+            action="store_true",
+            help="leave out the dcnv2 setup's runs (throughput_dcnv2.py runs them alone)",
         )
     parser.add_argument("--scale", type=float, default=None, help="SyntheticCriteo scale")
     parser.add_argument(
