@@ -516,7 +516,7 @@ def parse_args(
         type=float,
         default=None,
         help="the dcnv2 setup's table, a fraction of MLPerf's Criteo 1TB (204M rows at 1.0), "
-        "and its batch, that fraction of 16,384 samples (default 0.001: a minute on 2 CPU "
+        "and its batch, that fraction of 16,384 samples (default 0.001: two minutes on 2 CPU "
         "cores)",
     )
     parser.add_argument("--policy", default="frequency", choices=jaxcache.planning.POLICIES)

@@ -47,7 +47,7 @@ plain step time over the 2% cache's). Where ``jaxcache.EmbeddingCache``
 takes a ``planner=``, each plain ratio comes once per planner ``--planner``
 names (default both), the planner appended: ``cached_2pct_over_plain_host``.
 
-    python benchmarks/throughput.py                # about 6 minutes on 2 CPU cores
+    python benchmarks/throughput.py                # about 8 minutes on 2 CPU cores
     python benchmarks/throughput.py --lookahead 0  # the loops unpipelined
     python benchmarks/throughput.py --quick        # a few minutes, smaller tables
     python benchmarks/throughput.py --side-by-side-only --rounds 5  # embedding-heavy ratios

@@ -10,7 +10,7 @@ side; ``dcnv2_cached_2pct_over_plain=R`` is the plain step time over the
 cache's (one figure per planner where the cache takes one).
 
 The default scale (0.001: 204k rows, 16 samples a batch) keeps the run to
-about a minute on 2 CPU cores, where the dense layers take most of a step;
+about two minutes on 2 CPU cores, where the dense layers take most of a step;
 on a GPU host take a table of millions of rows:
 
     python benchmarks/throughput_dcnv2.py --quick
