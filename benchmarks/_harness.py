@@ -1,4 +1,5 @@
-"""What every benchmark shares: the machine, timing, CPU time by thread, cores, results.
+"""What every benchmark shares: the machine, timing, CPU time by thread, cores,
+the cache's construction, results.
 
 Benchmarks are scripts run from the repository root (``python
 benchmarks/NAME.py``), so this directory is ``sys.path[0]`` and ``import
@@ -10,15 +11,17 @@ runs.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 
+import jaxcache
 from jaxcache._src.threads import cores
 
 Key = TypeVar("Key")
@@ -78,6 +81,54 @@ def print_results(results: Mapping[str, float], digits: int = 3) -> None:
     """One ``name=value`` line per result; whole numbers as they are."""
     for name, value in results.items():
         print(f"{name}={value}" if isinstance(value, int) else f"{name}={value:.{digits}f}")
+
+
+# ------------------------------------------------------------------- caches
+PLANNERS = ("host", "device", "both")
+"""The values of a ``--planner`` flag: one planner of the cache, or each in turn."""
+
+
+def planners(choice: str | None) -> tuple[str | None, ...]:
+    """The planners a benchmark builds its caches with, from ``--planner``.
+
+    Args:
+      choice: ``"host"``, ``"device"``, ``"both"``, or ``None`` (the flag
+        left out): both where ``jaxcache.EmbeddingCache`` takes a
+        ``planner=`` argument, else the cache's only one.
+
+    Returns:
+      The planners in order; ``(None,)`` means ``planner=`` is not passed.
+
+    Raises:
+      ValueError: a planner is named but the constructor takes none.
+    """
+    accepted = "planner" in inspect.signature(jaxcache.EmbeddingCache).parameters
+    if not accepted:
+        if choice is not None:
+            raise ValueError(
+                f"--planner={choice}: this jaxcache's EmbeddingCache takes no planner= "
+                "argument; leave --planner out to run the cache's only planner."
+            )
+        return (None,)
+    return ("host", "device") if choice in (None, "both") else (choice,)
+
+
+def embedding_cache(
+    config: jaxcache.CacheConfig, planner: str | None = None, **kwargs: Any
+) -> jaxcache.EmbeddingCache:
+    """``jaxcache.EmbeddingCache(config, **kwargs)``, with ``planner=`` unless it is ``None``.
+
+    Every cache the throughput benchmarks time is built here, so that a
+    figure can be taken once per planner (``planners``).
+    """
+    if planner is not None:
+        kwargs["planner"] = planner
+    return jaxcache.EmbeddingCache(config, **kwargs)
+
+
+def with_planner(name: str, planner: str | None) -> str:
+    """``name`` of a figure taken with ``planner``: ``name_PLANNER``, or ``name`` for ``None``."""
+    return name if planner is None else f"{name}_{planner}"
 
 
 # ------------------------------------------------------------------ threads

@@ -2,24 +2,29 @@
 # The GPU figures of docs/benchmarks.md, in one run on a GPU host:
 #
 #   1. the software and the card;
-#   2. benchmarks/throughput.py on the GPU (every table, then the ratios);
-#   3. benchmarks/scaling.py on the host's own cores (JAX_PLATFORMS=cpu, 8
+#   2. benchmarks/throughput.py on the GPU (every table, then the ratios),
+#      but for its dcnv2 runs, which
+#   3. benchmarks/throughput_dcnv2.py takes on a table of 12.8M rows x 128
+#      (6.5 GB; batches of 1,024 samples x 214 ids), one round: the plain
+#      table against the 2% cache at MLPerf DCNv2's shape;
+#   4. benchmarks/scaling.py on the host's own cores (JAX_PLATFORMS=cpu, 8
 #      simulated devices, the device idle): host staging with the cores a
 #      GPU host has rather than this project's 2-core development machine;
-#   4. training through the cache against the whole table on the GPU, heavy
+#   5. training through the cache against the whole table on the GPU, heavy
 #      churn (tests/test_exactness.py, one device), then, with XLA's
 #      deterministic GPU scatters, the tests that compare runs bit for bit
 #      across capacities;
-#   5. benchmarks/determinism.py with XLA's deterministic GPU scatters: which
+#   6. benchmarks/determinism.py with XLA's deterministic GPU scatters: which
 #      runs agree bit for bit there.
 #
-# Each step has a time limit in seconds (THROUGHPUT_S, SCALING_S,
+# Each step has a time limit in seconds (THROUGHPUT_S, DCNV2_S, SCALING_S,
 # EXACTNESS_S, DETERMINISM_S) and writes its log to LOG_DIR, so a step cut short still
-# leaves what it printed. jaxcache is imported from this checkout
+# leaves what it printed. The dcnv2 step has a limit of its own so that, where
+# drawing its table and compiling its steps run long, it alone is cut short. jaxcache is imported from this checkout
 # (PYTHONPATH), not installed: a GPU image's jax and numba are used as they
 # are.
 #
-#     bash benchmarks/on_gpu.sh [LOG_DIR]     # about 8 minutes on an H200 host
+#     bash benchmarks/on_gpu.sh [LOG_DIR]     # about 8 minutes on an H200 host, and the dcnv2 step's minute
 set -u
 cd "$(dirname "$0")/.."
 logs=${1:-gpu-logs}
@@ -41,8 +46,9 @@ import jax, flax, optax, numba, numpy
 print(\"jax\", jax.__version__, \"flax\", flax.__version__, \"optax\", optax.__version__,
       \"numba\", numba.__version__, \"numpy\", numpy.__version__)
 print(jax.devices())'"
-step throughput "${THROUGHPUT_S:-270}" "$py" benchmarks/throughput.py
-step scaling "${SCALING_S:-150}" env JAX_PLATFORMS=cpu "$py" benchmarks/scaling.py
+step throughput "${THROUGHPUT_S:-270}" "$py" benchmarks/throughput.py --no-dcnv2
+step dcnv2 "${DCNV2_S:-60}" "$py" benchmarks/throughput_dcnv2.py --dcnv2-scale 0.0625 --rounds 1
+step scaling "${SCALING_S:-90}" env JAX_PLATFORMS=cpu "$py" benchmarks/scaling.py
 step exactness "${EXACTNESS_S:-90}" "$py" -m pytest -q -p no:cacheprovider \
   tests/test_exactness.py -k "heavy_churn or bfloat16"
 deterministic=--xla_gpu_deterministic_ops=true

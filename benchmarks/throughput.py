@@ -2,10 +2,13 @@
 
 Every experiment below, in one run, on the same synthetic batches and the
 same initial model (``_training.py``: the setups and how a run is timed).
-Two configurations: ``dlrm`` (the DLRM reference MLPs, one id per feature)
-and ``embedding-heavy`` (small MLPs, multi-hot bags of DCNv2 sizes: about
-4.6x the ids per sample), where host work is a large share of a step. Each
-experiment is a file of its own and runs alone too, with the same flags:
+Three configurations: ``dlrm`` (the DLRM reference MLPs, one id per
+feature), ``embedding-heavy`` (small MLPs, multi-hot bags of DCNv2 sizes
+capped at 16: about 4.6x the ids per sample), where host work is a large
+share of a step, and ``dcnv2`` (MLPerf DCNv2's bags, MLPs and cross network,
+``D = 128``, the table MLPerf's Criteo 1TB's scaled by ``--dcnv2-scale``).
+Each experiment is a file of its own and runs alone too, with the same
+flags:
 
 1. ``throughput_variants.py``: every variant of both configurations in one
    table: the full table, caches of 0.5%, 2% and 5% (blocking, and in a loop
@@ -30,15 +33,25 @@ experiment is a file of its own and runs alone too, with the same flags:
    through ``nnx.jit`` and through ``jaxcache.models.make_train_step``, and
    its time when pooling reads every position of the bags instead of the
    real ids only.
+7. ``throughput_plain.py``: what a user would compare a cache with, the
+   same model with its whole table one device array (``jnp.take``, the
+   cache's sparse row optimizer on the batch's distinct ids, no jaxcache
+   in the loop), against the 2% cache's loop, on the embedding-heavy
+   configuration; ``throughput_dcnv2.py``: the same on the ``dcnv2`` one.
 
-The last line is ``cached_2pct_over_full=R`` for the embedding-heavy
-configuration: full-table step time over 2%-cache step time, both in the
-loop at ``--lookahead``, from the side-by-side runs.
+The last lines are the ratios of the loops at ``--lookahead``:
+``cached_2pct_over_full=R`` (embedding-heavy, from the side-by-side runs:
+the full table's step time over the 2% cache's), then
+``cached_2pct_over_plain=R`` and ``dcnv2_cached_2pct_over_plain=R`` (the
+plain step time over the 2% cache's). Where ``jaxcache.EmbeddingCache``
+takes a ``planner=``, each plain ratio comes once per planner ``--planner``
+names (default both), the planner appended: ``cached_2pct_over_plain_host``.
 
-    python benchmarks/throughput.py                # about 5 minutes on 2 CPU cores
+    python benchmarks/throughput.py                # about 8 minutes on 2 CPU cores
     python benchmarks/throughput.py --lookahead 0  # the loops unpipelined
-    python benchmarks/throughput.py --quick        # a minute or two, smaller table
-    python benchmarks/throughput.py --side-by-side-only --rounds 5  # the two ratios alone
+    python benchmarks/throughput.py --quick        # a few minutes, smaller tables
+    python benchmarks/throughput.py --side-by-side-only --rounds 5  # embedding-heavy ratios
+    python benchmarks/throughput.py --no-dcnv2     # all but the dcnv2 runs
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ from __future__ import annotations
 import _harness
 import _training
 import throughput_capacity
+import throughput_plain
 import throughput_planner
 import throughput_side_by_side
 import throughput_split_cores
@@ -70,7 +84,11 @@ def main(argv: list[str] | None = None) -> None:
         throughput_planner.planner_throughput(bench.setup, args)
         throughput_capacity.capacity_scaling(bench)
         throughput_staged_steps.staged_steps(bench)
-    _harness.print_results({"cached_2pct_over_full": cached_over_full})
+    over_plain = throughput_plain.cached_over_plain(bench)
+    if not (args.side_by_side_only or args.no_dcnv2):
+        dcnv2 = _training.Bench(_training.dcnv2(args), args)
+        over_plain |= throughput_plain.cached_over_plain(dcnv2, prefix="dcnv2_")
+    _harness.print_results({"cached_2pct_over_full": cached_over_full, **over_plain})
 
 
 if __name__ == "__main__":

@@ -97,11 +97,7 @@ def run_naive(
     optimizer = jaxcache.rowwise_adagrad(_training.ROW_LEARNING_RATE)
     embed = HostCallbackEmbed(rows, setup.combiner)
     model = _training.make_model(setup, embed, seed)
-    dense_opt = nnx.Optimizer(
-        model,
-        jaxcache.models.dense_optimizer("adagrad", _training.DENSE_LEARNING_RATE),
-        wrt=nnx.Param,
-    )
+    dense_opt = nnx.Optimizer(model, setup.dense_optimizer(), wrt=nnx.Param)
     step = nnx.cached_partial(_naive_step, model, dense_opt)
     timing = _training.Timing("naive callback", 0)
     staging, update, device = [], [], []

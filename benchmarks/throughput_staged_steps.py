@@ -57,7 +57,7 @@ def staged_steps(bench: _training.Bench) -> None:
 
 def _staged_step_times(bench: _training.Bench, kind: str, pooling: str) -> tuple[float, float]:
     """Medians of the CPU time per call and of the step time of one run."""
-    tx = jaxcache.models.dense_optimizer("adagrad", _training.DENSE_LEARNING_RATE)
+    tx = bench.setup.dense_optimizer()
     cache = bench.cache(None)
     embed = jaxcache.nnx.CachedEmbed(cache, combiner=bench.setup.combiner)
     model = _training.make_model(bench.setup, embed, bench.args.seed)
