@@ -439,8 +439,9 @@ class Bench:
         table = jaxcache.HostTable(cfg, rows=self.base)
         return _harness.embedding_cache(cfg, planner, table=table, frequencies=self.frequencies)
 
-    def blocking(self, fraction: float | None, name: str) -> Timing:
-        return run_blocking(self.setup, self.batches, self.cache(fraction), name, **self.common)
+    def blocking(self, fraction: float | None, name: str, planner: str | None = None) -> Timing:
+        cache = self.cache(fraction, planner=planner)
+        return run_blocking(self.setup, self.batches, cache, name, **self.common)
 
     def staged(self) -> Timing:
         """The full table's loop with every batch staged beforehand."""

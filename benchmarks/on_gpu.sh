@@ -1,30 +1,27 @@
 #!/usr/bin/env bash
-# The GPU figures of docs/benchmarks.md, in one run on a GPU host:
+# The GPU figures of docs/benchmarks.md, in one run of at most 8 minutes on a
+# GPU host:
 #
 #   1. the software and the card;
-#   2. benchmarks/throughput.py on the GPU (every table, then the ratios),
-#      but for its dcnv2 runs, which
-#   3. benchmarks/throughput_dcnv2.py takes on a table of 12.8M rows x 128
-#      (6.5 GB; batches of 1,024 samples x 214 ids), one round: the plain
-#      table against the 2% cache at MLPerf DCNv2's shape;
-#   4. benchmarks/scaling.py on the host's own cores (JAX_PLATFORMS=cpu, 8
-#      simulated devices, the device idle): host staging with the cores a
-#      GPU host has rather than this project's 2-core development machine;
+#   2. benchmarks/throughput.py --side-by-side-only: the embedding-heavy
+#      configuration's loops side by side, with each planner, against the
+#      whole table and the plain baseline (cached_2pct_over_plain_*);
+#   3. benchmarks/throughput_dcnv2.py on a table of 12.8M rows x 128 (6.5 GB;
+#      batches of 1,024 samples x 214 ids), one round: the plain table
+#      against the 2% cache at MLPerf DCNv2's shape, with each planner;
+#   4. benchmarks/plan_share.py: the device plan's share of the DCNv2 step;
 #   5. training through the cache against the whole table on the GPU, heavy
-#      churn (tests/test_exactness.py, one device), then, with XLA's
-#      deterministic GPU scatters, the tests that compare runs bit for bit
-#      across capacities;
-#   6. benchmarks/determinism.py with XLA's deterministic GPU scatters: which
-#      runs agree bit for bit there.
+#      churn, planned on the device (tests/test_exactness.py);
+#   6. with XLA's deterministic GPU scatters, pipelined against unpipelined,
+#      bit for bit, planned on the device.
 #
-# Each step has a time limit in seconds (THROUGHPUT_S, DCNV2_S, SCALING_S,
-# EXACTNESS_S, DETERMINISM_S) and writes its log to LOG_DIR, so a step cut short still
-# leaves what it printed. The dcnv2 step has a limit of its own so that, where
-# drawing its table and compiling its steps run long, it alone is cut short. jaxcache is imported from this checkout
+# Each step has a time limit in seconds (THROUGHPUT_S, DCNV2_S, SHARE_S,
+# EXACTNESS_S) and writes its log to LOG_DIR, so a step cut short still
+# leaves what it printed. jaxcache is imported from this checkout
 # (PYTHONPATH), not installed: a GPU image's jax and numba are used as they
 # are.
 #
-#     bash benchmarks/on_gpu.sh [LOG_DIR]     # about 8 minutes on an H200 host, and the dcnv2 step's minute
+#     bash benchmarks/on_gpu.sh [LOG_DIR]
 set -u
 cd "$(dirname "$0")/.."
 logs=${1:-gpu-logs}
@@ -41,18 +38,16 @@ step() {  # step NAME SECONDS COMMAND...: run it under a limit, log it, go on
   echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start))s"
 }
 
-step software 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv; nproc; $py -c '
+step software 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv; nproc; $py -c '
 import jax, flax, optax, numba, numpy
 print(\"jax\", jax.__version__, \"flax\", flax.__version__, \"optax\", optax.__version__,
       \"numba\", numba.__version__, \"numpy\", numpy.__version__)
 print(jax.devices())'"
-step throughput "${THROUGHPUT_S:-270}" "$py" benchmarks/throughput.py --no-dcnv2
-step dcnv2 "${DCNV2_S:-60}" "$py" benchmarks/throughput_dcnv2.py --dcnv2-scale 0.0625 --rounds 1
-step scaling "${SCALING_S:-90}" env JAX_PLATFORMS=cpu "$py" benchmarks/scaling.py
-step exactness "${EXACTNESS_S:-90}" "$py" -m pytest -q -p no:cacheprovider \
-  tests/test_exactness.py -k "heavy_churn or bfloat16"
-deterministic=--xla_gpu_deterministic_ops=true
-step bit-for-bit "${EXACTNESS_S:-90}" env XLA_FLAGS=$deterministic "$py" -m pytest -q \
-  -p no:cacheprovider tests/test_exactness.py::test_bfloat16_rows_under_churn_equal_the_full_table \
-  tests/test_pipeline.py::test_pipelined_is_bit_identical_to_unpipelined
-step determinism "${DETERMINISM_S:-90}" env XLA_FLAGS=$deterministic "$py" benchmarks/determinism.py
+step throughput "${THROUGHPUT_S:-150}" "$py" benchmarks/throughput.py --side-by-side-only --rounds 2
+step dcnv2 "${DCNV2_S:-100}" "$py" benchmarks/throughput_dcnv2.py --dcnv2-scale 0.0625 --rounds 1
+step plan-share "${SHARE_S:-60}" "$py" benchmarks/plan_share.py --dcnv2-scale 0.0625 \
+  --steps 20 --warmup 5
+step exactness "${EXACTNESS_S:-60}" "$py" -m pytest -q -p no:cacheprovider \
+  tests/test_exactness.py -k "device and (heavy_churn or bfloat16)"
+step bit-for-bit "${EXACTNESS_S:-60}" env XLA_FLAGS=--xla_gpu_deterministic_ops=true "$py" -m \
+  pytest -q -p no:cacheprovider tests/test_pipeline.py -k "device and bit_identical"

@@ -41,6 +41,7 @@ with each policy on the embedding-heavy batch of ``benchmarks/throughput.py``.
     python benchmarks/policies.py                      # about 3 minutes on 2 cores
     python benchmarks/policies.py --recbole-wheel recbole-1.2.1-py3-none-any.whl
     python benchmarks/policies.py --planner            # and the planner's speed
+    python benchmarks/policies.py --device-planner     # and the device planner's rates
 """
 
 from __future__ import annotations
@@ -244,8 +245,12 @@ def steady(hits: np.ndarray, sizes: np.ndarray) -> float:
 
 
 # -------------------------------------------------------------------- runs
-def run_trace(trace: np.ndarray, n: int, fractions: tuple[float, ...]) -> list[dict]:
-    """Steady hit rates of every policy at each capacity: one dict per capacity."""
+def run_trace(
+    trace: np.ndarray, n: int, fractions: tuple[float, ...], device_planner: bool = False
+) -> list[dict]:
+    """Steady hit rates of every policy at each capacity: one dict per capacity.
+    With ``device_planner``, each of the four policies is replayed again by
+    the device planner (its rate under ``"<policy> (device)"``)."""
     counts = np.bincount(trace.reshape(-1), minlength=n)
     capacities = [jaxcache.CacheConfig(n, 1, f).capacity for f in fractions]
     rates: dict[tuple[str, int], float] = {}
@@ -260,6 +265,16 @@ def run_trace(trace: np.ndarray, n: int, fractions: tuple[float, ...]) -> list[d
             trace, capacities=capacities, policies=[policy], num_embeddings=n, frequencies=prior
         ):
             rates[policy, r["capacity"]] = r["steady_unique_hit_rate"]
+        if device_planner and policy != "belady":
+            for r in jaxcache.sizing.sweep(
+                trace,
+                capacities=capacities,
+                policies=[policy],
+                num_embeddings=n,
+                frequencies=prior,
+                planner="device",
+            ):
+                rates[f"{policy} (device)", r["capacity"]] = r["steady_unique_hit_rate"]
     for r in jaxcache.sizing.sweep(
         trace, capacities=capacities, policies=["adaptive"], num_embeddings=n
     ):
@@ -338,6 +353,12 @@ def main() -> None:
     parser.add_argument("--planner", action="store_true", help="also time the planner")
     parser.add_argument("--rounds", type=int, default=3, help="planner rounds")
     parser.add_argument("--steps", type=int, default=30, help="timed plans per round")
+    parser.add_argument(
+        "--device-planner",
+        action="store_true",
+        help="replay the policies with the device planner too, and print the largest "
+        "difference of its hit rates from the host planner's",
+    )
     args = parser.parse_args()
     names = ["adaptive", *FIXED, "belady", "adaptive (no counts)"]
     header = "".join(f"{name.split(' ')[0][:9]:>10}" for name in names)
@@ -346,7 +367,7 @@ def main() -> None:
     rows = []
     for trace in traces(args.recbole_wheel):
         ids, n = trace.make()
-        for row in run_trace(ids, n, trace.capacities):
+        for row in run_trace(ids, n, trace.capacities, args.device_planner):
             rows.append(row)
             cells = "".join(f"{row[name]:>10.3f}" for name in names)
             margin = row["adaptive"] - row[row["best fixed"]]
@@ -357,6 +378,13 @@ def main() -> None:
             )
     print("(last column of rates: the adaptive policy without the dataset counts)")
     _harness.print_results(summary(rows), digits=4)
+    if args.device_planner:
+        differences = [
+            abs(row[f"{policy} (device)"] - row[policy])
+            for row in rows
+            for policy in ("adaptive", "frequency", "lfu", "lru")
+        ]
+        _harness.print_results({"device_planner_max_hit_rate_difference": max(differences)})
     if args.planner:
         speed = planner_speed(("lfu", "adaptive", "lru", "frequency"), args.rounds, args.steps)
         _harness.print_results(

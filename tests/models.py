@@ -161,3 +161,12 @@ def zipf_batches(num_embeddings, batch, num_features, steps, *, alpha=1.1, seed=
 
 def dense_params(model) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+def host_planners(cache: jaxcache.EmbeddingCache) -> list[jaxcache.planning.Planner]:
+    """The host ``Planner`` of each partition of ``cache``: the host planner's
+    own, or copies of the device planner's state (``DevicePlanner.host_mirror``)."""
+    planner = cache.planner
+    if cache.planner_kind == "device":
+        return planner.host_mirror().planners
+    return planner.planners

@@ -12,8 +12,12 @@ import jaxcache
 
 def _snapshot(cache):
     p = cache.planner
+    if cache.planner_kind == "host":
+        directory = [q.slot_of_id.copy() for q in p.planners]
+    else:  # the directory and the policy (not the plans' sticky failure flag)
+        directory = [np.array(leaf) for leaf in jax.tree.leaves(p.state._replace(scalars=None))]
     return (
-        *(q.slot_of_id.copy() for q in p.planners),
+        *directory,
         p.id_of_slot,
         p.last_use,
         p.dirty,
@@ -29,9 +33,9 @@ def _assert_unchanged(cache, snapshot):
 
 
 @pytest.fixture
-def cache_and_state():
+def cache_and_state(planner):
     cfg = jaxcache.CacheConfig(100, 4, 8, policy="lfu", padding_id=-1)
-    cache = jaxcache.EmbeddingCache(cfg)
+    cache = jaxcache.EmbeddingCache(cfg, planner=planner)
     state = cache.init_state()
     state, _ = cache.prepare(state, np.array([1, 2, 3]))
     return cache, state

@@ -20,7 +20,10 @@ import pytest
 from flax import nnx
 
 import jaxcache
-from tests.models import Tower, bce, zipf_batches
+from tests.models import Tower, bce, host_planners, zipf_batches
+
+# Every test here runs with both planners (``conftest.planner``).
+pytestmark = pytest.mark.usefixtures("planner")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESUME = ROOT / "examples" / "resume.py"
@@ -152,7 +155,7 @@ def test_restore_continues_exactly_with_the_same_cache_state(tmp_path, policy):
     assert _train(*restored, second) == losses
     _assert_same_values(original, restored)
     a, b = original[0].embed.cache, restored[0].embed.cache
-    for pa, pb in zip(a.planner.planners, b.planner.planners, strict=True):
+    for pa, pb in zip(host_planners(a), host_planners(b), strict=True):
         for name in ("id_of_slot", "last_use", "slot_of_id"):
             np.testing.assert_array_equal(getattr(pa, name), getattr(pb, name))
         state_a, state_b = pa.policy.state_dict(), pb.policy.state_dict()
@@ -302,6 +305,7 @@ def test_restore_onto_two_devices(tmp_path):
     assert "devices 2" in out.stdout
 
 
+@pytest.mark.host_planner
 @pytest.mark.parametrize("saved_split, restored_split", [(4, 4), (1, 4), (4, 1)])
 def test_restore_across_partitions_per_device(tmp_path, saved_split, restored_split):
     """A checkpoint of a cache of one partition per device restores into

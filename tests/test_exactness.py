@@ -8,6 +8,9 @@ import pytest
 import jaxcache
 from tests.models import dense_params, make_cached, make_reference, zipf_batches
 
+# Every test here runs with both planners (``conftest.planner``).
+pytestmark = pytest.mark.usefixtures("planner")
+
 N, D, B, F = 4000, 8, 32, 4
 OPTIMIZERS = {
     "sgd": jaxcache.sgd(0.2),

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import jaxcache
-from tests.models import Tower, bce, zipf_batches
+from tests.models import Tower, bce, host_planners, zipf_batches
 
 N, D, B, F = 2000, 8, 16, 3
 DENSE = nnx.Not(nnx.Any(jaxcache.nnx.CacheRows, jaxcache.nnx.CacheOptState))
@@ -80,11 +80,8 @@ def test_a_nonfinite_step_is_skipped_and_named(poison):
     if poison == "labels":
         bad["y"] = np.full_like(bad["y"], np.nan)
     else:  # a row not on device yet turns non-finite on the host
-        row = next(
-            int(i)
-            for i in bad["ids"].ravel()
-            if model.embed.cache.planner.planners[0].slot_of_id[i] < 0
-        )
+        directory = host_planners(model.embed.cache)[0].slot_of_id
+        row = next(int(i) for i in bad["ids"].ravel() if directory[i] < 0)
         model.embed.flush()
         model.embed.cache.table.rows[row] = np.inf
     before = _snapshot(model, optimizer)

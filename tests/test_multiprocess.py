@@ -13,6 +13,9 @@ import pytest
 
 import jaxcache
 
+# Every test here runs with both planners (``conftest.planner``).
+pytestmark = pytest.mark.usefixtures("planner")
+
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "multiprocess.py"
 # A cache of 4% of a small table: rows are evicted and fetched again.
 FLAGS = ["--batch-size", "64", "--seed", "3", "--scale", "0.0005", "--cache-fraction", "0.04"]
@@ -32,10 +35,18 @@ def _run(*args):
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """Eight steps in one process of four devices, and its trained table."""
-    path = tmp_path_factory.mktemp("single") / "one.npy"
-    return _run(*ONE, "--steps", "8", "--save", str(path)), np.load(path)
+def singles():
+    return {}
+
+
+@pytest.fixture
+def single(singles, planner, tmp_path_factory):
+    """Eight steps in one process of four devices, and its trained table (once
+    per planner)."""
+    if planner not in singles:
+        path = tmp_path_factory.mktemp("single") / "one.npy"
+        singles[planner] = _run(*ONE, "--steps", "8", "--save", str(path)), np.load(path)
+    return singles[planner]
 
 
 def test_two_processes_match_one_process(single, tmp_path):

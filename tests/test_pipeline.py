@@ -14,6 +14,9 @@ import pytest
 import jaxcache
 from tests.models import dense_params, make_cached, make_callback, make_reference, zipf_batches
 
+# Every test here runs with both planners (``conftest.planner``).
+pytestmark = pytest.mark.usefixtures("planner")
+
 N, D, B, F = 20000, 8, 32, 4
 
 
@@ -294,6 +297,7 @@ def test_switch_interval_is_lowered_while_the_producer_runs_then_restored():
         assert sys.getswitchinterval() == before
 
 
+@pytest.mark.host_planner
 @pytest.mark.parametrize("lookahead", [0, 2])
 @pytest.mark.parametrize("tight", [False, True], ids=["batch-sized", "tight"])
 def test_host_callback_form_matches_prepared_slots(lookahead, tight):
@@ -322,6 +326,7 @@ def test_host_callback_form_matches_prepared_slots(lookahead, tight):
     np.testing.assert_array_equal(np.array(losses), np.array(base_losses))
 
 
+@pytest.mark.host_planner
 def test_host_callback_refuses_a_batch_over_callback_rows():
     cfg = jaxcache.CacheConfig(N, D, 300, optimizer=jaxcache.sgd(0.1), callback_rows=5)
     cache = jaxcache.EmbeddingCache(cfg)
@@ -339,6 +344,7 @@ def test_host_callback_refuses_a_batch_over_callback_rows():
     )
 
 
+@pytest.mark.host_planner
 def test_host_callback_form_is_refused_on_one_cpu_core(monkeypatch):
     # On one core the step can hang in its callbacks (the engine's docstring
     # says why), so both entries into the host-callback form refuse before
@@ -364,6 +370,7 @@ def test_host_callback_form_is_refused_on_one_cpu_core(monkeypatch):
     assert np.isfinite(step(model, optimizer, batches[0]["ids"], batches[0]["y"]))
 
 
+@pytest.mark.host_planner
 def test_host_callbacks_outlive_a_temporary_cache():
     # The callbacks hold the stager and the plans, not the cache: asking a
     # cache made in the same expression for them must not fail later.
@@ -374,6 +381,7 @@ def test_host_callbacks_outlive_a_temporary_cache():
     assert callbacks.size(10) == 10
 
 
+@pytest.mark.host_planner
 def test_host_callback_reads_a_deferred_row_that_a_later_plan_evicts_again():
     # The callback form releases a batch when its step is dispatched; the step's
     # callbacks run later. Here, by hand: batch 2 fetches A and B, which batch 1
@@ -413,6 +421,7 @@ def test_host_callback_reads_a_deferred_row_that_a_later_plan_evicts_again():
     )  # batch 1's write-back, not the table's first values
 
 
+@pytest.mark.host_planner
 def test_host_callback_pipeline_closed_early_applies_staged_batches():
     batches = _batches(30, seed=8)
     cfg = jaxcache.CacheConfig(N, D, 600, policy="lru", optimizer=jaxcache.sgd(0.5))

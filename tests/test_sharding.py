@@ -19,6 +19,9 @@ from jaxcache._src.placement import Layout
 from jaxcache._src.threads import HostThreads
 from tests.models import dense_params, make_cached, make_callback, make_reference, zipf_batches
 
+# Every test here runs with both planners (``conftest.planner``).
+pytestmark = pytest.mark.usefixtures("planner")
+
 N, D, B, F = 20000, 8, 32, 4
 
 
@@ -80,21 +83,35 @@ def _assert_matches(model, losses, reference, ref_losses, tol=1e-5):
     np.testing.assert_allclose(losses, ref_losses, atol=tol)
 
 
-@pytest.mark.parametrize("devices, split", [(1, 1), (2, 1), (4, 1), (8, 1), (1, 4), (2, 3)])
-def test_sharded_training_matches_full_table(devices, split):
+@pytest.mark.parametrize(
+    "devices, split",
+    [
+        (1, 1),
+        (2, 1),
+        (4, 1),
+        (8, 1),
+        pytest.param(1, 4, marks=pytest.mark.host_planner),
+        pytest.param(2, 3, marks=pytest.mark.host_planner),
+    ],
+)
+def test_sharded_training_matches_full_table(devices, split, planner):
     reference, ref_losses = _reference()
     for policy in jaxcache.planning.POLICIES:
         # Heavy churn: the cache holds barely more than the look-ahead window.
         cache, model, losses, _ = _train(devices, policy, 400, lookahead=2, split=split)
         assert cache.devices == devices and cache.stats.total.evictions > 60, policy
-        assert len(cache.planner.planners) == devices * split
+        assert cache.planner_kind == planner
+        assert cache.layout.parts == devices * split
         rows = model.embed.rows[...]
         capacity = -(-400 // (devices * split)) * devices * split  # rounded up
         assert rows.sharding.shard_shape(rows.shape)[0] == capacity // devices
         _assert_matches(model, losses, reference, ref_losses)
 
 
-@pytest.mark.parametrize("lookahead, devices, split", [(0, 4, 1), (2, 4, 1), (2, 1, 4)])
+@pytest.mark.parametrize(
+    "lookahead, devices, split",
+    [(0, 4, 1), (2, 4, 1), pytest.param(2, 1, 4, marks=pytest.mark.host_planner)],
+)
 def test_training_is_bit_identical_for_any_number_of_host_threads(lookahead, devices, split):
     # Heavy churn on 4 devices, or on one device of 4 partitions: each
     # partition planned, routed, gathered and written back on 1, 2 or 4
@@ -147,6 +164,7 @@ def test_sharded_weighted_bags_with_padding_match_full_table(devices):
     _assert_matches(model, losses, reference, ref_losses)
 
 
+@pytest.mark.host_planner
 def test_forced_overflow_is_exact():
     # One row per (device, owner) pair through all_to_all: most rows overflow.
     cache, model, losses, _ = _train(8, "lru", 400, lookahead=1, route_capacity=1)
@@ -174,7 +192,15 @@ def _route_in_ids(cache, lookup):
     }
 
 
-@pytest.mark.parametrize("devices,route_capacity", [(1, None), (1, 16), (4, None), (4, 2)])
+@pytest.mark.parametrize(
+    "devices,route_capacity",
+    [
+        (1, None),
+        pytest.param(1, 16, marks=pytest.mark.host_planner),
+        (4, None),
+        pytest.param(4, 2, marks=pytest.mark.host_planner),
+    ],
+)
 def test_routes_number_rows_alike_at_any_capacity(devices, route_capacity):
     # Each id's row in the received buffer, each received row's number among
     # its owner's rows, the order of the rows requested and overflowed: all
@@ -245,6 +271,7 @@ def test_capacity_rounds_up_to_the_devices():
     assert cache.config.capacity == 64 and cache.local_capacity == 8
 
 
+@pytest.mark.host_planner
 def test_capacity_rounds_up_to_the_partitions_and_a_bad_split_is_refused():
     cache = jaxcache.EmbeddingCache(
         jaxcache.CacheConfig(N, D, 61), mesh=_mesh(2), partitions_per_device=3
@@ -339,6 +366,7 @@ def test_routed_gather_and_update_against_numpy(k, split):
     np.testing.assert_allclose(np.asarray(new), table - summed, atol=1e-5)
 
 
+@pytest.mark.host_planner
 @pytest.mark.parametrize("split, capacity", [(1, 64), (2, 128)])
 def test_host_callback_form_with_lists_shorter_than_a_device_share_matches_full_table(
     split, capacity

@@ -19,6 +19,9 @@ from jaxcache._src.tiered_table import INDEX_BYTES_PER_ROW
 from tests.models import dense_params, make_cached, make_reference, zipf_batches
 from tests.test_exactness import OPTIMIZERS
 
+# Every test here runs with both planners (``conftest.planner``).
+pytestmark = pytest.mark.usefixtures("planner")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 N, D, B, F = 4000, 8, 32, 4
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -34,17 +35,30 @@ from jaxcache._src.agreement import agreement
 from jaxcache._src.blocks import Blocks, gather_shards, local_data
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.device_ops import CacheState, Lookup
+from jaxcache._src.device_planner import DevicePlanner, DeviceStep, Dispatched
 from jaxcache._src.host_callback import HostCallbacks
 from jaxcache._src.host_table import HostTable
 from jaxcache._src.lifecycle import Lifecycle
 from jaxcache._src.partitions import Partitions
 from jaxcache._src.placement import Layout, axis_processes, process_shard
-from jaxcache._src.stager import Deferred, HostStaged, Stager, bucket_size
+from jaxcache._src.planner import CapacityError
+from jaxcache._src.stager import Deferred, HostStaged, Stager, bucket_size, fresh_buffers
 from jaxcache._src.stats import CacheStats
 from jaxcache._src.threads import HostThreads, default_threads
 from jaxcache._src.write_back import WriteBacks
 
-__all__ = ["Deferred", "EmbeddingCache", "HostStaged", "Staged", "bucket_size"]
+__all__ = [
+    "PLANNERS",
+    "Deferred",
+    "DeviceStaged",
+    "EmbeddingCache",
+    "HostStaged",
+    "Staged",
+    "bucket_size",
+]
+
+#: Where a cache plans its batches (``EmbeddingCache(planner=...)``).
+PLANNERS = ("device", "host")
 
 
 # Caches over several processes, numbered in the order every process builds them.
@@ -76,6 +90,25 @@ class Staged(NamedTuple):
     plan: Any
     moves: tuple[Any, ...] | None
     lookup: Lookup
+
+
+class DeviceStaged(NamedTuple):
+    """A batch planned on the devices whose missing rows were gathered on
+    the host, not yet transferred (the device planner's ``HostStaged``).
+
+    Attributes:
+      plan: the ``DeviceStep``.
+      rows: ``[L P, D]`` the fetched rows, one block of ``P`` per device of
+        this process (padding rows are zeros).
+      opt: ``{name: [L P, ...]}`` their optimizer state.
+      deferred: the fetched rows whose write-back from an earlier plan had
+        not landed (``HostStaged.deferred``), or ``None``.
+    """
+
+    plan: DeviceStep
+    rows: np.ndarray
+    opt: dict[str, np.ndarray]
+    deferred: Deferred | None = None
 
 
 class EmbeddingCache:
@@ -111,12 +144,21 @@ class EmbeddingCache:
         evicts, so results depend on it (within float rounding of the
         full-table reference, as always), and ``capacity`` rounds up to a
         multiple of ``n q``.
+      planner: where batches are planned: ``"device"`` (a jitted program on
+        the mesh's devices: dedupe, directory, victims and routes there, the
+        host moving only missing and dirty rows) or ``"host"`` (compiled
+        loops on the host threads). Default: ``"device"`` on accelerators,
+        ``"host"`` on the CPU backend, where the "device" is the host's own
+        cores and XLA's gathers and scatters are slower than the host
+        loops. Both plan the same slots and give the same results, and a
+        checkpoint of one restores into the other.
 
     Attributes:
       config: the configuration.
       table: the ``HostTable`` (id order; this process's share of it when
         the mesh spans several processes).
-      planner: the ``Partitions``: a ``Planner`` per partition of this process.
+      planner: the ``Partitions`` (a ``Planner`` per partition of this
+        process) or the ``DevicePlanner``.
       stats: the ``CacheStats``.
       shard: ``(index, count)``: which share of the host rows this process
         stores (``process_shard``); ``(0, 1)`` in one process.
@@ -145,6 +187,7 @@ class EmbeddingCache:
         axis: str = "rows",
         threads: int | None = None,
         partitions_per_device: int | None = None,
+        planner: str | None = None,
     ) -> None:
         if table is not None and table.config.num_embeddings != config.num_embeddings:
             raise ValueError(
@@ -192,14 +235,40 @@ class EmbeddingCache:
             )
         self.layout = layout
         platform = mesh.devices.flat[0].platform
+        planner = _planner(planner, platform)
+        if planner == "device" and config.route_capacity is not None:
+            raise ValueError(
+                f"route_capacity={config.route_capacity} sizes the host planner's routes; the "
+                "device planner sizes its own from each batch. Leave it None with "
+                'planner="device".'
+            )
+        self.planner_kind = planner
         self.threads = HostThreads(
             default_threads(platform, layout.per_process * split) if threads is None else threads
         )
         self.config = config
         self.table = table if table is not None else HostTable(config, seed=seed, shard=self.shard)
-        self.planner = Partitions(
-            config, self.layout, frequencies=frequencies, threads=self.threads
+        processes_agreement = (
+            agreement(
+                f"{config.name}-{next(_MULTI_PROCESS_CACHES)}", axis_processes(mesh, axis), shard
+            )
+            if processes > 1
+            else None
         )
+        self.planner: Partitions | DevicePlanner
+        if planner == "device":
+            self.planner = DevicePlanner(
+                config,
+                self.layout,
+                mesh,
+                axis,
+                frequencies=frequencies,
+                agreement=processes_agreement,
+            )
+        else:
+            self.planner = Partitions(
+                config, self.layout, frequencies=frequencies, threads=self.threads
+            )
         self.stats = CacheStats(config.row_bytes)
         self.mesh = mesh
         self.axis = axis
@@ -221,20 +290,17 @@ class EmbeddingCache:
             self.write_backs,
             self.stats,
             self.threads,
-            agreement(
-                f"{config.name}-{next(_MULTI_PROCESS_CACHES)}", axis_processes(mesh, axis), shard
-            )
-            if processes > 1
-            else None,
+            processes_agreement,
         )
         self.lifecycle = Lifecycle(self.planner, self.write_backs)
-        self.callbacks = HostCallbacks(self.stager, self.lifecycle, platform)
+        self.callbacks = HostCallbacks(self.stager, self.lifecycle, platform, planner)
+        self._no_overflow = self.blocks.transfer(np.zeros(0, np.int32), self.blocks.replicated)
         # On an accelerator a read-out starts its copy to the host as soon as
         # the swap has run, so that landing it later finds it there; the CPU
         # backend's arrays are host memory already.
         self._copy_ahead = platform != "cpu"
         if warm is None:
-            warm = self.planner.planners[0].policy.warms
+            warm = self.planner.warms
         if warm:
             if frequencies is None:
                 raise ValueError("warm=True needs frequencies= to know the hottest rows.")
@@ -339,6 +405,73 @@ class EmbeddingCache:
         """
         return self.to_device(self.stage_host(ids, train=train, defer=True))
 
+    # ------------------------------------------------- the device planner's step
+    def dispatch(
+        self, ids: np.ndarray, *, train: bool = True, released: int | None = None
+    ) -> Dispatched:
+        """Dispatches the device plan of a batch (the device planner; the
+        thread that dispatches the training steps, in batch order).
+
+        The first phase of a step planned on the device; ``gather`` (any
+        thread) reads the plan's lists and gathers the missing rows, then
+        ``to_device`` and ``apply`` as for any staged batch.
+
+        Args:
+          ids: integer ids ``[B, ...]``.
+          train: the step will update these rows.
+          released: plan as if only plans up to this index were finished.
+        """
+        if not isinstance(self.planner, DevicePlanner):
+            raise RuntimeError(
+                'dispatch plans on the device: build the cache with planner="device", or '
+                "stage the batch with stage_host."
+            )
+        self.stager.check_batch(np.shape(ids))
+        with self.stats.timers.time("plan"):
+            return self.planner.dispatch(ids, train=train, released=released)
+
+    def gather(self, planned: DeviceStep | Dispatched, *, defer: bool = False) -> DeviceStaged:
+        """The host phases of a step planned on the device: the plan's lists
+        read back (``collect``), the write-backs its misses wait on landed
+        (or deferred to ``to_device``), its evictions queued, and its
+        missing rows with their optimizer state gathered into fresh buffers.
+        Safe on any thread, in plan order.
+
+        Raises:
+          PlanSkipped, ValueError, CapacityError: see ``DevicePlanner.collect``.
+        """
+        assert isinstance(self.planner, DevicePlanner)
+        timers, ledger = self.stats.timers, self.write_backs
+        if isinstance(planned, DeviceStep):
+            step = planned
+        else:
+            with timers.time("collect"):
+                step = self.planner.collect(planned)
+        wanted, at = step.fetch_ids, step.fetch_at
+        with timers.time("write_back"):
+            keep = None
+            deferred = None
+            if defer:
+                ledger.land_ready()
+                plans, read_out = ledger.pending(wanted)
+                late = plans >= 0
+                if late.any():
+                    deferred = Deferred(wanted[late], at[late], plans[late], read_out[late])
+                    self.stats.deferred_fetches += int(late.sum())
+                    keep = ~late
+            else:
+                ledger.land_for(wanted)
+        if step.evict_ids.size:  # after landing: a plan never fetches what it evicts
+            ledger.register(step.index, step.evict_ids, step.evict_at)
+        with timers.time("gather"):
+            rows, opt = fresh_buffers(self.table, len(self.layout.own) * step.moves)
+            if keep is not None:
+                wanted, at = wanted[keep], at[keep]
+            if wanted.size:
+                self.table.gather_into(wanted, rows, opt, at)
+        self.stats.record(step.stats)
+        return DeviceStaged(step, rows, opt, deferred)
+
     def stage_host(
         self,
         ids: np.ndarray,
@@ -366,9 +499,18 @@ class EmbeddingCache:
         Returns:
           A ``HostStaged``.
         """
+        if isinstance(self.planner, DevicePlanner):
+            if size is not None:
+                self.callbacks.check()  # refuses: the callback form plans on the host
+            dispatched = self.dispatch(ids, train=train, released=released)
+            try:
+                return self.gather(dispatched, defer=defer)  # type: ignore[return-value]
+            except (ValueError, CapacityError):
+                self.planner.rollback(dispatched.index)
+                raise
         return self.stager.stage(ids, train=train, size=size, released=released, defer=defer)
 
-    def to_device(self, host: HostStaged) -> Staged:
+    def to_device(self, host: HostStaged | DeviceStaged) -> Staged:
         """Starts the transfer of a host-staged batch (``device_put``, asynchronous;
         on a single CPU device the arrays are handed over as they are).
 
@@ -377,13 +519,43 @@ class EmbeddingCache:
         read-out, or from the host table once it landed
         (``HostStaged.deferred``).
         """
+        if isinstance(host, DeviceStaged):
+            return self._device_staged(host)
         if host.deferred is not None:
-            self._fetch_deferred(host)
+            assert host.moves is not None
+            self._fetch_deferred(host.deferred, *host.moves[2:])
         with self.stats.timers.time("transfer"):
             moves = (
                 None if host.moves is None else self.blocks.transfer(host.moves, self.row_sharding)
             )
             lookup = self._device_lookup(host.route)
+        return Staged(host.plan, moves, lookup)
+
+    def _device_staged(self, host: DeviceStaged) -> Staged:
+        """``to_device`` of a batch planned on the device: its rows go over;
+        its slot lists and route are the plan's, on the devices already."""
+        if host.deferred is not None:
+            self._fetch_deferred(host.deferred, host.rows, host.opt)
+        assert isinstance(self.planner, DevicePlanner)
+        requests, inverse, owner_slots, owner_inverse, fetch_slots, evict_slots, *positions = (
+            self.planner.compact(host.plan)
+        )
+        with self.stats.timers.time("transfer"):
+            moves = None
+            if host.plan.moves_rows:
+                rows, opt = self.blocks.transfer((host.rows, host.opt), self.row_sharding)
+                moves = (evict_slots, fetch_slots, rows, opt)
+        lookup = Lookup(
+            requests,
+            self._no_overflow,
+            inverse,
+            owner_slots,
+            owner_inverse,
+            positions=positions[0] if positions else None,
+            table=self.name,
+            mesh=self.mesh,
+            axis=self.axis,
+        )
         return Staged(host.plan, moves, lookup)
 
     def _device_lookup(self, route: routing.HostRoute) -> Lookup:
@@ -434,12 +606,13 @@ class EmbeddingCache:
         )
         return self._device_lookup(route)
 
-    def _fetch_deferred(self, host: HostStaged) -> None:
-        """Copies the deferred rows of ``host`` into its fetch rows: from the
+    def _fetch_deferred(
+        self, deferred: Deferred, fetch_rows: np.ndarray, fetch_opt: dict[str, np.ndarray]
+    ) -> None:
+        """Copies ``deferred`` rows into a staged batch's fetch rows: from the
         read-out of the plan that evicted each (dispatched, since every
         earlier plan was applied), or from the host table if it landed."""
-        assert host.deferred is not None and host.moves is not None
-        ids, at, plans, read_out = host.deferred
+        ids, at, plans, read_out = deferred
         timers = self.stats.timers
         sources = self.write_backs.sources(sorted(set(plans.tolist())))
         read_outs = [rows for rows, _ in filter(None, sources.values())]
@@ -451,9 +624,9 @@ class EmbeddingCache:
             for plan, source in sources.items():
                 mine = plans == plan
                 if source is None:  # landed meanwhile: the host table has them
-                    self.table.gather_into(ids[mine], *host.moves[2:], at[mine])
+                    self.table.gather_into(ids[mine], fetch_rows, fetch_opt, at[mine])
                 else:
-                    _copy_read_out(host, at[mine], *source, read_out[mine])
+                    _copy_read_out(fetch_rows, fetch_opt, at[mine], *source, read_out[mine])
 
     def apply(self, state: CacheState, staged: Staged) -> CacheState:
         """Device half of a step: the donated swap that brings ``staged`` rows in.
@@ -513,31 +686,23 @@ class EmbeddingCache:
                 "them) before flushing or exporting."
             )
         self.land_write_backs()
-        dirty = [np.flatnonzero(p.dirty) for p in planner.planners]
-        count = sum(slots.size for slots in dirty)
+        dirty = planner.dirty_rows()
+        count = sum(slots.size for slots, _ in dirty)
         if count == 0:
             return
-        q, width = self.layout.split, planner.part_capacity
-        most = self.layout.per_device([slots.size for slots in dirty]).max()
-        size = bucket_size(int(most), max(1, self.config.min_bucket // self.devices))
+        most = max(slots.size for slots, _ in dirty)
+        size = bucket_size(most, max(1, self.config.min_bucket // self.devices))
         blocks = np.full(self._blocks * size, self.local_capacity, np.int32)
         ids, at = [], []
-        fill = np.arange(self._blocks) * size  # each device block's next place
-        for index, (part, slots, p) in enumerate(
-            zip(self.layout.own_parts, dirty, planner.planners, strict=True)
-        ):
-            start = fill[index // q]
-            blocks[start : start + slots.size] = slots + (part % q) * width
-            ids.append(self.layout.part_global_ids(part, p.id_of_slot[slots]))
-            at.append(start + np.arange(slots.size))
-            fill[index // q] += slots.size
+        for block, (slots, block_ids) in enumerate(dirty):
+            blocks[block * size : block * size + slots.size] = slots
+            ids.append(block_ids)
+            at.append(block * size + np.arange(slots.size))
         rows, opt = device_ops.read_blocks(
             state, self.blocks.put(blocks, self.row_sharding), mesh=self.mesh, axis=self.axis
         )
         self._write_back(np.concatenate(ids), np.concatenate(at), rows, opt)
-        for slots, p in zip(dirty, planner.planners, strict=True):
-            in_flight = p.last_use[slots] > p.released
-            p.dirty[slots[~in_flight]] = False
+        planner.mark_clean()
         self.stats.record_write_back(count)
 
     def export(self, state: CacheState) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -676,6 +841,23 @@ class EmbeddingCache:
             self.stats.load_state_dict(state["stats"])
 
 
+def _planner(planner: str | None, platform: str) -> str:
+    """The planner a cache uses: ``planner``, else the ``JAXCACHE_PLANNER``
+    environment variable, else the backend's default."""
+    source = "planner"
+    if planner is None:
+        planner = os.environ.get("JAXCACHE_PLANNER") or None
+        source = "JAXCACHE_PLANNER"
+    if planner is None:
+        return "host" if platform == "cpu" else "device"
+    if planner not in PLANNERS:
+        raise ValueError(
+            f"{source}={planner!r} is not a planner; use 'device' (plan in jit on the devices) "
+            "or 'host' (plan on the host threads), or leave it unset to pick by backend."
+        )
+    return planner
+
+
 def _write_back(
     table: HostTable,
     threads: HostThreads,
@@ -704,12 +886,15 @@ def _count_wait(stats: CacheStats) -> None:
 
 
 def _copy_read_out(
-    host: HostStaged, at: np.ndarray, rows: jax.Array, opt: dict[str, jax.Array], read: np.ndarray
+    fetch_rows: np.ndarray,
+    fetch_opt: dict[str, np.ndarray],
+    at: np.ndarray,
+    rows: jax.Array,
+    opt: dict[str, jax.Array],
+    read: np.ndarray,
 ) -> None:
     """Copies rows ``read`` of this process's blocks of a swap's read-out (and
-    their state) into ``host``'s fetch rows at ``at``."""
-    assert host.moves is not None
-    _, _, fetch_rows, fetch_opt = host.moves
+    their state) into a staged batch's fetch rows at ``at``."""
     kernels.copy_rows(fetch_rows, at, local_data(rows), read)
     for name, values in opt.items():
         kernels.copy_rows(fetch_opt[name], at, local_data(values), read)

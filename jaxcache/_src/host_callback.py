@@ -36,12 +36,16 @@ class HostCallbacks:
       stager: the cache's stager (plans, routes and gathers the batches).
       lifecycle: the cache's plans (offers, what reached the device).
       platform: the platform of the cache's devices.
+      planner: where the cache plans (``"host"`` or ``"device"``).
     """
 
-    def __init__(self, stager: Stager, lifecycle: Lifecycle, platform: str) -> None:
+    def __init__(
+        self, stager: Stager, lifecycle: Lifecycle, platform: str, planner: str = "host"
+    ) -> None:
         self._stager = stager
         self._lifecycle = lifecycle
         self._platform = platform
+        self._planner = planner
 
     def check(self) -> None:
         """Refuses the host-callback form where the step can hang in it.
@@ -54,8 +58,15 @@ class HostCallbacks:
 
         Raises:
           RuntimeError: a CPU backend and fewer than two cores for this
-            process.
+            process, or a cache planned on the device.
         """
+        if self._planner != "host":
+            raise RuntimeError(
+                "the host-callback form (CachedEmbed.lookup_ids) plans each batch on the host "
+                "inside the step, but this cache plans on the device; pass the step the Lookup "
+                "that jaxcache.prefetch (without callback=True) or CachedEmbed.prepare makes, "
+                'or build the cache with planner="host".'
+            )
         if self._platform != "cpu":
             return
         cores = threads.cores()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import threading
 
+from jaxcache._src.device_planner import DevicePlanner
 from jaxcache._src.partitions import Partitions
 from jaxcache._src.stager import HostStaged
 from jaxcache._src.write_back import WriteBacks
@@ -38,7 +39,7 @@ class Lifecycle:
       range(1, 1)
     """
 
-    def __init__(self, partitions: Partitions, write_backs: WriteBacks) -> None:
+    def __init__(self, partitions: Partitions | DevicePlanner, write_backs: WriteBacks) -> None:
         self.partitions = partitions
         self.write_backs = write_backs
         self.applied = -1  # the last plan whose rows reached the device
@@ -77,8 +78,7 @@ class Lifecycle:
     def stale(self) -> bool:
         """Whether rows changed on device that the host table does not hold:
         dirty rows of finished plans, unlanded write-backs or unapplied plans."""
-        dirty = any((p.dirty & (p.last_use <= p.released)).any() for p in self.partitions.planners)
-        return dirty or bool(self.write_backs.busy()) or bool(self.unapplied())
+        return self.partitions.stale() or bool(self.write_backs.busy()) or bool(self.unapplied())
 
     # ------------------------------------------------------------------ offers
     def offer(self, staged: HostStaged) -> None:

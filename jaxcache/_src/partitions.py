@@ -317,6 +317,37 @@ class Partitions:
             total += sum(a.nbytes for a in arrays)
         return total
 
+    @property
+    def warms(self) -> bool:
+        """Whether the policy starts the cache with the hottest rows loaded."""
+        return self.planners[0].policy.warms
+
+    def stale(self) -> bool:
+        """Whether a row of a finished plan changed on device (is dirty)."""
+        return any((p.dirty & (p.last_use <= p.released)).any() for p in self.planners)
+
+    def dirty_rows(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per device of this process: its dirty slots (local to the device)
+        and their rows' (global) ids."""
+        q, width = self.layout.split, self.part_capacity
+        out = []
+        for device in range(len(self.layout.own)):
+            slots, ids = [], []
+            for j in range(q):
+                part, planner = self.parts[device * q + j], self.planners[device * q + j]
+                dirty = np.flatnonzero(planner.dirty)
+                slots.append(dirty + j * width)
+                ids.append(self.layout.part_global_ids(part, planner.id_of_slot[dirty]))
+            out.append((np.concatenate(slots), np.concatenate(ids)))
+        return out
+
+    def mark_clean(self) -> None:
+        """Marks the rows of finished plans clean (after a flush wrote them
+        back); rows of plans in flight stay dirty, since their step may still
+        change them."""
+        for planner in self.planners:
+            planner.dirty &= planner.last_use > planner.released
+
     def check_invariants(self, table: str) -> None:
         """``Planner.check_invariants`` of every own partition, naming
         ``table`` (and the device, with several)."""

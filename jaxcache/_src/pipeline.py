@@ -14,6 +14,15 @@ Stage by stage, for batch ``t + k`` while the device runs step ``t``:
   dispatch happens on this thread, so the device state has one owner and
   several processes issue their collectives in the same order.
 
+A cache that plans on the device (``planner="device"``) splits the first
+stage: its plans are dispatched by the training loop (every JAX dispatch of
+a process on one thread, in one order), plan ``t + k`` during
+``next()`` of batch ``t``, and a **stager thread** reads each plan's lists
+back, lands the write-backs its misses wait on and gathers their rows
+(``EmbeddingCache.gather``); a **feeder thread** pulls the batches from the
+source. A plan that finds no room next to the batches in flight is planned
+again, in the loop, once the batch it waits for is released.
+
 Rows of batches planned but not yet handed to the training loop are protected
 from eviction; a batch is released when the loop asks for the next one (its
 step has been dispatched, and device order puts every later swap after it).
@@ -37,13 +46,14 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from jaxcache._src.device_ops import Lookup
-from jaxcache._src.engine import EmbeddingCache, HostStaged, Staged
+from jaxcache._src.device_planner import DevicePlanner, Dispatched, PlanSkipped
+from jaxcache._src.engine import DeviceStaged, EmbeddingCache, HostStaged, Staged
 from jaxcache._src.holder import CacheHolder
 from jaxcache._src.planner import CapacityError
 
@@ -111,9 +121,36 @@ class _Raised:
 class _Failure:
     """The producer failed (or was stopped) while staging a batch."""
 
-    def __init__(self, error: BaseException, partial: dict[str, Staged | HostStaged]) -> None:
+    def __init__(
+        self, error: BaseException, partial: Mapping[str, Staged | HostStaged | DeviceStaged]
+    ) -> None:
         self.error = error
         self.partial = partial
+
+
+class _Work(NamedTuple):
+    """A batch whose device plans were dispatched, for the stager thread.
+
+    ``dispatched`` holds the plans of the device-planned caches; with
+    ``merge``, only those (planned again after a failure): the batch's other
+    tables are staged already and wait in the stager's partials.
+    """
+
+    index: int  # type: ignore[assignment]  # the field shadows tuple.index
+    batch: Mapping[str, Any]
+    dispatched: dict[str, Dispatched]
+    merge: bool = False
+
+
+class _Refused(NamedTuple):
+    """A device plan failed: ``error`` for table ``key`` of batch ``index``
+    of the pipeline, the table's plan ``plan`` (the batch's other tables
+    wait in the stager's partials)."""
+
+    index: int  # type: ignore[assignment]  # the field shadows tuple.index
+    key: str
+    plan: int
+    error: BaseException
 
 
 class Prefetcher(Iterator[dict[str, Any]]):
@@ -206,13 +243,27 @@ class Prefetcher(Iterator[dict[str, Any]]):
         self._closed = False
         self._done = False
         self._thread: threading.Thread | None = None
+        self._feeder: threading.Thread | None = None
+        # Device-planned tables: the plans the loop dispatches ahead.
+        self._device = any(isinstance(c.planner, DevicePlanner) for c in caches)
+        self._multi_process = any(c.shard[1] > 1 for c in caches)
+        self._taken = 0  # batches handed out
+        self._planned: list[tuple[int, Mapping[str, Any]]] = []  # dispatched, not handed out
+        self._pulled: queue.Queue[Any] = queue.Queue(maxsize=lookahead + 1)
+        self._work: queue.Queue[Any] = queue.Queue()
+        self._partials: dict[int, dict[str, Staged | HostStaged | DeviceStaged]] = {}
+        self._source_done = False
         if lookahead > 0:
-            self._thread = threading.Thread(
-                target=self._produce, name="jaxcache-prefetch", daemon=True
-            )
+            target = self._stage_planned if self._device else self._produce
+            self._thread = threading.Thread(target=target, name="jaxcache-prefetch", daemon=True)
             _OPEN.add(self)
             if switch_interval is not None:
                 _SWITCH.hold(self, switch_interval)
+            if self._device:
+                self._feeder = threading.Thread(
+                    target=self._feed, name="jaxcache-feeder", daemon=True
+                )
+                self._feeder.start()
             self._thread.start()
 
     # ------------------------------------------------------------ consumer
@@ -225,17 +276,22 @@ class Prefetcher(Iterator[dict[str, Any]]):
         self._release_handed_out()
         if self._thread is None:
             item = self._stage_now()
+        elif self._device:
+            item = self._take_planned()
         else:
             item = self._take()
         if isinstance(item, _End):
             self._done = True
             _SWITCH.drop(self)  # the producer has finished
+            if self._device:
+                self._stop.set()  # nothing is left for the stager
             raise StopIteration
         if isinstance(item, _Failure):
             self._apply(item.partial)
             self.close()
             raise item.error
         batch, staged = item
+        self._taken += 1
         self._handed_out = staged
         if self.callback:
             for key, s in staged.items():
@@ -268,7 +324,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
             staged[key] = cache.stage(_ids(batch, key), train=self.train)
         return batch, staged
 
-    def _apply(self, staged: Mapping[str, Staged | HostStaged]) -> dict[str, Lookup]:
+    def _apply(self, staged: Mapping[str, Staged | HostStaged | DeviceStaged]) -> dict[str, Lookup]:
         """Transfers and swaps staged batches in, in order; returns their lookups.
 
         On the training thread, so that every JAX dispatch of a process comes
@@ -278,7 +334,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         lookups = {}
         for key, s in staged.items():
             holder, cache = self._tables[key], self._caches[key]
-            if isinstance(s, HostStaged):
+            if isinstance(s, (HostStaged, DeviceStaged)):
                 s = cache.to_device(s)
             holder.set_state(cache.apply(holder.get_state(), s))
             lookups[key] = s.lookup
@@ -363,6 +419,170 @@ class Prefetcher(Iterator[dict[str, Any]]):
                         self._released.wait(timeout=_POLL_SECONDS)
                 finished = max(finished, error.fits_after)
 
+    # ------------------------------------------------------ device planners
+    def _feed(self) -> None:
+        """The feeder thread: pulls batches for the loop to plan, ``lookahead
+        + 1`` at most ahead."""
+        while not self._stop.is_set():
+            item = self._pull()
+            while True:
+                try:
+                    self._pulled.put(item, timeout=_POLL_SECONDS)
+                    break
+                except queue.Full:
+                    if self._stop.is_set():
+                        return
+            if isinstance(item, (_End, _Raised)):
+                return
+
+    def _take_planned(self) -> Any:
+        """The loop's part for device-planned tables: dispatches the plans of
+        every batch up to ``lookahead`` past the one it hands out now (a
+        fixed point in the step sequence, so several processes dispatch
+        their collectives in the same order), then takes that one."""
+        self._dispatch_until(self._taken + self.lookahead)
+        while True:
+            item = self._take()
+            if not isinstance(item, _Refused):
+                if not isinstance(item, (_End, _Failure)):
+                    self._planned.pop(0)
+                return item
+            failure = self._plan_again(item)
+            if failure is not None:
+                return failure
+
+    def _dispatch_until(self, last: int) -> None:
+        """Dispatches the device plans of the batches up to index ``last``
+        that the feeder has pulled, and waits for the one handed out next.
+        With several processes it waits for each: every process then
+        dispatches each plan between the same two steps, so the collectives
+        of plans and steps meet in the same order everywhere."""
+        wait = self._multi_process
+        while not self._source_done and len(self._planned) + self._taken <= last:
+            index = self._taken + len(self._planned)
+            try:
+                item = self._pulled.get(block=wait or index == self._taken)
+            except queue.Empty:
+                return
+            if isinstance(item, _End):
+                self._source_done = True
+                self._work.put(item)
+                return
+            if isinstance(item, _Raised):
+                self._source_done = True
+                self._work.put(_Failure(item.error, {}))
+                return
+            dispatched = {}
+            for key, cache in self._caches.items():
+                if isinstance(cache.planner, DevicePlanner):
+                    dispatched[key] = self._dispatch(cache, item, key)
+            self._planned.append((index, item))
+            self._work.put(_Work(index, item, dispatched))
+
+    def _dispatch(self, cache: EmbeddingCache, batch: Mapping[str, Any], key: str) -> Dispatched:
+        # The bound the host planner's producer uses (``_stage_with_retry``):
+        # at most ``lookahead`` earlier plans are in flight.
+        finished = cache.planner.next_index - 1 - self.lookahead
+        return cache.dispatch(_ids(batch, key), train=self.train, released=finished)
+
+    def _plan_again(self, refused: _Refused) -> _Failure | None:
+        """A device plan found no room next to the batches in flight: plans
+        it again, now that the plan it waits for is released (the loop takes
+        batches in order, so every earlier one is), and every later plan of
+        its table (each did nothing after the failure). Another error, or a
+        batch that cannot fit, ends the loop: the ``_Failure`` to raise."""
+        error, key, index = refused.error, refused.key, refused.index
+        cache = self._caches[key]
+        assert isinstance(cache.planner, DevicePlanner)
+        cache.planner.rollback(refused.plan)
+        if (
+            not isinstance(error, CapacityError)
+            or error.fits_after is None
+            or error.fits_after >= refused.plan
+        ):
+            return _Failure(error, self._partials.pop(index, {}))
+        for later, batch in self._planned:
+            if later < index:
+                continue
+            finished = cache.planner.next_index - 1 - self.lookahead
+            if later == index:
+                finished = max(finished, int(error.fits_after))
+            dispatched = cache.dispatch(_ids(batch, key), train=self.train, released=finished)
+            self._work.put(_Work(later, batch, {key: dispatched}, merge=True))
+        return None
+
+    def _stage_planned(self) -> None:
+        """The stager thread: reads back each dispatched plan, gathers its
+        rows, and stages the batch's host-planned tables, batch by batch.
+
+        A batch with a refused plan waits in ``_partials`` (its other tables
+        staged) until the loop plans that table again (a ``merge``); so do
+        the batches after it, whose plans of that table did nothing. The
+        end of the source waits for them too, and the thread runs until the
+        pipeline stops."""
+        last: _End | _Failure | None = None
+        while True:
+            try:
+                work = self._work.get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                if self._stop.is_set():
+                    return
+                continue
+            if isinstance(work, (_End, _Failure)):
+                last = work
+            else:
+                try:
+                    self._stage_work(work)
+                except BaseException as error:  # re-raised in the training loop
+                    self._queue.put(_Failure(error, self._partials.pop(work.index, {})))
+                    return
+            if last is not None and not self._partials:
+                self._queue.put(last)
+                last = None
+
+    def _stage_work(self, work: _Work) -> None:
+        staged = self._partials.pop(work.index, {}) if work.merge else {}
+        refused: _Refused | None = None
+        waiting = False
+        try:
+            for key, cache in self._caches.items():
+                if key in work.dispatched:
+                    try:
+                        staged[key] = cache.gather(work.dispatched[key], defer=True)
+                    except PlanSkipped:
+                        waiting = True  # planned again after an earlier refusal
+                    except (ValueError, CapacityError) as error:
+                        refused = _Refused(work.index, key, work.dispatched[key].index, error)
+                elif not work.merge:
+                    staged[key] = self._stage_with_retry(cache, _ids(work.batch, key))
+        finally:
+            if refused is not None or waiting:
+                self._partials[work.index] = staged
+        if refused is not None:
+            self._queue.put(refused)
+        elif not waiting:
+            self._queue.put((work.batch, staged))
+
+    def _finish_planned(self) -> None:
+        """At close, after the stager stopped: gathers the device plans it
+        left and applies every table's staged rows of the batches that
+        waited, in order (each plan that ran must reach the device state)."""
+        while True:
+            try:
+                work = self._work.get_nowait()
+            except queue.Empty:
+                break
+            if not isinstance(work, _Work):
+                continue
+            staged = self._partials.setdefault(work.index, {})
+            for key, dispatched in work.dispatched.items():
+                try:
+                    staged[key] = self._caches[key].gather(dispatched, defer=True)
+                except (PlanSkipped, ValueError, CapacityError):
+                    pass  # it did nothing
+        for index in sorted(self._partials):
+            self._apply(self._partials.pop(index))
+
     # ------------------------------------------------------------ shutdown
     def close(self) -> None:
         """Stops the thread and applies every batch it already staged.
@@ -376,7 +596,14 @@ class Prefetcher(Iterator[dict[str, Any]]):
         self._stop.set()
         with self._released:
             self._released.notify_all()
-        if self._thread is not None:
+        if self._thread is not None and self._device:
+            self._source_done = True  # the loop dispatches no more plans
+            while self._thread.is_alive():
+                self._drain()
+                self._thread.join(timeout=_POLL_SECONDS)
+            self._drain()
+            self._finish_planned()
+        elif self._thread is not None:
             # Apply what is queued until the producer is gone or idle: applying
             # also dispatches the swaps a staging batch may wait on. Once the
             # producer holds no staging lock it never stages again (it checks
@@ -411,7 +638,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
                 return
             if isinstance(item, _Failure):
                 self._apply(item.partial)
-            elif not isinstance(item, _End):
+            elif not isinstance(item, (_End, _Refused)):
                 self._apply(item[1])
 
     def __enter__(self) -> Prefetcher:

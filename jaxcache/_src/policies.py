@@ -329,6 +329,15 @@ class AdaptivePolicy(Policy):
             self.bits,
         )
         sample.sort()
+        choice = self.learn(sample, t)
+        if choice != int(self.scalars[0]):
+            self._choose(planner, choice)
+
+    def learn(self, sample: np.ndarray, t: int) -> int:
+        """Plans batch ``t``'s sampled distinct ids (sorted; their ``counts``
+        already include the batch) through the shadow caches, updates the
+        scores and the rules, and returns the index into ``BONUSES`` the
+        cache should use from the next batch on."""
         self._shadow_step(sample, t)
         k = len(self.BONUSES)
         hits = self.shadow_state[:, 2]
@@ -350,9 +359,7 @@ class AdaptivePolicy(Policy):
         followed = int(self.rules[0])
         if self._leads(self.rule_scores, 1 - followed, followed):
             self.rules[0] = followed = 1 - followed
-        choice = int(self.rules[1 + followed])
-        if choice != int(self.scalars[0]):
-            self._choose(planner, choice)
+        return int(self.rules[1 + followed])
 
     def _leads(self, scores: np.ndarray, a: int, b: int) -> bool:
         """Whether ``scores[a]`` leads ``scores[b]`` (by more than ``1 / 2^MARGIN``)."""

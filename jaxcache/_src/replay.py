@@ -45,6 +45,7 @@ def replay(
     batch: int | None = None,
     num_embeddings: int | None = None,
     frequencies: np.ndarray | None = None,
+    planner: str = "host",
 ) -> Result:
     """Plans every batch of ``trace`` through one cache and counts what moved.
 
@@ -69,6 +70,8 @@ def replay(
         not given they are counted over the whole trace. Passed explicitly,
         they are also the prior of ``"adaptive"`` (which is then warmed the
         same way) and seed ``"lfu"``; ``"lru"`` and ``"belady"`` ignore them.
+      planner: ``"host"`` or ``"device"`` (the device planner's program, on
+        the default device): both make the same plans, so the same counts.
 
     Returns:
       A flat, JSON-ready dict: ``policy``, ``capacity``
@@ -103,6 +106,7 @@ def replay(
         batch=batch,
         num_embeddings=num_embeddings,
         frequencies=frequencies,
+        planner=planner,
     )[0]
 
 
@@ -114,6 +118,7 @@ def sweep(
     batch: int | None = None,
     num_embeddings: int | None = None,
     frequencies: np.ndarray | None = None,
+    planner: str = "host",
 ) -> list[Result]:
     """Replays ``trace`` at every capacity for every policy: a miss-ratio curve.
 
@@ -141,11 +146,15 @@ def sweep(
     frequencies = _check_frequencies(frequencies, n)
     names = _check_policies(policies)
     rows = [_resolve_capacity(capacity, n) for capacity in capacities]
+    if planner not in ("host", "device"):
+        raise ValueError(f"planner={planner!r} is not a planner; use 'host' or 'device'.")
     counts = frequencies
     if counts is None and "frequency" in names:
         counts = np.bincount(trace.reshape(-1), minlength=n)
     return [
-        _run(batches, n, capacity, name, frequencies, counts) for name in names for capacity in rows
+        _run(batches, n, capacity, name, frequencies, counts, planner)
+        for name in names
+        for capacity in rows
     ]
 
 
@@ -240,6 +249,7 @@ def _run(
     policy: str,
     frequencies: np.ndarray | None,
     counts: np.ndarray | None,
+    planner_kind: str = "host",
 ) -> Result:
     """Replays the checked ``batches`` through a fresh planner (or Belady's)."""
     if policy == "belady":
@@ -253,6 +263,8 @@ def _run(
         num_embeddings=num_embeddings, features=1, capacity=capacity, policy=policy
     )
     prior = counts if policy == "frequency" else frequencies
+    if planner_kind == "device":
+        return _run_on_device(batches, config, prior)
     planner = Planner(config, frequencies=prior)
     rows_warmed = 0
     if planner.policy.warms:
@@ -276,6 +288,43 @@ def _run(
             plan.evictions,
         )
     return _summary(policy, capacity, num_embeddings, per_batch, rows_warmed)
+
+
+def _run_on_device(
+    batches: list[np.ndarray], config: CacheConfig, prior: np.ndarray | None
+) -> Result:
+    """``_run`` with the device planner's program on the default device."""
+    import jax  # only when asked for
+
+    from jaxcache._src.device_planner import DevicePlanner
+    from jaxcache._src.placement import Layout
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("rows",))
+    planner = DevicePlanner(config, Layout(), mesh, "rows", frequencies=prior)
+    if planner.warms:
+        assert prior is not None, "a policy warms only from dataset counts"
+        planner.warm_hottest(prior)
+    rows_warmed = planner.resident_ids().size
+    per_batch = np.zeros((len(batches), len(_COUNTERS)), np.int64)
+    for step, ids in enumerate(batches):
+        dispatched = planner.dispatch(ids)
+        try:
+            stats = planner.collect(dispatched).stats
+        except CapacityError as error:
+            raise CapacityError(f"batch {step} of the trace: {error}") from None
+        planner.release(dispatched.index)
+        per_batch[step] = (
+            stats.lookups,
+            stats.distinct,
+            stats.hits,
+            stats.access_hits,
+            stats.misses,
+            stats.rows_to_host,
+            stats.evictions,
+        )
+    return _summary(
+        config.policy, int(config.capacity), config.num_embeddings, per_batch, rows_warmed
+    )
 
 
 # Per-batch counters of a replay, in this order.

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
@@ -33,7 +33,10 @@ from jaxcache._src.stats import CacheStats, StepStats
 from jaxcache._src.threads import HostThreads
 from jaxcache._src.write_back import WriteBacks
 
-__all__ = ["Deferred", "HostStaged", "Stager", "bucket_size"]
+if TYPE_CHECKING:
+    from jaxcache._src.device_planner import DevicePlanner
+
+__all__ = ["Deferred", "HostStaged", "Stager", "bucket_size", "fresh_buffers"]
 
 
 def bucket_size(n: int, minimum: int, previous: int = 0) -> int:
@@ -126,7 +129,8 @@ class Stager:
 
     Args:
       config: the table's configuration.
-      partitions: the planners of this process's partitions.
+      partitions: the planners of this process's partitions (a device
+        planner's cache uses only the stager's checks and sizes).
       table: the host table.
       ledger: the write-back ledger.
       stats: the statistics to record each batch in.
@@ -137,7 +141,7 @@ class Stager:
     def __init__(
         self,
         config: CacheConfig,
-        partitions: Partitions,
+        partitions: Partitions | DevicePlanner,
         table: HostTable,
         ledger: WriteBacks,
         stats: CacheStats,
@@ -179,6 +183,7 @@ class Stager:
         timers = self.stats.timers
         ids = np.asarray(ids)
         self.check_batch(ids.shape)
+        assert isinstance(self.partitions, Partitions), "the host planner stages on the host"
         with self.lock:
             with timers.time("plan"):
                 step = self.partitions.plan(ids, train=train, released=released, max_distinct=size)
@@ -366,12 +371,10 @@ class _MovesJob:
         self.write_back = time.perf_counter() - start
         stager.stats.timers.add("write_back", self.write_back)
         # Fresh buffers (the device may alias them); the pieces fill the slots.
-        table, total = stager.table, len(layout.own) * size
+        total = len(layout.own) * size
         evict_slots = np.full(total, cl, np.int32)
         fetch_slots = np.full(total, cl, np.int32)
-        rows = np.zeros((total, *table.rows.shape[1:]), table.rows.dtype)
-        opt = {k: np.zeros((total, *v.shape[1:]), v.dtype) for k, v in table.state.items()}
-        self.moves = (evict_slots, fetch_slots, rows, opt)
+        self.moves = (evict_slots, fetch_slots, *fresh_buffers(stager.table, total))
 
     def pieces(self) -> list[Callable[[], None]]:
         """``evictions``, then one gather per partition with rows to fetch."""
@@ -409,6 +412,15 @@ class _MovesJob:
                 return
             ids, places = ids[keep], places[keep]
         self.stager.table.gather_into(ids, rows, opt, places)
+
+
+def fresh_buffers(table: HostTable, size: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Zeroed staging rows ``[size, D]`` and optimizer state of ``table``'s
+    dtypes. Fresh for every batch, never reused: a device copy may alias a
+    NumPy buffer (``device_put`` on the CPU backend), so a buffer must not
+    change until the step that read it has finished."""
+    rows = np.zeros((size, *table.rows.shape[1:]), table.rows.dtype)
+    return rows, {k: np.zeros((size, *v.shape[1:]), v.dtype) for k, v in table.state.items()}
 
 
 def _blocks(

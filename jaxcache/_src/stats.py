@@ -98,7 +98,9 @@ class StepStats:
 class PhaseTimers:
     """Seconds and counts spent in each phase of the cache's work.
 
-    Phases: ``plan``, ``write_back`` and ``gather`` (staging a batch),
+    Phases: ``plan`` (planning a batch on the host, or dispatching its
+    device plan), ``collect`` (reading a device plan's lists back, waiting
+    for the device to run it), ``write_back`` and ``gather`` (staging a batch),
     ``deferred`` (copying into a staged batch the rows it fetches whose
     write-back had not landed when it was staged, from the read-out that
     holds them, before its transfer), ``transfer`` (host side), ``swap``
@@ -121,6 +123,7 @@ class PhaseTimers:
 
     PHASES = (
         "plan",
+        "collect",
         "write_back",
         "gather",
         "deferred",

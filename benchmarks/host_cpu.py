@@ -1,0 +1,146 @@
+"""Host CPU per step of a cache planned on the device: a fixed cost plus the misses.
+
+The host's part of a step (plan dispatch, the lists read back, write-backs
+landed, missing rows gathered and transferred, the swap dispatched) is
+timed as CPU time of this process's Python threads: XLA's own threads,
+which run the programs (on the CPU backend the "device" is the host's
+cores), are left out. Steps run unpipelined on the training thread, and
+every run of a figure is timed in the same process, round after round, so
+that a change of load on the machine falls on all of them.
+
+1. ``host_cpu_8x_ids_over_1x``: the device planner's host CPU per step with
+   8x the ids per step over 1x, at a fixed number of misses (each batch
+   re-reads resident rows and brings ``--misses`` new ids; an LFU cache
+   seeded with the resident rows' counts evicts only earlier newcomers).
+   The ids are int32, so no copy of them is made on the host.
+2. ``host_cpu_device_over_host_planner``: on the embedding-heavy batch of
+   ``throughput.py`` (multi-hot bags, a 2% cache), the device planner's host
+   CPU per step over the host planner's.
+
+    python benchmarks/host_cpu.py            # a few minutes on 2 CPU cores
+    python benchmarks/host_cpu.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import _harness
+import _training
+import jax
+import numpy as np
+
+import jaxcache
+
+
+def python_cpu() -> float:
+    """CPU seconds of this process's Python threads (XLA's threads left out)."""
+    seconds = _harness._thread_seconds()
+    ours = {t.native_id for t in threading.enumerate()}
+    return sum(s for tid, s in seconds.items() if tid in ours)
+
+
+def host_cpu_per_step(cache: jaxcache.EmbeddingCache, batches: list[np.ndarray]) -> float:
+    """Median host CPU seconds of ``prepare`` (stage and swap) over ``batches``."""
+    state = cache.init_state()
+    per_step = []
+    for ids in batches:
+        start = python_cpu()
+        state, _ = cache.prepare(state, ids)
+        per_step.append(python_cpu() - start)
+        jax.block_until_ready(state)  # the next step starts with an idle device
+    return float(np.median(per_step))
+
+
+def fixed_misses(args: argparse.Namespace) -> float:
+    """``host_cpu_8x_ids_over_1x``: the device planner at 1x and 8x the ids."""
+    n, hot, misses = 1 << 21, 1 << 16, args.misses
+    counts = np.zeros(n, np.int64)
+    counts[:hot] = 1 << 20  # the resident rows; newcomers never outrank them
+    cfg = jaxcache.CacheConfig(n, 16, capacity=hot + 8 * misses, policy="lfu")
+    rng = np.random.default_rng(0)
+    fresh = iter(range(hot, n))
+
+    def batch(ids_per_step: int) -> np.ndarray:
+        new = np.fromiter(fresh, np.int32, misses)
+        old = rng.integers(0, hot, ids_per_step - misses, dtype=np.int32)
+        return rng.permutation(np.concatenate([old, new])).reshape(64, -1)
+
+    base = args.ids
+    steps = args.warmup + args.steps
+    runs = {}
+    for scale in (1, 8):
+        cache = jaxcache.EmbeddingCache(cfg, frequencies=counts, planner="device")
+        runs[scale] = (cache, [batch(base * scale) for _ in range(steps)])
+    seconds: dict[int, list[float]] = {1: [], 8: []}
+    for _ in range(args.rounds):
+        for scale, (cache, batches) in runs.items():
+            seconds[scale].append(host_cpu_per_step(cache, batches[args.warmup :]))
+            cache.lifecycle.release_all()
+    for scale, (cache, _) in runs.items():
+        last = cache.stats.last
+        print(
+            f"device planner, {base * scale:>7} ids a step, {last.misses} misses: "
+            f"host CPU {1e3 * np.median(seconds[scale]):.3f} ms a step "
+            f"({_harness.ms_range(seconds[scale], 3)} over {args.rounds} rounds)"
+        )
+    return float(np.median(seconds[8]) / np.median(seconds[1]))
+
+
+def embedding_heavy(args: argparse.Namespace) -> float:
+    """``host_cpu_device_over_host_planner`` on the embedding-heavy batch."""
+    setup = _training.embedding_heavy(args)
+    batches = [b["sparse"] for b in setup.data.batches(args.warmup + args.steps)]
+    frequencies = setup.data.count_frequencies(8)
+    cfg = setup.config(0.02, "adaptive")
+    caches = {
+        planner: jaxcache.EmbeddingCache(cfg, frequencies=frequencies, planner=planner)
+        for planner in ("host", "device")
+    }
+    seconds: dict[str, list[float]] = {planner: [] for planner in caches}
+    for cache in caches.values():  # compile, and warm the cache
+        host_cpu_per_step(cache, batches[: args.warmup])
+    for _ in range(args.rounds):
+        for planner, cache in caches.items():
+            seconds[planner].append(host_cpu_per_step(cache, batches[args.warmup :]))
+    print(f"\n{setup.describe()}, 2% cache")
+    for planner, cache in caches.items():
+        total = cache.stats.total
+        print(
+            f"  {planner} planner: host CPU {1e3 * np.median(seconds[planner]):.3f} ms a step "
+            f"({_harness.ms_range(seconds[planner], 3)}), hit rate {total.hit_rate:.3f}"
+        )
+    return float(np.median(seconds["device"]) / np.median(seconds["host"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per round")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, runs interleaved")
+    parser.add_argument("--ids", type=int, default=8192, help="ids a step at 1x")
+    parser.add_argument("--misses", type=int, default=256, help="new ids a step")
+    parser.add_argument("--quick", action="store_true", help="fewer steps, smaller table")
+    parser.add_argument("--scale", type=float, default=None, help="SyntheticCriteo scale")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.warmup, args.rounds = 10, 4, 2
+    if args.scale is None:
+        args.scale = 0.02 if args.quick else 0.1  # as throughput.py's
+    print(_harness.machine())
+    start = time.perf_counter()
+    ids_ratio = fixed_misses(args)
+    planners_ratio = embedding_heavy(args)
+    print(f"\n({time.perf_counter() - start:.0f} s)")
+    _harness.print_results(
+        {
+            "host_cpu_8x_ids_over_1x": ids_ratio,
+            "host_cpu_device_over_host_planner": planners_ratio,
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,723 @@
+"""The device planner's program: a batch planned in jit, on the devices that hold its rows.
+
+Pure ``jnp`` over explicit state, like the other device functions
+(``device_ops``). Each device of the rows axis holds a *partition* of the
+cache: the ids homed on it (``Layout``: residue ``i % n``), its ``C_l``
+slots, a dense directory of its ``N_l`` local ids (``i // n``) and its
+policy's state. One call of ``plan`` (inside ``jax.shard_map``) does every
+per-id step of a batch:
+
+1. **source** (each device, over its slice of the batch): validate the ids,
+   dedupe them in order of first appearance (one stable sort), group the
+   distinct ids by home device and rank them there, still in order of first
+   appearance; send them home with ``all_to_all`` in blocks of ``K`` per
+   destination.
+2. **owner** (each device, over what it received): dedupe across sources
+   (source after source, each in its ranks' order: the host planner's order),
+   look the ids up, choose victims for the misses among the slots no
+   in-flight batch uses (the lowest ``(key, slot)``, as the host planner),
+   update the directory, recency, dirty bits and the policy's keys.
+3. The route of the batch's lookups and sparse updates (``Lookup``'s
+   arrays) comes out of the same program, with the lists the host needs:
+   the misses ``(local id, slot)`` and the dirty evictions, padded to ``P``.
+
+The plan's arrays have the sizes no batch of its shape can exceed (``K``,
+the distinct ids one source can send one owner, is at most the slice's ids
+and the owner's slots), so a plan never fails for want of room in its own
+arrays; ``compact`` cuts its outputs to the padded sizes a batch needs
+(powers of two, so compiled shapes repeat) before the swap and the step.
+Nothing changes unless the whole batch is planned: a bad id, a batch with
+more distinct ids than a partition holds, or too few slots free of
+in-flight batches fails the plan on every device (the flags are reduced
+over the axis before the first write), and the state stays as it was. A
+failed plan leaves a sticky ``failed`` flag: plans dispatched after it (a
+pipeline dispatches ahead) do nothing, until a plan with a newer ``epoch``
+clears it.
+
+With x64 off there are no 64-bit arrays on the device: ids, slots, plan
+indices, counts and keys are int32. Ids of a host int64 array travel as
+two 32-bit words (``wide``), so a value beyond int32 is found here rather
+than truncated on transfer; counts saturate at ``2^31 - 1``.
+
+Shape letters: ``n`` devices, ``m`` ids of one device's slice, ``K =
+min(m, C_l)`` distinct ids one source may send one owner, ``V`` entries an
+owner receives (``n K``; ``K`` on one device, where the source is the
+owner), ``P = min(V, C_l)`` misses (and evictions) per owner, ``C_l`` slots,
+``N_l`` local ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+__all__ = [
+    "BAD_ID",
+    "NO_ROOM",
+    "SKIPPED",
+    "TOO_MANY",
+    "PlanSpec",
+    "PlanState",
+    "log2_fixed",
+    "make_clean",
+    "make_compact",
+    "make_plan",
+    "make_rekey",
+    "sampled",
+]
+
+# Status bits of a plan (``PlanOut.info[:, STATUS]``).
+BAD_ID = 1  # an id outside [0, N) that is not padding
+TOO_MANY = 2  # a partition's distinct ids exceed its slots
+NO_ROOM = 4  # too few slots free of in-flight batches
+SKIPPED = 8  # an earlier plan failed: this one did nothing
+
+# Columns of ``PlanOut.info`` (one row per device).
+INFO = (
+    "status",  # the batch's status bits, the same on every device
+    "k_need",  # as source: the most distinct ids it sends one owner
+    "distinct",  # as owner: distinct ids homed here
+    "hits",  # distinct ids resident
+    "misses",  # distinct ids fetched
+    "lookups",  # real ids homed here
+    "access_hits",  # of those, served by resident rows
+    "evictions",  # resident rows replaced
+    "written",  # dirty evictions (written back)
+    "sampled",  # ids in the adaptive policy's sample
+    "available",  # slots free of in-flight batches (after the hits)
+    "bad_at",  # as source: first position of a bad id in the slice, or m
+    "real",  # as source: real (not padding) ids of the slice
+    "need_k",  # the most of k_need over the axis
+    "need_v",  # the most distinct ids of a device
+    "need_p",  # the most misses of a device
+    "need_r",  # the most real ids of a device's slice
+)
+COLUMN = {name: i for i, name in enumerate(INFO)}
+
+_INT32_MAX = np.iinfo(np.int32).max
+# floor(256 * log2(1 + i / 256)): the mantissa part of ``log2_fixed`` (as
+# ``policies._LOG2_TABLE``).
+_LOG2_TABLE = np.array([math.floor(256 * math.log2(1 + i / 256)) for i in range(256)], np.int32)
+# The Fibonacci hash of the adaptive policy's sample (``kernels._sampled``),
+# as two 32-bit words of 0x9E3779B97F4A7C15.
+_GOLDEN_HI = np.uint32(0x9E3779B9)
+_GOLDEN_LO = np.uint32(0x7F4A7C15)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanSpec:
+    """What a plan program is compiled for (static, hashable).
+
+    Attributes:
+      devices: ``n``, devices of the rows axis.
+      processes: processes owning them (``Layout``'s homes depend on it).
+      num_embeddings: ``N``.
+      local_rows: ``N_l``, local ids per device (``ceil(N / n)``).
+      local_capacity: ``C_l``.
+      policy: ``"lru"``, ``"lfu"``, ``"frequency"`` or ``"adaptive"``.
+      prior: the adaptive policy has dataset counts.
+      sample_bits: the adaptive policy samples ids whose hash has this many
+        leading zero bits.
+      pad: the padding id, or ``None``.
+      wide: ids arrive as two 32-bit words (low, high) in a last axis of 2.
+      slice_ids: ``m``, ids of one device's slice of the batch.
+    """
+
+    devices: int
+    processes: int
+    num_embeddings: int
+    local_rows: int
+    local_capacity: int
+    policy: str
+    prior: bool
+    sample_bits: int
+    pad: int | None
+    wide: bool
+    slice_ids: int
+
+    @property
+    def per_destination(self) -> int:
+        """``K``: the most distinct ids one source can send one owner."""
+        return max(1, min(self.slice_ids, self.local_capacity))
+
+    @property
+    def received(self) -> int:
+        """``V``: entries an owner receives."""
+        return self.per_destination * (self.devices if self.devices > 1 else 1)
+
+    @property
+    def misses(self) -> int:
+        """``P``: the most misses (and evictions) of an owner."""
+        return min(self.received, self.local_capacity)
+
+    @property
+    def sample(self) -> int:
+        """Room for the adaptive policy's sampled ids of an owner."""
+        return self.misses if self.policy == "adaptive" else 1
+
+    @property
+    def counting(self) -> bool:
+        """Whether the policy counts lookups per id."""
+        return self.policy in ("lfu", "adaptive")
+
+
+class PlanState(NamedTuple):
+    """A cache's directory and policy on the devices; every array is split
+    row-wise over the rows axis, one block per device.
+
+    Attributes:
+      slot_of_id: ``int32 [n N_l]``: each local id's slot, ``-1`` if not resident.
+      id_of_slot: ``int32 [n C_l]``: each slot's local id, ``-1`` if free.
+      last_use: ``int32 [n C_l]``: the last plan that used the slot.
+      dirty: ``bool [n C_l]``: the slot's row changed since it was fetched.
+      per_id: ``int32 [n N_l]``: lookups so far (``lfu``, ``adaptive``) or
+        the dataset counts (``frequency``); ``None`` for ``lru``.
+      prior: ``int32 [n N_l]``: the adaptive policy's dataset counts, or ``None``.
+      keys: ``int32 [n C_l]``: each slot's priority (lowest evicted first),
+        ``None`` for ``lru`` (whose key is ``last_use``).
+      slot_prior: ``int32 [n C_l]``: ``prior`` of each slot's row, or ``None``.
+      scalars: ``int32 [n 4]``: per device ``(epoch, failed, bonus, offset)``:
+        the plans' epoch, whether a plan of it failed, and the adaptive
+        policy's bonus and key offset.
+    """
+
+    slot_of_id: jax.Array
+    id_of_slot: jax.Array
+    last_use: jax.Array
+    dirty: jax.Array
+    per_id: jax.Array | None
+    prior: jax.Array | None
+    keys: jax.Array | None
+    slot_prior: jax.Array | None
+    scalars: jax.Array
+
+
+class PlanOut(NamedTuple):
+    """What a plan returns besides the new state (split over the rows axis).
+
+    Attributes:
+      info: ``int32 [n, len(INFO)]``: each device's counts (``INFO``).
+      requests: ``int32 [n, n, K]``: ``Lookup.requests`` (owner, source,
+        rank), before ``compact``.
+      inverse: ``int32``, the ids' shape: ``Lookup.inverse``.
+      owner_slots: ``int32 [n, V]``: ``Lookup.owner_slots``.
+      owner_inverse: ``int32 [n, V]``: ``Lookup.owner_inverse``.
+      fetch_ids: ``int32 [n P]``: each owner's missed local ids, padded with ``-1``.
+      fetch_slots: ``int32 [n P]``: their slots, padded with ``C_l``.
+      evict_ids: ``int32 [n P]``: local ids of the dirty evicted rows, ``-1`` padding.
+      evict_slots: ``int32 [n P]``: their slots, padded with ``C_l``.
+      sample_ids: ``int32 [n P]``: the adaptive policy's sampled local ids
+        (``-1`` padding; ``[n]`` for other policies).
+      sample_counts: their lookups so far.
+      hit_slots: ``int32 [n V]``: the distinct ids' slots before the plan
+        (``-1``: missed); read when the plan fails for room.
+    """
+
+    info: jax.Array
+    requests: jax.Array
+    inverse: jax.Array
+    owner_slots: jax.Array
+    owner_inverse: jax.Array
+    fetch_ids: jax.Array
+    fetch_slots: jax.Array
+    evict_ids: jax.Array
+    evict_slots: jax.Array
+    sample_ids: jax.Array
+    sample_counts: jax.Array
+    hit_slots: jax.Array
+
+
+# ------------------------------------------------------------------ helpers
+def log2_fixed(count: jax.Array) -> jax.Array:
+    """``log2(count)`` in 1/256ths for int32 ``count >= 1``, as the host
+    planner's ``kernels.log2_fixed``: ``256 e + table[f]`` with ``2^e <=
+    count < 2^(e + 1)`` and ``f`` the 8 bits after the leading one.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> log2_fixed(jnp.array([1, 2, 3, 1024], jnp.int32)).tolist()
+      [0, 256, 405, 2560]
+    """
+    e = 31 - lax.clz(count)
+    f = jnp.where(e >= 8, count >> jnp.maximum(e - 8, 0), count << jnp.maximum(8 - e, 0))
+    return 256 * e + jnp.asarray(_LOG2_TABLE)[f - 256]
+
+
+def _mulhi_u32(a: jax.Array, b: np.uint32) -> jax.Array:
+    """The high 32 bits of the 64-bit product of uint32 ``a`` and ``b``."""
+    b0, b1 = np.uint32(b & 0xFFFF), np.uint32(b >> 16)
+    a0, a1 = a & 0xFFFF, a >> 16
+    t = a0 * b0
+    t = a1 * b0 + (t >> 16)
+    w1, w2 = t & 0xFFFF, t >> 16
+    t = a0 * b1 + w1
+    return a1 * b1 + w2 + (t >> 16)
+
+
+def sampled(ids: jax.Array, bits: int) -> jax.Array:
+    """Whether each non-negative int32 id is in the adaptive policy's
+    sample: the top ``bits`` bits of its 64-bit Fibonacci hash are zero
+    (``kernels._sampled``), computed in 32-bit words.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> sampled(jnp.arange(8, dtype=jnp.int32), 1).tolist()
+      [True, False, True, False, True, True, False, True]
+    """
+    if bits == 0:
+        return jnp.ones(ids.shape, bool)
+    a = ids.astype(jnp.uint32)
+    high = _mulhi_u32(a, _GOLDEN_LO) + a * _GOLDEN_HI
+    return (high >> np.uint32(32 - bits)) == 0
+
+
+def _adaptive_key(t: jax.Array, weight: jax.Array, bonus: jax.Array, offset: jax.Array):
+    """``256 t + bonus * log2_fixed(weight) + offset``, or ``weight + offset``
+    for ``bonus < 0`` (``kernels._key``)."""
+    keyed = 256 * t + bonus * log2_fixed(weight)
+    return jnp.where(bonus < 0, weight, keyed) + offset
+
+
+def _saturating_add(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.minimum(a, _INT32_MAX - b) + b
+
+
+def dedupe(values: jax.Array, valid: jax.Array, weights: jax.Array):
+    """Distinct ``values`` in order of first appearance, by one stable sort.
+
+    Args:
+      values: ``int32 [m]``.
+      valid: ``bool [m]``: entries to count (others are padding).
+      weights: ``int32 [m]``: what each entry adds to its distinct value's count.
+
+    Returns:
+      ``(distinct, inverse, count, lookups)``: ``int32 [m]`` the distinct
+      values in order of first appearance (``-1`` after ``count``); ``int32
+      [m]`` each entry's index into them (``-1`` for padding); the number of
+      distinct values; ``int32 [m]`` the weights summed per distinct value.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> v = jnp.array([7, 3, 7, 9, 3], jnp.int32)
+      >>> d, inv, count, w = dedupe(v, v != 9, jnp.ones(5, jnp.int32))
+      >>> d.tolist(), inv.tolist(), int(count), w.tolist()
+      ([7, 3, -1, -1, -1], [0, 1, 0, -1, 1], 2, [2, 2, 0, 0, 0])
+    """
+    m = values.shape[0]
+    keys = jnp.where(valid, values, _INT32_MAX)
+    sorted_keys, positions, sorted_weights = lax.sort(
+        (keys, lax.iota(jnp.int32, m), weights), num_keys=1, is_stable=True
+    )
+    real = sorted_keys != _INT32_MAX
+    head = real & jnp.concatenate([jnp.ones(1, bool), sorted_keys[1:] != sorted_keys[:-1]])
+    # A stable sort puts each value's first position at its run's head: the
+    # heads, counted in position order, number the values by appearance.
+    first = jnp.zeros(m, jnp.int32).at[positions].set(head.astype(jnp.int32), unique_indices=True)
+    appearance = jnp.cumsum(first) - 1
+    run = jnp.cumsum(head.astype(jnp.int32)) - 1
+    run_rank = (
+        jnp.zeros(m, jnp.int32)
+        .at[jnp.where(head, run, m)]
+        .set(appearance[positions], mode="drop", unique_indices=True)
+    )
+    rank = jnp.where(real, run_rank[jnp.maximum(run, 0)], -1)
+    inverse = jnp.zeros(m, jnp.int32).at[positions].set(rank, unique_indices=True)
+    drop = jnp.where(real, rank, m)
+    distinct = (
+        jnp.full(m, -1, jnp.int32)
+        .at[jnp.where(head, rank, m)]
+        .set(sorted_keys, mode="drop", unique_indices=True)
+    )
+    lookups = jnp.zeros(m, jnp.int32).at[drop].add(jnp.where(real, sorted_weights, 0), mode="drop")
+    return distinct, inverse, jnp.sum(head, dtype=jnp.int32), lookups
+
+
+def home_device(ids: jax.Array, devices: int, processes: int) -> jax.Array:
+    """The home device of each id (``Layout.device_of``)."""
+    residue = ids % devices
+    per_process = devices // processes
+    return (residue % processes) * per_process + residue // processes
+
+
+# ------------------------------------------------------------------ the plan
+def _source(spec: PlanSpec, ids: jax.Array, axis: str):
+    """Step 1 on one device: its slice's distinct ids, sent home.
+
+    Returns ``(bad, bad_at, real, route, k_need, received, received_counts)``.
+    """
+    n, k = spec.devices, spec.per_destination
+    if spec.wide:
+        words = ids.reshape(-1, 2)
+        low, high = words[:, 0], words[:, 1]
+        fits = high == (low >> 31)  # the int64 value is an int32
+        flat = low
+    else:
+        flat = ids.reshape(-1)
+        fits = jnp.ones(flat.shape, bool)
+    m = flat.shape[0]
+    if spec.pad is None:
+        padding = jnp.zeros(m, bool)
+    elif spec.wide:
+        pad_low, pad_high = np.array([spec.pad], np.int64).view(np.int32)
+        padding = (low == pad_low) & (high == pad_high)
+    elif np.iinfo(np.int32).min <= spec.pad <= _INT32_MAX:
+        padding = flat == spec.pad
+    else:  # int32 ids never hold it
+        padding = jnp.zeros(m, bool)
+    valid = fits & (flat >= 0) & (flat < spec.num_embeddings)
+    bad = ~valid & ~padding
+    positions = lax.iota(jnp.int32, m)
+    bad_at = jnp.min(jnp.where(bad, positions, m))
+    distinct, inverse, count, lookups = dedupe(flat, valid, jnp.ones(m, jnp.int32))
+    live = lax.iota(jnp.int32, m) < count
+    if n == 1:
+        home = jnp.where(live, 0, 1)
+        rank = lax.iota(jnp.int32, m)
+        k_need = count
+    else:
+        home = jnp.where(live, home_device(distinct, n, spec.processes), n)
+        by_home, order = lax.sort((home, lax.iota(jnp.int32, m)), num_keys=1, is_stable=True)
+        per_home = jnp.zeros(n, jnp.int32).at[home].add(1, mode="drop")
+        start = jnp.cumsum(per_home) - per_home
+        ranked = lax.iota(jnp.int32, m) - start[jnp.minimum(by_home, n - 1)]
+        rank = jnp.zeros(m, jnp.int32).at[order].set(ranked, unique_indices=True)
+        k_need = jnp.max(per_home)
+    local = distinct // n
+    send_home = jnp.where(live & (rank < k), home, n)
+    send = jnp.full((n, k), -1, jnp.int32).at[send_home, rank].set(local, mode="drop")
+    send_counts = jnp.zeros((n, k), jnp.int32).at[send_home, rank].set(lookups, mode="drop")
+    row = jnp.maximum(inverse, 0)
+    route = jnp.where(inverse >= 0, home[row] * k + rank[row], n * k)
+    if n > 1:
+        send = lax.all_to_all(send, axis, 0, 0, tiled=True)
+        send_counts = lax.all_to_all(send_counts, axis, 0, 0, tiled=True)
+    real = jnp.sum(valid, dtype=jnp.int32)
+    return jnp.any(bad), bad_at, real, route, k_need, send, send_counts
+
+
+def _room(spec: PlanSpec, state: PlanState, hits, t, finished, count):
+    """Victims for ``count`` misses, and how many slots are free of in-flight
+    batches (``C_l`` less the slots used by plans after ``finished`` or by
+    this batch's ``hits``): the ``count`` such slots of lowest ``(key,
+    slot)``, by slot, padded to ``P`` with ``C_l``. A key is ``-1`` for a
+    free slot, else the policy's priority (``last_use`` for LRU). Only plans
+    with misses run it: its ``O(C_l)`` passes and sort are the plan's only
+    work that grows with the capacity."""
+    cl, p = spec.local_capacity, spec.misses
+    last_use = state.last_use.at[hits].set(t, mode="drop")
+    protected = last_use > finished
+    available = cl - jnp.sum(protected, dtype=jnp.int32)
+    priority = state.last_use if state.keys is None else state.keys
+    key = jnp.where(state.id_of_slot < 0, -1, priority)
+    _, _, order = lax.sort(
+        (protected.astype(jnp.int32), key, lax.iota(jnp.int32, cl)), num_keys=2, is_stable=True
+    )
+    victims = jnp.sort(jnp.where(lax.iota(jnp.int32, p) < count, order[:p], cl))
+    return victims, available
+
+
+def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
+    """``plan``'s body on one device of ``axis`` (inside ``shard_map``)."""
+    n, k, cl, p = spec.devices, spec.per_destination, spec.local_capacity, spec.misses
+    nl = spec.local_rows
+    v = spec.received
+    t, finished, train, epoch = (args[i] for i in range(4))
+    scalars = state.scalars
+    fresh = epoch > scalars[0]
+    skipped = (scalars[1] != 0) & ~fresh
+
+    # 1. source: distinct ids, sent home
+    bad, bad_at, real, route, k_need, received, received_counts = _source(spec, ids, axis)
+
+    # 2. owner: distinct ids over every source, looked up
+    entries = received.reshape(-1)
+    if n == 1:  # the source's distinct ids are the owner's
+        uniq, lookups = entries, received_counts.reshape(-1)
+        owner_inverse = jnp.where(entries >= 0, lax.iota(jnp.int32, v), -1)
+        distinct = jnp.sum(entries >= 0, dtype=jnp.int32)
+    else:
+        uniq, owner_inverse, distinct, lookups = dedupe(
+            entries, entries >= 0, received_counts.reshape(-1)
+        )
+    live = lax.iota(jnp.int32, v) < distinct
+    slot = state.slot_of_id.at[jnp.where(live, uniq, nl)].get(mode="fill", fill_value=-1)
+    hit = live & (slot >= 0)
+    miss = live & (slot < 0)
+    hits = jnp.sum(hit, dtype=jnp.int32)
+    misses = jnp.sum(miss, dtype=jnp.int32)
+    victims, available = lax.cond(
+        misses > 0,
+        functools.partial(_room, spec),
+        lambda *_: (jnp.full(p, cl, jnp.int32), jnp.int32(cl)),
+        state,
+        jnp.where(hit, slot, cl),
+        t,
+        finished,
+        misses,
+    )
+    per_slot_lookups = jnp.where(hit, lookups, 0)
+    access_hits = jnp.sum(per_slot_lookups)
+    if spec.policy == "adaptive":
+        sample = live & sampled(jnp.maximum(uniq, 0), spec.sample_bits)
+    else:
+        sample = jnp.zeros(v, bool)
+    sample_count = jnp.sum(sample, dtype=jnp.int32)
+
+    # A source with more distinct ids for one owner than it has slots (its
+    # ranks past ``K`` were not sent) fails the batch as its owner would.
+    too_many = (distinct > cl) | (k_need > k)
+    no_room = ~too_many & (misses > available)
+    needs = jnp.stack([k_need, distinct, misses, real])
+    flags = jnp.stack([bad, too_many, no_room]).astype(jnp.int32)
+    if n > 1:
+        flags = lax.pmax(flags, axis)
+        needs = lax.pmax(needs, axis)
+    status = (flags[0] * BAD_ID + flags[1] * TOO_MANY + flags[2] * NO_ROOM).astype(jnp.int32)
+    status = jnp.where(skipped, SKIPPED, status)
+    ok = status == 0
+
+    # 3. the directory (every write dropped unless ``ok``)
+    victims = jnp.where(ok, victims, cl)
+    miss_rank = jnp.cumsum(miss.astype(jnp.int32)) - 1
+    placed = victims.at[jnp.where(miss, miss_rank, p)].get(mode="fill", fill_value=cl)
+    unique_slots = jnp.where(hit, slot, jnp.where(miss, placed, cl))
+    fetch_ids = jnp.full(p, -1, jnp.int32).at[jnp.where(miss, miss_rank, p)].set(uniq, mode="drop")
+    fetch_ids = jnp.where(victims < cl, fetch_ids, -1)
+    old = state.id_of_slot.at[victims].get(mode="fill", fill_value=-1)
+    evicted = old >= 0
+    dirty_out = evicted & state.dirty.at[victims].get(mode="fill", fill_value=False)
+    out_rank = jnp.where(dirty_out, jnp.cumsum(dirty_out.astype(jnp.int32)) - 1, p)
+    evict_ids = jnp.full(p, -1, jnp.int32).at[out_rank].set(old, mode="drop")
+    evict_slots = jnp.full(p, cl, jnp.int32).at[out_rank].set(victims, mode="drop")
+
+    used = jnp.where(ok, unique_slots, cl)
+    fetched = jnp.where(victims < cl, fetch_ids, nl)
+    slot_of_id = state.slot_of_id.at[jnp.where(evicted, old, nl)].set(-1, mode="drop")
+    slot_of_id = slot_of_id.at[fetched].set(victims, mode="drop")
+    id_of_slot = state.id_of_slot.at[victims].set(fetch_ids, mode="drop")
+    dirty = state.dirty.at[victims].set(False, mode="drop")
+    dirty = dirty.at[jnp.where(train != 0, used, cl)].set(True, mode="drop")
+    last_use = state.last_use.at[used].set(t, mode="drop")
+
+    per_id, keys, slot_prior = state.per_id, state.keys, state.slot_prior
+    counted = jnp.where(ok & live, uniq, nl)
+    counts = jnp.zeros(v, jnp.int32)
+    if spec.counting:
+        assert per_id is not None
+        counts = _saturating_add(per_id.at[counted].get(mode="fill", fill_value=0), lookups)
+        per_id = per_id.at[counted].set(counts, mode="drop")
+    if spec.policy == "lfu":
+        assert keys is not None
+        keys = keys.at[used].set(counts, mode="drop")
+    elif spec.policy == "frequency":
+        assert keys is not None and per_id is not None
+        keys = keys.at[victims].set(per_id.at[fetched].get(mode="fill", fill_value=0), mode="drop")
+    elif spec.policy == "adaptive":
+        assert keys is not None
+        weight = counts
+        if spec.prior:
+            assert slot_prior is not None and state.prior is not None
+            slot_prior = slot_prior.at[victims].set(
+                state.prior.at[fetched].get(mode="fill", fill_value=0), mode="drop"
+            )
+            weight = jnp.maximum(weight, slot_prior.at[used].get(mode="fill", fill_value=0))
+        key = _adaptive_key(t, jnp.maximum(weight, 1), scalars[2], scalars[3])
+        keys = keys.at[used].set(key, mode="drop")
+
+    sample_rank = jnp.where(sample, jnp.cumsum(sample.astype(jnp.int32)) - 1, spec.sample)
+    sample_ids = jnp.full(spec.sample, -1, jnp.int32).at[sample_rank].set(uniq, mode="drop")
+    sample_counts = jnp.zeros(spec.sample, jnp.int32).at[sample_rank].set(counts, mode="drop")
+
+    new_scalars = jnp.stack(
+        [
+            jnp.where(fresh, epoch, scalars[0]),
+            jnp.where(ok, 0, 1).astype(jnp.int32),
+            scalars[2],
+            scalars[3],
+        ]
+    )
+    new_state = PlanState(
+        slot_of_id, id_of_slot, last_use, dirty, per_id, state.prior, keys, slot_prior, new_scalars
+    )
+
+    # The route: what each source asks this owner for, and where each
+    # gradient it sends back adds.
+    entry_slot = unique_slots.at[jnp.maximum(owner_inverse, 0)].get(mode="fill", fill_value=cl)
+    requests = jnp.where(owner_inverse >= 0, entry_slot, cl).reshape(1, n, k)
+    owner_route = jnp.where(owner_inverse >= 0, owner_inverse, v)
+    info = jnp.stack(
+        [
+            status,
+            k_need,
+            distinct,
+            hits,
+            misses,
+            jnp.sum(lookups),
+            access_hits,
+            jnp.sum(evicted, dtype=jnp.int32),
+            jnp.sum(dirty_out, dtype=jnp.int32),
+            sample_count,
+            available,
+            bad_at,
+            real,
+            needs[0],
+            needs[1],
+            needs[2],
+            needs[3],
+        ]
+    ).astype(jnp.int32)
+    out = PlanOut(
+        info[None],
+        requests,
+        route.reshape(ids.shape[:-1] if spec.wide else ids.shape),
+        unique_slots[None],
+        owner_route[None],
+        fetch_ids,
+        victims,
+        evict_ids,
+        evict_slots,
+        sample_ids,
+        sample_counts,
+        jnp.where(live, slot, -1)[None],
+    )
+    return new_state, out
+
+
+@functools.cache
+def make_plan(spec: PlanSpec, mesh: Mesh, axis: str):
+    """The jitted plan program for ``spec`` over ``mesh``'s ``axis``.
+
+    ``plan(state, ids, args) -> (state, PlanOut)``: ``state`` is donated;
+    ``ids`` are the batch's ids split over ``axis`` (int32, or two words
+    each when ``spec.wide``); ``args`` is ``int32 [4]``, replicated:
+    ``(plan index, finished, train, epoch)``: plans up to ``finished`` no
+    longer protect their rows; ``epoch`` above the state's clears a failure.
+    """
+    rows = PartitionSpec(axis)
+    body = functools.partial(_plan_device, spec, axis)
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(rows, rows, PartitionSpec()),
+        out_specs=(rows, rows),
+        check_vma=False,
+    )
+    return jax.jit(mapped, donate_argnums=0)
+
+
+def _compact_device(
+    k2: int,
+    v2: int,
+    p2: int,
+    r2: int,
+    requests,
+    inverse,
+    owner_slots,
+    owner_inverse,
+    fetch_slots,
+    evict_slots,
+):
+    """``compact``'s body on one device."""
+    _, n, k = requests.shape
+    v = owner_slots.shape[1]
+    requests = requests[:, :, :k2]
+    inverse = jnp.where(inverse >= n * k, n * k2, inverse // k * k2 + inverse % k)
+    owner_inverse = owner_inverse.reshape(n, -1)[:, :k2].reshape(1, -1)
+    owner_inverse = jnp.where(owner_inverse >= v, v2, owner_inverse)
+    out = (
+        requests,
+        inverse,
+        owner_slots[:, :v2],
+        owner_inverse,
+        fetch_slots[:p2],
+        evict_slots[:p2],
+    )
+    if not r2:
+        return out
+    # Where the real ids are in the slice (``Lookup.positions``), in order.
+    flat = inverse.reshape(-1)
+    real = flat < n * k2
+    at = jnp.where(real, jnp.cumsum(real.astype(jnp.int32)) - 1, r2)
+    positions = (
+        jnp.full(r2, flat.size, jnp.int32).at[at].set(lax.iota(jnp.int32, flat.size), mode="drop")
+    )
+    return (*out, positions[None])
+
+
+@functools.cache
+def make_compact(
+    mesh: Mesh, axis: str, per_destination: int, owner: int, moves: int, positions: int
+):
+    """``compact(requests, inverse, owner_slots, owner_inverse, fetch_slots,
+    evict_slots)``: a plan's route and swap lists cut to the padded sizes
+    its batch needs: ``K'`` ranks per source and owner (``per_destination``),
+    ``V'`` distinct rows per owner (``owner``) and ``P'`` moved rows per
+    device (``moves``). Slices and an index remap, on each device. With
+    ``positions`` (bags with padding), a seventh output: ``int32 [n,
+    positions]``, where each device's real ids are in its slice
+    (``Lookup.positions``)."""
+    rows = PartitionSpec(axis)
+    body = functools.partial(_compact_device, per_destination, owner, moves, positions)
+    outputs = 7 if positions else 6
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=(rows,) * 6, out_specs=(rows,) * outputs, check_vma=False
+    )
+    return jax.jit(mapped)
+
+
+def _rekey_device(state: PlanState, bonus) -> PlanState:
+    """``rekey``'s body on one device."""
+    bonus = bonus[0]
+    scalars = state.scalars
+    assert state.per_id is not None and state.keys is not None
+    resident = state.id_of_slot >= 0
+    ids = jnp.maximum(state.id_of_slot, 0)
+    weight = jnp.maximum(state.per_id.at[ids].get(mode="fill", fill_value=0), 1)
+    if state.slot_prior is not None:
+        weight = jnp.maximum(weight, state.slot_prior)
+    new = _adaptive_key(state.last_use, weight, bonus, scalars[3])
+    lift = jnp.maximum(jnp.max(jnp.where(resident, state.keys - new, 0)), 0)
+    keys = jnp.where(resident, new + lift, state.keys)
+    return state._replace(
+        keys=keys, scalars=jnp.stack([scalars[0], scalars[1], bonus, scalars[3] + lift])
+    )
+
+
+@functools.cache
+def make_rekey(mesh: Mesh, axis: str):
+    """``rekey(state, bonus) -> state`` (donated): each device's adaptive
+    policy takes its bonus of ``bonus`` (``int32 [n]``, split over the
+    axis); every resident row is keyed afresh under it, and the keys are
+    lifted by a common offset so that none decreases (the victim order of
+    rows that stay keeps its meaning)."""
+    rows = PartitionSpec(axis)
+    mapped = jax.shard_map(
+        _rekey_device, mesh=mesh, in_specs=(rows, rows), out_specs=rows, check_vma=False
+    )
+    return jax.jit(mapped, donate_argnums=0)
+
+
+def _clean_device(state: PlanState, released) -> PlanState:
+    """``clean``'s body on one device."""
+    return state._replace(dirty=state.dirty & (state.last_use > released[0]))
+
+
+@functools.cache
+def make_clean(mesh: Mesh, axis: str):
+    """``clean(state, released) -> state`` (donated): rows of plans up to
+    ``released`` (``int32 [1]``, replicated) are marked clean (after a flush
+    wrote them back); rows of plans in flight stay dirty, since their step
+    may still change them."""
+    rows = PartitionSpec(axis)
+    mapped = jax.shard_map(
+        _clean_device, mesh=mesh, in_specs=(rows, PartitionSpec()), out_specs=rows, check_vma=False
+    )
+    return jax.jit(mapped, donate_argnums=0)

@@ -1,0 +1,240 @@
+"""The device planner: the host planner's plans, computed in jit on the devices.
+
+A small dict model of the cache checks what must hold of any plan; the host
+planner (an independent implementation, compiled loops over NumPy) checks
+that the device's choices are its choices, slot for slot.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jaxcache
+from jaxcache._src import device_plan
+from jaxcache._src.device_planner import DevicePlanner
+from tests.models import host_planners, make_cached, zipf_batches
+
+N = 64
+
+
+def _mesh(devices):
+    return jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("rows",))
+
+
+def _resident(cache) -> dict[int, int]:
+    """Resident id -> global slot (device block after device block)."""
+    ids = cache.planner.id_of_slot
+    return {int(i): s for s, i in enumerate(ids) if i >= 0}
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    devices=st.sampled_from([1, 2, 4]),
+    policy=st.sampled_from(jaxcache.planning.POLICIES),
+    lookahead=st.integers(0, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_plans_against_a_dict_model_and_the_host_planner(devices, policy, lookahead, seed):
+    rng = np.random.default_rng(seed)
+    batches = [rng.integers(0, N, size=(devices * 2, 3)) for _ in range(8)]
+    freq = np.bincount(np.concatenate([b.ravel() for b in batches]), minlength=N)
+    cfg = jaxcache.CacheConfig(N, 2, capacity=devices * 8, policy=policy)
+    caches = {
+        kind: jaxcache.EmbeddingCache(
+            cfg, planner=kind, mesh=_mesh(devices), frequencies=freq, warm=False
+        )
+        for kind in ("host", "device")
+    }
+    device = caches["device"]
+    states = {kind: cache.init_state() for kind, cache in caches.items()}
+    in_flight: dict[int, set[int]] = {}  # plan index -> its ids
+    for ids in batches:
+        # As a pipeline: at most ``lookahead`` earlier plans still in flight.
+        released = device.planner.next_index - 1 - lookahead
+        for cache in caches.values():
+            cache.lifecycle.release(released)
+        before = _resident(device)
+        staged = {}
+        for kind, cache in caches.items():
+            try:
+                staged[kind] = cache.stage_host(ids)
+            except jaxcache.CapacityError as error:
+                staged[kind] = error
+        if isinstance(staged["device"], jaxcache.CapacityError):
+            # Refused alike, with nothing changed.
+            assert isinstance(staged["host"], jaxcache.CapacityError)
+            assert staged["device"].fits_after == staged["host"].fits_after
+            assert _resident(device) == before
+            for cache in caches.values():
+                cache.lifecycle.release_all()
+            continue
+        assert not isinstance(staged["host"], jaxcache.CapacityError)
+        for kind, cache in caches.items():
+            states[kind] = cache.apply(states[kind], cache.to_device(staged[kind]))
+        after = _resident(device)
+        batch = {int(i) for i in ids.ravel()}
+        # Every id of the batch is resident, on its home device, in one slot.
+        local = cfg.capacity // devices
+        for i in batch:
+            assert after[i] // local == i % devices
+        assert len(set(after.values())) == len(after)
+        # Rows of the batches still in flight were not evicted.
+        for plan, plan_ids in in_flight.items():
+            if plan > device.planner.released:
+                assert plan_ids <= set(after), (plan, plan_ids - set(after))
+        # Hits and misses split the distinct ids; evicted ids left the directory.
+        stats = device.stats.last
+        assert stats.hits + stats.misses == stats.distinct == len(batch)
+        assert stats.hits == len(batch & set(before))
+        evicted = set(before) - set(after)
+        assert len(evicted) == stats.evictions
+        mirror = device.planner.host_mirror()
+        for part, planner in zip(mirror.parts, mirror.planners, strict=True):
+            mine = [i // devices for i in evicted if i % devices == part]
+            assert (planner.slot_of_id[mine] == -1).all()
+        mirror.check_invariants("device")
+        # The host planner chose the same slots and counted the same.
+        np.testing.assert_array_equal(device.planner.id_of_slot, caches["host"].planner.id_of_slot)
+        assert stats == caches["host"].stats.last
+        in_flight[staged["device"].plan.index] = batch
+
+
+@pytest.mark.parametrize("policy", jaxcache.planning.POLICIES)
+def test_training_is_the_host_planners_bit_for_bit(policy):
+    # The same slots, hence the same routes and sums: every number agrees.
+    def train(planner):
+        cfg = jaxcache.CacheConfig(2000, 4, capacity=150, policy=policy)
+        batches = list(zipf_batches(2000, 32, 4, 12, seed=2))
+        freq = jaxcache.FrequencyCounter(2000).update_all(b for b, _ in batches).counts
+        cache = jaxcache.EmbeddingCache(
+            cfg, table=jaxcache.HostTable(cfg, seed=1), frequencies=freq, planner=planner
+        )
+        model, step = make_cached(cache, 4)
+        losses = [float(step(ids, y)) for ids, y in batches]
+        rows, state = model.embed.export()
+        return cache, losses, rows, state
+
+    host, device = train("host"), train("device")
+    assert device[0].stats.total.evictions > 100
+    assert device[1] == host[1]
+    np.testing.assert_array_equal(device[2], host[2])
+    assert device[0].stats.total == host[0].stats.total
+
+
+@pytest.mark.parametrize("saved, restored", [("host", "device"), ("device", "host")])
+def test_a_checkpoint_of_one_planner_restores_exactly_into_the_other(saved, restored):
+    cfg = jaxcache.CacheConfig(2000, 4, capacity=150, policy="adaptive")
+    batches = list(zipf_batches(2000, 32, 4, 16, seed=4))
+
+    def make(planner, table=None):
+        cache = jaxcache.EmbeddingCache(
+            cfg, table=table or jaxcache.HostTable(cfg, seed=1), planner=planner
+        )
+        return cache, *make_cached(cache, 4)
+
+    original, model, step = make(saved)
+    for ids, y in batches[:8]:
+        step(ids, y)
+    model.embed.flush()
+    state = original.state_dict()
+    # The other planner, on a copy of the host table: it continues exactly.
+    table = jaxcache.HostTable(cfg, rows=np.array(original.table.rows))
+    table.state.update({k: np.array(v) for k, v in original.table.state.items()})
+    other, other_model, other_step = make(restored, table)
+    other.load_state_dict(state)
+    other_model.embed.set_state(other.init_state())
+    from flax import nnx
+
+    nnx.update(other_model, nnx.state(model, nnx.Param))
+    for a, b in zip(host_planners(original), host_planners(other), strict=True):
+        np.testing.assert_array_equal(a.id_of_slot, b.id_of_slot)
+        np.testing.assert_array_equal(a.policy.counts, b.policy.counts)
+    for ids, y in batches[8:]:
+        step(ids, y)
+        other_step(ids, y)
+    np.testing.assert_array_equal(original.planner.id_of_slot, other.planner.id_of_slot)
+    assert original.stats.last == other.stats.last
+
+
+def test_ids_past_int32_are_found_on_the_device_with_nothing_changed():
+    cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, 8), planner="device")
+    state, _ = cache.prepare(cache.init_state(), np.array([1, 2]))
+    slots = cache.planner.id_of_slot
+    # 2^32 + 1 would become 1 if it were cut to int32 on the way.
+    with pytest.raises(ValueError, match=r"holds 4294967297 at index \(1,\)"):
+        cache.prepare(state, np.array([3, 2**32 + 1], np.int64))
+    np.testing.assert_array_equal(cache.planner.id_of_slot, slots)
+    assert cache.planner.next_index == 1
+    state, _ = cache.prepare(state, np.array([3], np.int64))
+    assert cache.stats.last.misses == 1 and cache.planner.next_index == 2
+
+
+def test_the_plan_state_is_donated_and_warm_steps_compile_nothing():
+    cfg = jaxcache.CacheConfig(1000, 4, capacity=64, policy="lfu")
+    cache = jaxcache.EmbeddingCache(cfg, planner="device", mesh=_mesh(2))
+    assert isinstance(cache.planner, DevicePlanner)
+    state = cache.init_state()
+    batches = [ids for ids, _ in zipf_batches(1000, 8, 4, 12, seed=3)]
+    for ids in batches[:6]:
+        old = cache.planner.state.slot_of_id
+        state, _ = cache.prepare(state, ids)
+        assert old.is_deleted()
+    before = jaxcache.testing.compilations()
+    for ids in batches[6:]:
+        state, _ = cache.prepare(state, ids)
+    assert jaxcache.testing.compilations() == before
+    assert cache.stats.total.evictions > 0
+
+
+def test_the_host_callback_form_and_split_devices_are_refused_with_the_fix():
+    cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, 8), planner="device")
+    with pytest.raises(RuntimeError, match='planner="host"'):
+        cache.callbacks.check()
+    with pytest.raises(ValueError, match=r"partitions_per_device=2 .* leave it None"):
+        jaxcache.EmbeddingCache(
+            jaxcache.CacheConfig(100, 4, 8), planner="device", partitions_per_device=2
+        )
+    with pytest.raises(ValueError, match="planner='gpu' is not a planner"):
+        jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, 8), planner="gpu")
+
+
+@pytest.mark.parametrize("policy", ["lru", "adaptive"])
+def test_the_plan_updates_the_directory_in_place(policy):
+    # The [N] arrays (directory, counts) are donated and written in place:
+    # a plan's scratch memory follows the batch and the capacity, never N.
+    n = 1 << 22
+    cache = jaxcache.EmbeddingCache(
+        jaxcache.CacheConfig(n, 4, capacity=4096, policy=policy), planner="device"
+    )
+    planner = cache.planner
+    ids = np.arange(512, dtype=np.int32).reshape(64, 8)
+    program = device_plan.make_plan(planner._spec(False, ids.size), planner.mesh, planner.axis)
+    args = np.array([0, -1, 1, 0], np.int32)
+    memory = program.lower(planner.state, ids, args).compile().memory_analysis()
+    directory = 4 * n * (1 if policy == "lru" else 2)
+    assert memory.alias_size_in_bytes >= directory
+    assert memory.temp_size_in_bytes < n  # a quarter of one [N] int32 array
+
+
+def test_a_replay_counts_the_same_with_either_planner():
+    trace = np.random.default_rng(0).zipf(1.2, size=6000) % 600
+    counts = np.bincount(trace, minlength=600)
+    for policy in jaxcache.planning.POLICIES:
+        results = [
+            jaxcache.sizing.sweep(
+                trace,
+                batch=200,
+                capacities=[160, 320],
+                policies=[policy],
+                num_embeddings=600,
+                frequencies=counts,
+                planner=planner,
+            )
+            for planner in ("host", "device")
+        ]
+        assert results[0] == results[1], policy
+    assert results[0][0]["evictions"] > 0
