@@ -160,8 +160,9 @@ class PlanSpec:
 
     @property
     def sample(self) -> int:
-        """Room for the adaptive policy's sampled ids of an owner."""
-        return self.misses if self.policy == "adaptive" else 1
+        """Room for the adaptive policy's sampled ids of an owner (every
+        distinct id at most; none for the other policies)."""
+        return self.misses if self.policy == "adaptive" else 0
 
     @property
     def counting(self) -> bool:
@@ -210,13 +211,16 @@ class PlanOut(NamedTuple):
       inverse: ``int32``, the ids' shape: ``Lookup.inverse``.
       owner_slots: ``int32 [n, V]``: ``Lookup.owner_slots``.
       owner_inverse: ``int32 [n, V]``: ``Lookup.owner_inverse``.
-      fetch_ids: ``int32 [n P]``: each owner's missed local ids, padded with ``-1``.
-      fetch_slots: ``int32 [n P]``: their slots, padded with ``C_l``.
-      evict_ids: ``int32 [n P]``: local ids of the dirty evicted rows, ``-1`` padding.
-      evict_slots: ``int32 [n P]``: their slots, padded with ``C_l``.
-      sample_ids: ``int32 [n P]``: the adaptive policy's sampled local ids
-        (``-1`` padding; ``[n]`` for other policies).
-      sample_counts: their lookups so far.
+      lists: ``int32 [n (2 P + 2 S)]``: what the host reads of a plan, each
+        device's packed at the front of its block so that one prefix holds
+        it: its missed local ids (``misses`` of them, in the order of their
+        slots in ``fetch_slots``), the local ids of its dirty evicted rows
+        (``written``, in the order of ``evict_slots``), then the adaptive
+        policy's sampled local ids and their lookups so far (``sampled``
+        each; ``S = 0`` for the other policies).
+      fetch_slots: ``int32 [n P]``: the slots of the misses, padded with ``C_l``.
+      evict_slots: ``int32 [n P]``: the slots of the dirty evicted rows,
+        padded with ``C_l``.
       hit_slots: ``int32 [n V]``: the distinct ids' slots before the plan
         (``-1``: missed); read when the plan fails for room.
     """
@@ -226,12 +230,9 @@ class PlanOut(NamedTuple):
     inverse: jax.Array
     owner_slots: jax.Array
     owner_inverse: jax.Array
-    fetch_ids: jax.Array
+    lists: jax.Array
     fetch_slots: jax.Array
-    evict_ids: jax.Array
     evict_slots: jax.Array
-    sample_ids: jax.Array
-    sample_counts: jax.Array
     hit_slots: jax.Array
 
 
@@ -495,7 +496,6 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
     evicted = old >= 0
     dirty_out = evicted & state.dirty.at[victims].get(mode="fill", fill_value=False)
     out_rank = jnp.where(dirty_out, jnp.cumsum(dirty_out.astype(jnp.int32)) - 1, p)
-    evict_ids = jnp.full(p, -1, jnp.int32).at[out_rank].set(old, mode="drop")
     evict_slots = jnp.full(p, cl, jnp.int32).at[out_rank].set(victims, mode="drop")
 
     used = jnp.where(ok, unique_slots, cl)
@@ -532,9 +532,16 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
         key = _adaptive_key(t, jnp.maximum(weight, 1), scalars[2], scalars[3])
         keys = keys.at[used].set(key, mode="drop")
 
-    sample_rank = jnp.where(sample, jnp.cumsum(sample.astype(jnp.int32)) - 1, spec.sample)
-    sample_ids = jnp.full(spec.sample, -1, jnp.int32).at[sample_rank].set(uniq, mode="drop")
-    sample_counts = jnp.zeros(spec.sample, jnp.int32).at[sample_rank].set(counts, mode="drop")
+    # The host's lists, packed: misses, dirty evictions, sample, its counts.
+    written = jnp.sum(dirty_out, dtype=jnp.int32)
+    size = 2 * p + 2 * spec.sample
+    lists = jnp.zeros(size, jnp.int32)
+    lists = lists.at[jnp.where(miss, miss_rank, size)].set(uniq, mode="drop")
+    lists = lists.at[jnp.where(dirty_out, misses + out_rank, size)].set(old, mode="drop")
+    sample_rank = jnp.cumsum(sample.astype(jnp.int32)) - 1
+    at = jnp.where(sample, misses + written + sample_rank, size)
+    lists = lists.at[at].set(uniq, mode="drop")
+    lists = lists.at[jnp.where(sample, at + sample_count, size)].set(counts, mode="drop")
 
     new_scalars = jnp.stack(
         [
@@ -563,7 +570,7 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
             jnp.sum(lookups),
             access_hits,
             jnp.sum(evicted, dtype=jnp.int32),
-            jnp.sum(dirty_out, dtype=jnp.int32),
+            written,
             sample_count,
             available,
             bad_at,
@@ -580,12 +587,9 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
         route.reshape(ids.shape[:-1] if spec.wide else ids.shape),
         unique_slots[None],
         owner_route[None],
-        fetch_ids,
+        lists,
         victims,
-        evict_ids,
         evict_slots,
-        sample_ids,
-        sample_counts,
         jnp.where(live, slot, -1)[None],
     )
     return new_state, out

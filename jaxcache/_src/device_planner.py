@@ -73,6 +73,7 @@ class Dispatched(NamedTuple):
       out: the program's ``PlanOut`` (device arrays).
       train: the batch updates its rows.
       epoch: the planner's epoch when it was dispatched.
+      read: what the host read of it, once (``DevicePlanner._read``).
     """
 
     index: int  # type: ignore[assignment]  # the field shadows tuple.index
@@ -80,6 +81,7 @@ class Dispatched(NamedTuple):
     out: PlanOut
     train: bool
     epoch: int
+    read: dict[str, Any]
 
 
 class DeviceStep(NamedTuple):
@@ -487,10 +489,14 @@ class DevicePlanner:
             self._finished = max(self._finished, finished)
             program = device_plan.make_plan(self._spec(wide, array.size // n), self.mesh, self.axis)
             args = np.array([index, self._finished, int(train), self.epoch], np.int32)
-            ids_device = self.blocks.put(mine, self._rows)
-            self.state, out = program(self.state, ids_device, args)
+            # A fresh copy: a transfer may alias host memory (the CPU backend),
+            # and the caller may reuse its batch's buffer before the plan runs.
+            # On one CPU device the program takes the host arrays as they are.
+            ids_device = self.blocks.transfer(np.array(mine), self._rows)
+            args_device = self.blocks.transfer(args, self.blocks.replicated)
+            self.state, out = program(self.state, ids_device, args_device)
             self.next_index = index + 1
-            dispatched = Dispatched(index, array, out, train, self.epoch)
+            dispatched = Dispatched(index, array, out, train, self.epoch, {})
             if self.learners:
                 self._dispatched[index] = dispatched
         if not self.blocks.host_is_device:
@@ -507,8 +513,7 @@ class DevicePlanner:
             nothing changed (the dispatching thread then calls ``rollback``).
         """
         out = dispatched.out
-        own = len(self.layout.own)
-        info = local_data(out.info).reshape(own, len(device_plan.INFO))
+        info = self._info(dispatched)
         status = int(info[0, COLUMN["status"]])
         if status:
             self._failed(dispatched, info, status)
@@ -534,15 +539,16 @@ class DevicePlanner:
             r = min(r, share) if bags else 0
         misses = info[:, COLUMN["misses"]]
         written = info[:, COLUMN["written"]]
-        fetch = _heads(out.fetch_ids, misses)
-        evict = _heads(out.evict_ids, written)
+        lists = self._lists(dispatched)
         fetch_ids, fetch_at, evict_ids, evict_at = [], [], [], []
         for b, device in enumerate(self.layout.own):
             residue = self.layout.residue(device)
-            fetch_ids.append(fetch[b].astype(np.int64) * self.layout.devices + residue)
-            fetch_at.append(b * p + np.arange(misses[b]))
-            evict_ids.append(evict[b].astype(np.int64) * self.layout.devices + residue)
-            evict_at.append(b * p + np.arange(written[b]))
+            m, w = int(misses[b]), int(written[b])
+            local = lists[b].astype(np.int64) * self.layout.devices + residue
+            fetch_ids.append(local[:m])
+            fetch_at.append(b * p + np.arange(m))
+            evict_ids.append(local[m : m + w])
+            evict_at.append(b * p + np.arange(w))
         total = info.sum(0)
         stats = StepStats(
             lookups=int(total[COLUMN["lookups"]]),
@@ -565,6 +571,25 @@ class DevicePlanner:
             stats,
             bool(info[0, COLUMN["need_p"]]),
         )
+
+    def _info(self, dispatched: Dispatched) -> np.ndarray:
+        """A dispatched plan's counts, ``[L, len(INFO)]`` (waits for the plan)."""
+        read = dispatched.read
+        if "info" not in read:
+            info = local_data(dispatched.out.info)
+            read["info"] = info.reshape(len(self.layout.own), len(device_plan.INFO))
+        return read["info"]
+
+    def _lists(self, dispatched: Dispatched) -> list[np.ndarray]:
+        """Each own device's packed lists (``PlanOut.lists``), as far as they
+        are filled: one read from each device."""
+        read = dispatched.read
+        if "lists" not in read:
+            info = self._info(dispatched)
+            filled = info[:, COLUMN["misses"]] + info[:, COLUMN["written"]]
+            filled = filled + 2 * info[:, COLUMN["sampled"]]
+            read["lists"] = _heads(dispatched.out.lists, filled)
+        return read["lists"]
 
     def rollback(self, index: int) -> None:
         """After plan ``index`` failed, the next plan is ``index`` again, in a
@@ -650,16 +675,16 @@ class DevicePlanner:
                 dispatched = self._dispatched.get(self._learned + 1)
                 if dispatched is None:
                     return
-                info = local_data(dispatched.out.info).reshape(len(self.layout.own), -1)
+                info = self._info(dispatched)
                 if int(info[0, COLUMN["status"]]):
                     return
-                sampled = info[:, COLUMN["sampled"]]
-                ids = _heads(dispatched.out.sample_ids, sampled)
-                counts = _heads(dispatched.out.sample_counts, sampled)
+                lists = self._lists(dispatched)
                 choices = []
                 for b, learner in enumerate(self.learners):
-                    sample = ids[b].astype(np.int64)
-                    learner.counts[sample] = counts[b]
+                    before = int(info[b, COLUMN["misses"]] + info[b, COLUMN["written"]])
+                    count = int(info[b, COLUMN["sampled"]])
+                    sample = lists[b][before : before + count].astype(np.int64)
+                    learner.counts[sample] = lists[b][before + count : before + 2 * count]
                     if learner.bits > bits:  # a smaller sample than the plan's
                         sample = sample[_sampled(sample, learner.bits)]
                     sample.sort()
