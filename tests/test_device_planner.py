@@ -125,6 +125,43 @@ def test_training_is_the_host_planners_bit_for_bit(policy):
     assert device[0].stats.total == host[0].stats.total
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+def test_adaptive_keys_stay_in_int32_in_a_run_of_any_length(devices):
+    # The host's keys grow by 256 a plan (int64); the device's move down
+    # with their base every ``key_span`` plans (2^20; 3 here, so that a short
+    # run crosses a hundred moves, re-keys and a round trip to the host), and
+    # the plans stay the host planner's.
+    cfg = jaxcache.CacheConfig(N, 2, capacity=devices * 8, policy="adaptive")
+    rng = np.random.default_rng(5)
+    caches = {
+        kind: jaxcache.EmbeddingCache(cfg, planner=kind, mesh=_mesh(devices))
+        for kind in ("host", "device")
+    }
+    planner = caches["device"].planner
+    assert isinstance(planner, DevicePlanner)
+    planner.key_span = 3
+    states = {kind: cache.init_state() for kind, cache in caches.items()}
+    bonuses, bases = set(), set()
+    for step in range(300):
+        ids = np.minimum(rng.zipf(1.3, size=(devices * 2, 3)), N) - 1
+        for kind, cache in caches.items():
+            states[kind], _ = cache.prepare(states[kind], ids)
+        np.testing.assert_array_equal(planner.id_of_slot, caches["host"].planner.id_of_slot)
+        assert caches["device"].stats.last == caches["host"].stats.last
+        bonuses.update(learner.bonus for learner in planner.learners)
+        scalars = np.asarray(planner.state.scalars).reshape(devices, -1)
+        by_time = scalars[:, 2] >= 0
+        # By time, the base follows the plans (a re-key puts it span before).
+        assert (planner.next_index - scalars[by_time, 4] <= 2 * planner.key_span).all()
+        bases.update(scalars[by_time, 4].tolist())
+        if step == 150:
+            planner.edit(lambda mirror: None)  # to the host's keys and back
+    keys = np.asarray(planner.state.keys)
+    assert device_plan.KEY_FLOOR <= keys.min() and keys.max() <= device_plan.KEY_CEIL
+    assert len(bases) > 10  # moved on the way
+    assert len(bonuses) > 2  # and re-keyed
+
+
 @pytest.mark.parametrize("saved, restored", [("host", "device"), ("device", "host")])
 def test_a_checkpoint_of_one_planner_restores_exactly_into_the_other(saved, restored):
     cfg = jaxcache.CacheConfig(2000, 4, capacity=150, policy="adaptive")

@@ -103,6 +103,23 @@ INFO = (
 COLUMN = {name: i for i, name in enumerate(INFO)}
 
 _INT32_MAX = np.iinfo(np.int32).max
+_INT32_MIN = np.iinfo(np.int32).min
+# The adaptive policy's keys on the device: int32 in [KEY_FLOOR, KEY_CEIL],
+# with the time term relative to a base plan (``PlanState.scalars``). The
+# host planner's keys are int64 and grow with the plan index (``256 t``);
+# here the base moves up ``KEY_SPAN`` plans (the keys down ``256 KEY_SPAN``)
+# whenever a plan is ``2 KEY_SPAN`` past it, so that no key overflows in a
+# run of any length. The order of the keys is the host's, except that rows
+# idle for millions of plans tie (``2^21`` at a re-key; the floor after
+# about five moves).
+KEY_SPAN = 1 << 20
+KEY_FLOOR = -(1 << 30) + 1
+KEY_CEIL = 1 << 30
+# Where a re-key puts the highest key: the keys of the next ``2 KEY_SPAN``
+# plans then stay below ``KEY_CEIL`` (``256 * 2 KEY_SPAN`` plus ``bonus *
+# log2 < 2^26`` above it, less the ``256 KEY_SPAN`` the rows re-keyed at least
+# had).
+_KEY_TOP = 1 << 28
 # floor(256 * log2(1 + i / 256)): the mantissa part of ``log2_fixed`` (as
 # ``policies._LOG2_TABLE``).
 _LOG2_TABLE = np.array([math.floor(256 * math.log2(1 + i / 256)) for i in range(256)], np.int32)
@@ -129,6 +146,7 @@ class PlanSpec:
       pad: the padding id, or ``None``.
       wide: ids arrive as two 32-bit words (low, high) in a last axis of 2.
       slice_ids: ``m``, ids of one device's slice of the batch.
+      key_span: ``KEY_SPAN`` (smaller in tests, to cross many rebases).
     """
 
     devices: int
@@ -142,6 +160,7 @@ class PlanSpec:
     pad: int | None
     wide: bool
     slice_ids: int
+    key_span: int = KEY_SPAN
 
     @property
     def per_destination(self) -> int:
@@ -185,9 +204,9 @@ class PlanState(NamedTuple):
       keys: ``int32 [n C_l]``: each slot's priority (lowest evicted first),
         ``None`` for ``lru`` (whose key is ``last_use``).
       slot_prior: ``int32 [n C_l]``: ``prior`` of each slot's row, or ``None``.
-      scalars: ``int32 [n 4]``: per device ``(epoch, failed, bonus, offset)``:
-        the plans' epoch, whether a plan of it failed, and the adaptive
-        policy's bonus and key offset.
+      scalars: ``int32 [n 5]``: per device ``(epoch, failed, bonus, offset,
+        base)``: the plans' epoch, whether a plan of it failed, and the
+        adaptive policy's bonus, key offset and base plan (``KEY_SPAN``).
     """
 
     slot_of_id: jax.Array
@@ -280,11 +299,19 @@ def sampled(ids: jax.Array, bits: int) -> jax.Array:
     return (high >> np.uint32(32 - bits)) == 0
 
 
-def _adaptive_key(t: jax.Array, weight: jax.Array, bonus: jax.Array, offset: jax.Array):
-    """``256 t + bonus * log2_fixed(weight) + offset``, or ``weight + offset``
-    for ``bonus < 0`` (``kernels._key``)."""
-    keyed = 256 * t + bonus * log2_fixed(weight)
-    return jnp.where(bonus < 0, weight, keyed) + offset
+def _adaptive_key(age: jax.Array, weight: jax.Array, bonus: jax.Array, offset: jax.Array):
+    """``256 age + bonus * log2_fixed(weight) + offset``, or ``weight +
+    offset`` for ``bonus < 0`` (``kernels._key``, with the plan index
+    relative to the base: ``age = t - base``), within ``[KEY_FLOOR,
+    KEY_CEIL]``. No step overflows: ``|age| <= 2 KEY_SPAN``,
+    ``bonus * log2 < 2^26``, ``|offset| < 2^31 - KEY_CEIL`` (a re-key's
+    shift, ``_rekey_device``) and a count is at most ``2^31 - 1``."""
+    keyed = 256 * age + bonus * log2_fixed(weight)
+    value = jnp.where(bonus < 0, weight, keyed)
+    summed = jnp.where(
+        offset >= 0, jnp.minimum(value, KEY_CEIL - offset) + offset, value + jnp.minimum(offset, 0)
+    )
+    return jnp.clip(summed, KEY_FLOOR, KEY_CEIL)
 
 
 def _saturating_add(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -408,8 +435,8 @@ def _room(spec: PlanSpec, state: PlanState, hits, t, finished, count):
     """Victims for ``count`` misses, and how many slots are free of in-flight
     batches (``C_l`` less the slots used by plans after ``finished`` or by
     this batch's ``hits``): the ``count`` such slots of lowest ``(key,
-    slot)``, by slot, padded to ``P`` with ``C_l``. A key is ``-1`` for a
-    free slot, else the policy's priority (``last_use`` for LRU). Only plans
+    slot)``, by slot, padded to ``P`` with ``C_l``. A free slot comes
+    first, else the policy's priority (``last_use`` for LRU). Only plans
     with misses run it: its ``O(C_l)`` passes and sort are the plan's only
     work that grows with the capacity."""
     cl, p = spec.local_capacity, spec.misses
@@ -417,7 +444,7 @@ def _room(spec: PlanSpec, state: PlanState, hits, t, finished, count):
     protected = last_use > finished
     available = cl - jnp.sum(protected, dtype=jnp.int32)
     priority = state.last_use if state.keys is None else state.keys
-    key = jnp.where(state.id_of_slot < 0, -1, priority)
+    key = jnp.where(state.id_of_slot < 0, _INT32_MIN, priority)
     _, _, order = lax.sort(
         (protected.astype(jnp.int32), key, lax.iota(jnp.int32, cl)), num_keys=2, is_stable=True
     )
@@ -508,6 +535,7 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
     last_use = state.last_use.at[used].set(t, mode="drop")
 
     per_id, keys, slot_prior = state.per_id, state.keys, state.slot_prior
+    base = scalars[4]
     counted = jnp.where(ok & live, uniq, nl)
     counts = jnp.zeros(v, jnp.int32)
     if spec.counting:
@@ -529,8 +557,13 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
                 state.prior.at[fetched].get(mode="fill", fill_value=0), mode="drop"
             )
             weight = jnp.maximum(weight, slot_prior.at[used].get(mode="fill", fill_value=0))
-        key = _adaptive_key(t, jnp.maximum(weight, 1), scalars[2], scalars[3])
+        key = _adaptive_key(t - base, jnp.maximum(weight, 1), scalars[2], scalars[3])
         keys = keys.at[used].set(key, mode="drop")
+        # The base moves up (keys by time only: a bonus >= 0).
+        rebase = ok & (scalars[2] >= 0) & (t - base >= 2 * spec.key_span)
+        shift = jnp.where(rebase, 256 * spec.key_span, 0)
+        keys = jnp.maximum(keys - shift, KEY_FLOOR)
+        base = jnp.where(rebase, base + spec.key_span, base)
 
     # The host's lists, packed: misses, dirty evictions, sample, its counts.
     written = jnp.sum(dirty_out, dtype=jnp.int32)
@@ -549,6 +582,7 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
             jnp.where(ok, 0, 1).astype(jnp.int32),
             scalars[2],
             scalars[3],
+            base,
         ]
     )
     new_state = PlanState(
@@ -677,7 +711,7 @@ def make_compact(
     return jax.jit(mapped)
 
 
-def _rekey_device(state: PlanState, bonus) -> PlanState:
+def _rekey_device(span: int, state: PlanState, bonus) -> PlanState:
     """``rekey``'s body on one device."""
     bonus = bonus[0]
     scalars = state.scalars
@@ -687,24 +721,35 @@ def _rekey_device(state: PlanState, bonus) -> PlanState:
     weight = jnp.maximum(state.per_id.at[ids].get(mode="fill", fill_value=0), 1)
     if state.slot_prior is not None:
         weight = jnp.maximum(weight, state.slot_prior)
-    new = _adaptive_key(state.last_use, weight, bonus, scalars[3])
-    lift = jnp.maximum(jnp.max(jnp.where(resident, state.keys - new, 0)), 0)
-    keys = jnp.where(resident, new + lift, state.keys)
+    # Keys by time: the base ``span`` plans before the newest row's.
+    newest = jnp.max(jnp.where(resident, state.last_use, 0))
+    base = jnp.where(bonus < 0, scalars[4], jnp.maximum(newest - span, 0))
+    age = jnp.maximum(state.last_use - base, -2 * KEY_SPAN)
+    new = _adaptive_key(age, weight, bonus, jnp.int32(0))
+    # Every key and the plans' keys to come move by one shift (the order is
+    # all that counts): the highest resident key goes to ``_KEY_TOP``.
+    offset = _KEY_TOP - jnp.max(jnp.where(resident, new, KEY_FLOOR))
+    keys = jnp.where(resident, jnp.clip(new + offset, KEY_FLOOR, KEY_CEIL), state.keys)
     return state._replace(
-        keys=keys, scalars=jnp.stack([scalars[0], scalars[1], bonus, scalars[3] + lift])
+        keys=keys, scalars=jnp.stack([scalars[0], scalars[1], bonus, offset, base])
     )
 
 
 @functools.cache
-def make_rekey(mesh: Mesh, axis: str):
+def make_rekey(mesh: Mesh, axis: str, span: int = KEY_SPAN):
     """``rekey(state, bonus) -> state`` (donated): each device's adaptive
     policy takes its bonus of ``bonus`` (``int32 [n]``, split over the
-    axis); every resident row is keyed afresh under it, and the keys are
-    lifted by a common offset so that none decreases (the victim order of
-    rows that stay keeps its meaning)."""
+    axis); every resident row is keyed afresh under it, and all keys, the
+    plans' to come included, move by one common shift that puts the
+    highest at ``2^29`` (the host planner lifts its keys so that none
+    decreases; either way only their order counts)."""
     rows = PartitionSpec(axis)
     mapped = jax.shard_map(
-        _rekey_device, mesh=mesh, in_specs=(rows, rows), out_specs=rows, check_vma=False
+        functools.partial(_rekey_device, span),
+        mesh=mesh,
+        in_specs=(rows, rows),
+        out_specs=rows,
+        check_vma=False,
     )
     return jax.jit(mapped, donate_argnums=0)
 

@@ -182,6 +182,8 @@ class DevicePlanner:
         self.released = -1
         self._finished = -1  # never lowered (see ``Planner._guard``)
         self.epoch = 0
+        # Plans between moves of the adaptive keys' base (a test lowers it).
+        self.key_span = device_plan.KEY_SPAN
         self.sizes = (0, 0, 0, 0)  # K', V', P', real ids in use
         self._lock = threading.RLock()  # the state, the sizes and the counters
         self._learned = -1  # the last plan the adaptive policy learned from
@@ -332,7 +334,7 @@ class DevicePlanner:
                 for name, value in self.state._asdict().items()
                 if name in ("per_id", "keys", "slot_prior")
             }
-            scalars = self._local(self.state.scalars, 4)
+            scalars = self._local(self.state.scalars, 5).astype(np.int64)
             for b, planner in enumerate(mirror.planners):
                 # A device whose ids are fewer than its slots has a host
                 # partition of one slot per id; its other slots stay free.
@@ -351,10 +353,14 @@ class DevicePlanner:
                 elif self.config.policy == "adaptive":
                     learner = self.learners[b]
                     learner.counts[:] = arrays["per_id"][b, :rows]
-                    learner.keys[:] = arrays["keys"][b, :slots]
+                    # The host's keys are the device's moved up by 2^31 (all
+                    # positive), its offset relative to plan 0, not the base.
+                    _, _, bonus, offset, base = scalars[b]
+                    learner.keys[:] = arrays["keys"][b, :slots].astype(np.int64) + (1 << 31)
+                    offset += (1 << 31) - (256 * base if bonus >= 0 else 0)
                     if learner.warms:
                         learner.slot_prior[:] = arrays["slot_prior"][b, :slots]
-                    learner.scalars[:] = [learner.BONUSES.index(int(scalars[b, 2])), scalars[b, 3]]
+                    learner.scalars[:] = [learner.BONUSES.index(int(bonus)), offset]
                     learner._inserted.clear()
                     planner.policy = learner
             return mirror
@@ -377,24 +383,34 @@ class DevicePlanner:
         planners = mirror.planners
         with self._lock:
             per_id = prior = keys = slot_prior = None
+            priorities = [p.policy.priorities(p) for p in planners]
             if policy in ("lfu", "frequency", "adaptive"):
                 policies: list[Any] = [p.policy for p in planners]
                 per_id = blocks(nl, 0, np.int32, [p.counts for p in policies])
-                keys = blocks(cl, 0, np.int32, [p.policy.priorities(p) for p in planners])
             learners: list[AdaptivePolicy] = []
             bonus = np.zeros(own, np.int32)
-            offset = np.zeros(own, np.int64)
+            base = max(0, mirror.next_index - self.key_span)
             if policy == "adaptive":
                 learners = [p.policy for p in planners]  # type: ignore[misc]
                 if learners[0].warms:
                     prior = blocks(nl, 0, np.int32, [p.prior for p in learners])
                     slot_prior = blocks(cl, 0, np.int32, [p.slot_prior for p in learners])
                 bonus[:] = [p.bonus for p in learners]
-                offset[:] = [p.scalars[1] for p in learners]
-            scalars = np.zeros((own, 4), np.int32)
+                # Keys relative to the base plan, less the offset (``KEY_SPAN``).
+                priorities = [
+                    np.clip(
+                        key - int(p.scalars[1]) - (256 * base if p.bonus >= 0 else 0),
+                        device_plan.KEY_FLOOR,
+                        device_plan.KEY_CEIL,
+                    )
+                    for key, p in zip(priorities, learners, strict=True)
+                ]
+            if policy in ("lfu", "frequency", "adaptive"):
+                keys = blocks(cl, 0, np.int32, priorities)
+            scalars = np.zeros((own, 5), np.int32)
             scalars[:, 0] = self.epoch
             scalars[:, 2] = bonus
-            scalars[:, 3] = _int32(offset)
+            scalars[:, 4] = base
             host: dict[str, Any] = {  # NumPy blocks of this process's devices
                 "slot_of_id": blocks(nl, -1, np.int32, [p.slot_of_id for p in planners]),
                 "id_of_slot": blocks(cl, -1, np.int32, [p.id_of_slot for p in planners]),
@@ -461,6 +477,7 @@ class DevicePlanner:
             pad=cfg.padding_id,
             wide=wide,
             slice_ids=slice_ids,
+            key_span=self.key_span,
         )
 
     def dispatch(
@@ -699,7 +716,7 @@ class DevicePlanner:
                         learner.scalars[0] = c
                     bonus = np.array([learner.bonus for learner in self.learners], np.int32)
                     with self._lock:
-                        rekey = device_plan.make_rekey(self.mesh, self.axis)
+                        rekey = device_plan.make_rekey(self.mesh, self.axis, self.key_span)
                         self.state = rekey(self.state, self.blocks.put(bonus, self._rows))
 
 
