@@ -134,3 +134,29 @@ def test_every_module_says_what_it_owns_in_its_first_line():
     for module in MODULES:
         doc = ast.get_docstring(ast.parse((ROOT / module).read_text())) or ""
         assert doc.split("\n", 1)[0].strip(), f"{module} needs a docstring saying what it owns"
+
+
+def test_the_private_modules_import_in_layers_without_a_cycle():
+    # Every import between the modules of jaxcache/_src counts, those made
+    # for type checking or inside a function included.
+    src = pathlib.Path(jaxcache.__file__).parent / "_src"
+    modules = {path.stem for path in src.glob("*.py")}
+    imports: dict[str, set[str]] = {}
+    for path in src.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxcache._src"):
+                parts = node.module.split(".")  # type: ignore[union-attr]
+                found |= {parts[2]} if len(parts) > 2 else {alias.name for alias in node.names}
+        imports[path.stem] = found & modules
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, " -> ".join((*path, module))
+        if module not in done:
+            for imported in sorted(imports[module]):
+                visit(imported, (*path, module))
+            done.add(module)
+
+    for module in sorted(modules):
+        visit(module, ())

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jax.experimental import io_callback
 from jax.sharding import Mesh
 
 from jaxcache._src import device_ops, kernels, routing
@@ -387,6 +388,64 @@ class EmbeddingCache:
         self.lifecycle.release_all()
         staged = self.stage(ids, train=train)
         return self.apply(state, staged), staged.lookup
+
+    def lookup_in_step(
+        self, state: CacheState, ids: jax.Array, *, train: bool
+    ) -> tuple[CacheState, Lookup]:
+        """The host-callback form of ``EmbeddingCache.prepare``, inside the jitted step.
+
+        An ordered ``io_callback`` obtains the slots of ``ids`` from the host
+        (``HostCallbacks.stage``), the swap runs in the step, and a second
+        callback lands the evicted rows (``HostCallbacks.write_back``). Both
+        Flax shells' ``lookup_ids`` call it.
+
+        Args:
+          state: its device state before the step.
+          ids: integer ids ``[B, ...]`` (traced).
+          train: the step will update these rows.
+
+        Returns:
+          ``(state, lookup)``: the state after the swap, and the batch's lookup.
+        """
+        self.callbacks.check()
+        if self.shard[1] > 1:
+            raise ValueError(
+                f"lookup_ids (the host-callback form) runs in one process, but this cache's "
+                f"mesh spans {self.shard[1]} processes; pass each step the Lookup that "
+                "jaxself.prefetch (or CachedEmbed.prepare) makes instead."
+            )
+        cfg = self.config
+        num_ids = int(np.prod(ids.shape))
+        size = self.callbacks.size(num_ids)
+        devices = self.devices
+        opt_specs = {
+            name: jax.ShapeDtypeStruct((size, *spec.shape), spec.dtype)
+            for name, spec in cfg.optimizer.state_spec(cfg.features).items()
+        }
+
+        def int32(*shape):
+            return jax.ShapeDtypeStruct(shape, np.int32)
+
+        # Fixed sizes: V = the list size, K (no overflow), R = n K rows received per device.
+        k = self.callbacks.per_destination(size, num_ids)
+        shapes = (
+            int32(),
+            int32(devices, devices, k),  # requests
+            int32(0),  # overflow
+            int32(*ids.shape),  # inverse
+            int32(devices, size),  # owner_slots
+            int32(devices, devices * k),  # owner_inverse
+            int32(size),
+            int32(size),
+            jax.ShapeDtypeStruct((size, cfg.features), cfg.row_dtype),
+            opt_specs,
+        )
+        index, *route, evict, fetch, rows, opt = io_callback(
+            functools.partial(self.callbacks.stage, train=train), shapes, ids, ordered=True
+        )
+        state, rows, opt = device_ops.swap(state, evict, fetch, rows, opt)
+        io_callback(self.callbacks.write_back, None, index, rows, opt, ordered=True)
+        return state, Lookup(*route, table=self.name, mesh=self.mesh, axis=self.axis)  # type: ignore[misc]
 
     def stage(self, ids: np.ndarray, *, train: bool = True) -> Staged:
         """Host half of a step: plan, land needed write-backs, gather, transfer.

@@ -10,23 +10,16 @@ step, and a second callback lands its evicted rows (``write_back``).
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import jax
 import numpy as np
-from jax.experimental import io_callback
 
-from jaxcache._src import device_ops, threads
-from jaxcache._src.device_ops import CacheState, Lookup
+from jaxcache._src import threads
 from jaxcache._src.host_table import pad_rows, take_rows
 from jaxcache._src.lifecycle import Lifecycle
 from jaxcache._src.stager import HostStaged, Stager
 
-if TYPE_CHECKING:
-    from jaxcache._src.engine import EmbeddingCache
-
-__all__ = ["HostCallbacks", "lookup_in_step"]
+__all__ = ["HostCallbacks"]
 
 
 class HostCallbacks:
@@ -175,63 +168,3 @@ class HostCallbacks:
         self._stager.ledger.land_one(
             int(index), np.asarray(rows), {k: np.asarray(v) for k, v in opt.items()}
         )
-
-
-def lookup_in_step(
-    cache: EmbeddingCache, state: CacheState, ids: jax.Array, *, train: bool
-) -> tuple[CacheState, Lookup]:
-    """The host-callback form of ``EmbeddingCache.prepare``, inside the jitted step.
-
-    An ordered ``io_callback`` obtains the slots of ``ids`` from the host
-    (``HostCallbacks.stage``), the swap runs in the step, and a second
-    callback lands the evicted rows (``HostCallbacks.write_back``). Both
-    Flax shells' ``lookup_ids`` call it.
-
-    Args:
-      cache: the cache of the table.
-      state: its device state before the step.
-      ids: integer ids ``[B, ...]`` (traced).
-      train: the step will update these rows.
-
-    Returns:
-      ``(state, lookup)``: the state after the swap, and the batch's lookup.
-    """
-    cache.callbacks.check()
-    if cache.shard[1] > 1:
-        raise ValueError(
-            f"lookup_ids (the host-callback form) runs in one process, but this cache's "
-            f"mesh spans {cache.shard[1]} processes; pass each step the Lookup that "
-            "jaxcache.prefetch (or CachedEmbed.prepare) makes instead."
-        )
-    cfg = cache.config
-    num_ids = int(np.prod(ids.shape))
-    size = cache.callbacks.size(num_ids)
-    devices = cache.devices
-    opt_specs = {
-        name: jax.ShapeDtypeStruct((size, *spec.shape), spec.dtype)
-        for name, spec in cfg.optimizer.state_spec(cfg.features).items()
-    }
-
-    def int32(*shape):
-        return jax.ShapeDtypeStruct(shape, np.int32)
-
-    # Fixed sizes: V = the list size, K (no overflow), R = n K rows received per device.
-    k = cache.callbacks.per_destination(size, num_ids)
-    shapes = (
-        int32(),
-        int32(devices, devices, k),  # requests
-        int32(0),  # overflow
-        int32(*ids.shape),  # inverse
-        int32(devices, size),  # owner_slots
-        int32(devices, devices * k),  # owner_inverse
-        int32(size),
-        int32(size),
-        jax.ShapeDtypeStruct((size, cfg.features), cfg.row_dtype),
-        opt_specs,
-    )
-    index, *route, evict, fetch, rows, opt = io_callback(
-        functools.partial(cache.callbacks.stage, train=train), shapes, ids, ordered=True
-    )
-    state, rows, opt = device_ops.swap(state, evict, fetch, rows, opt)
-    io_callback(cache.callbacks.write_back, None, index, rows, opt, ordered=True)
-    return state, Lookup(*route, table=cache.name, mesh=cache.mesh, axis=cache.axis)  # type: ignore[misc]

@@ -62,7 +62,7 @@ import jax
 import numpy as np
 import optax
 
-from jaxcache._src import device_ops, host_callback, sparse_grad
+from jaxcache._src import device_ops, sparse_grad
 from jaxcache._src.device_ops import CacheState, Lookup, check_combiner
 from jaxcache._src.engine import EmbeddingCache
 from jaxcache._src.sparse_grad import FiniteCheck
@@ -332,7 +332,7 @@ def lookup_ids(
       ((1, 4), 2)
     """
     states, put = _table_states(variables, [cache.name])
-    state, lookup = host_callback.lookup_in_step(cache, states[cache.name], ids, train=train)
+    state, lookup = cache.lookup_in_step(states[cache.name], ids, train=train)
     return put({cache.name: state}), lookup
 
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxcache._src import device_ops, host_callback, sparse_grad
+from jaxcache._src import device_ops, sparse_grad
 from jaxcache._src.device_ops import CacheState, Lookup, check_combiner
 from jaxcache._src.engine import EmbeddingCache
 
@@ -132,7 +132,7 @@ class CachedEmbed(nnx.Module):
         Returns:
           The ``Lookup`` to pass to the module in the same step.
         """
-        state, lookup = host_callback.lookup_in_step(self.cache, self.get_state(), ids, train=train)
+        state, lookup = self.cache.lookup_in_step(self.get_state(), ids, train=train)
         self.set_state(state)
         return lookup
 

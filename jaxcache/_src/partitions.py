@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -53,10 +53,7 @@ from jaxcache._src.placement import Layout
 from jaxcache._src.planner import _NO_PAD, CapacityError, Plan, Planner, check_state
 from jaxcache._src.threads import HostThreads, raised
 
-if TYPE_CHECKING:
-    from jaxcache._src.engine import EmbeddingCache
-
-__all__ = ["Partitions", "Split", "StepPlan", "check_invariants"]
+__all__ = ["Partitions", "Split", "StepPlan"]
 
 
 class Split(NamedTuple):
@@ -808,30 +805,3 @@ def _per_id_keys(policy_state: dict[str, Any], per_id: tuple[str, ...]) -> tuple
     """The policy state's arrays with one entry per id: those the policy
     declares (``per_id``), and the access counts of any counting policy."""
     return tuple(key for key in policy_state if key in per_id or key == "counts")
-
-
-def check_invariants(cache: EmbeddingCache) -> None:
-    """Checks the host bookkeeping of ``cache``; raises ``AssertionError`` if broken.
-
-    In every device partition of this process: the directory is a bijection
-    between resident ids and their slots, ids are in range (local ids of the
-    partition), only resident rows are dirty, recency never runs ahead of the
-    plans, and a counting policy's per-slot counts mirror its per-id counts.
-    ``O(N + C)``.
-
-    Args:
-      cache: the cache to check (take it between steps).
-
-    Examples:
-      >>> import numpy as np, jaxcache
-      >>> cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=8))
-      >>> state, _ = cache.prepare(cache.init_state(), np.array([3, 5, 3]))
-      >>> jaxcache.testing.check_invariants(cache)
-      >>> cache.planner.planners[0].slot_of_id[7] = 0  # corrupt the directory
-      >>> try:
-      ...     jaxcache.testing.check_invariants(cache)
-      ... except AssertionError as error:
-      ...     print(error)
-      table 'embedding': 3 ids map to a slot but 2 slots hold an id
-    """
-    cache.planner.check_invariants(cache.name)

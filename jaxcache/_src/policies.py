@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -18,8 +18,14 @@ from jaxcache._src import kernels, validation
 from jaxcache._src.config import POLICIES
 from jaxcache._src.frequency import hottest
 
-if TYPE_CHECKING:
-    from jaxcache._src.planner import Planner
+
+class Planner(Protocol):
+    """What a policy reads of the planner whose slots it ranks (``Planner``)."""
+
+    next_index: int
+    id_of_slot: np.ndarray
+    last_use: np.ndarray
+
 
 __all__ = [
     "AdaptivePolicy",

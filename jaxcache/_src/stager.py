@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 
@@ -33,8 +33,14 @@ from jaxcache._src.stats import CacheStats, StepStats
 from jaxcache._src.threads import HostThreads
 from jaxcache._src.write_back import WriteBacks
 
-if TYPE_CHECKING:
-    from jaxcache._src.device_planner import DevicePlanner
+
+class Planners(Protocol):
+    """What a stager reads of either planner (``Partitions`` plans here; a
+    ``DevicePlanner`` plans on the devices)."""
+
+    layout: Layout
+    local_capacity: int
+
 
 __all__ = ["Deferred", "HostStaged", "Stager", "bucket_size", "fresh_buffers"]
 
@@ -141,7 +147,7 @@ class Stager:
     def __init__(
         self,
         config: CacheConfig,
-        partitions: Partitions | DevicePlanner,
+        partitions: Planners,
         table: HostTable,
         ledger: WriteBacks,
         stats: CacheStats,
