@@ -341,9 +341,11 @@ def dedupe(values: jax.Array, valid: jax.Array, weights: jax.Array):
     """
     m = values.shape[0]
     keys = jnp.where(valid, values, _INT32_MAX)
-    sorted_keys, positions, sorted_weights = lax.sort(
-        (keys, lax.iota(jnp.int32, m), weights), num_keys=1, is_stable=True
-    )
+    # Two operands compared by the first alone: XLA runs that as a radix
+    # sort on GPUs (CUB); a third operand or a second key would make it a
+    # comparison sort. The weights follow by a gather.
+    sorted_keys, positions = lax.sort((keys, lax.iota(jnp.int32, m)), num_keys=1, is_stable=True)
+    sorted_weights = weights[positions]
     real = sorted_keys != _INT32_MAX
     head = real & jnp.concatenate([jnp.ones(1, bool), sorted_keys[1:] != sorted_keys[:-1]])
     # A stable sort puts each value's first position at its run's head: the
@@ -444,10 +446,14 @@ def _room(spec: PlanSpec, state: PlanState, hits, t, finished, count):
     protected = last_use > finished
     available = cl - jnp.sum(protected, dtype=jnp.int32)
     priority = state.last_use if state.keys is None else state.keys
-    key = jnp.where(state.id_of_slot < 0, _INT32_MIN, priority)
-    _, _, order = lax.sort(
-        (protected.astype(jnp.int32), key, lax.iota(jnp.int32, cl)), num_keys=2, is_stable=True
+    # One key, so that the sort is a radix sort on GPUs (see ``dedupe``):
+    # free slots first, then the rest by priority, protected ones last.
+    key = jnp.where(
+        protected,
+        _INT32_MAX,
+        jnp.where(state.id_of_slot < 0, _INT32_MIN, jnp.minimum(priority, _INT32_MAX - 1)),
     )
+    _, order = lax.sort((key, lax.iota(jnp.int32, cl)), num_keys=1, is_stable=True)
     victims = jnp.sort(jnp.where(lax.iota(jnp.int32, p) < count, order[:p], cl))
     return victims, available
 
