@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import pytest
 
-from jaxcache._src import kernels
 from jaxcache._src.threads import HostThreads
 
 
@@ -51,32 +49,3 @@ def test_maps_from_several_threads_at_once_and_inside_a_map():
         thread.join()
     expected = [[10 * k + j for j in range(3)] for k in range(5)]
     assert all(outputs[c] == [expected] * 20 for c in range(3))
-
-
-def test_a_spinning_wait_sees_another_threads_store():
-    done = np.zeros(1, np.int64)
-    crew = np.zeros(3, np.int64)
-    assert not kernels.wait_for_helpers(done, crew, 1, 1000)  # never set: gives up
-    setter = threading.Timer(0.01, lambda: done.__setitem__(0, 1))
-    setter.start()
-    assert kernels.wait_for_helpers(done, crew, 1, 1 << 36)  # returns once the store lands
-    setter.join()
-
-
-def test_the_caller_waits_until_every_helper_that_joined_a_map_has_left_it():
-    done = np.zeros(1, np.int64)
-    # Two helpers: [posted, joined 0, joined 1, left 0, left 1].
-    crew = np.zeros(1 + 2 * 2, np.int64)
-    crew[0] = 3  # map 3 posted
-    assert not kernels.wait_for_helpers(done, crew, 3, 1000)  # its pieces are not done
-    done[0] = 1
-    assert kernels.wait_for_helpers(done, crew, 3, 1000)  # no helper joined it
-    crew[2] = 3  # helper 1 joined map 3
-    assert not kernels.wait_for_helpers(done, crew, 3, 1000)  # and has not left it
-    assert not kernels.park(crew, 1, 3, 1000)  # leaves it; no later map is posted
-    assert crew[4] == 3
-    assert kernels.wait_for_helpers(done, crew, 3, 1000)
-    poster = threading.Timer(0.01, lambda: crew.__setitem__(0, 4))  # map 4, from another thread
-    poster.start()
-    assert kernels.park(crew, 0, 3, 1 << 36)  # a parked helper sees it
-    poster.join()

@@ -58,7 +58,6 @@ __all__ = [
     "lookup_entries",
     "mark_new",
     "owner_route",
-    "park",
     "place_rows",
     "real_positions",
     "region",
@@ -69,7 +68,6 @@ __all__ = [
     "shadow_step",
     "split_by_home",
     "table_rows",
-    "wait_for_helpers",
 ]
 
 
@@ -123,72 +121,6 @@ def _prefetch_intrinsic(typingctx, array, index):
 
 
 _prefetch: Any = intrinsic(_prefetch_intrinsic)
-
-
-def _load_acquire_intrinsic(typingctx, array, index):
-    """``_load_acquire(array, index)``: ``array[index]`` of an int64 array,
-    read from memory on every call (an atomic load, acquire ordering), so a
-    loop sees another thread's store."""
-
-    def codegen(context, builder, signature, args):
-        pointer = _row_pointer(context, builder, signature, args)
-        return builder.load_atomic(pointer, "acquire", 8)
-
-    return types.int64(array, index), codegen
-
-
-_load_acquire: Any = intrinsic(_load_acquire_intrinsic)
-
-
-def _store_release_intrinsic(typingctx, array, index, value):
-    """``_store_release(array, index, value)``: ``array[index] = value`` for
-    an int64 array, as an atomic store (release ordering): stores before it
-    are seen first, and it is not moved past later code."""
-
-    def codegen(context, builder, signature, args):
-        pointer = _row_pointer(context, builder, signature, args)
-        stored = context.cast(builder, args[2], signature.args[2], types.int64)
-        builder.store_atomic(stored, pointer, "release", 8)
-        return context.get_dummy_value()
-
-    return types.void(array, index, value), codegen
-
-
-_store_release: Any = intrinsic(_store_release_intrinsic)
-
-
-@kernel
-def park(crew, helper, generation, rounds):
-    """A helper thread done with map ``generation`` of its crew: marks it
-    left, once the GIL is released (``crew``: see ``wait_for_helpers``),
-    then spins for the next map, at most ``rounds`` reads; returns whether
-    one was posted."""
-    helpers = (crew.size - 1) // 2
-    _store_release(crew, 1 + helpers + helper, generation)
-    for _ in range(rounds):
-        if _load_acquire(crew, 0) != generation:
-            return True
-    return False
-
-
-@kernel
-def wait_for_helpers(done, crew, generation, rounds):
-    """Spins without the GIL until ``done[0]`` is set and every helper that
-    joined map ``generation`` has left it (``park``), at most ``rounds``
-    reads; returns whether they have. ``crew``: ``[0]`` the map posted
-    last, ``[1 + k]`` the last map helper ``k`` joined, ``[1 + H + k]``
-    the last it left, for ``H`` helpers."""
-    helpers = (crew.size - 1) // 2
-    for _ in range(rounds):
-        if _load_acquire(done, 0) == 0:
-            continue
-        left = True
-        for k in range(helpers):
-            if _load_acquire(crew, 1 + k) == generation:
-                left = left and _load_acquire(crew, 1 + helpers + k) >= generation
-        if left:
-            return True
-    return False
 
 
 def as_index_array(ids: np.ndarray) -> np.ndarray:

@@ -17,12 +17,10 @@ benchmark. Threads beyond the cores the process may use are not started:
 they could only take turns on a core, and a piece whose thread lost its
 turn holds up the whole map.
 
-Handing the GIL from one thread to another is where two threads lose most:
-a thread that asks for it while another holds it sleeps, and waking it
-takes tens of microseconds on a virtual machine. So the caller waits for a
-map's last pieces spinning without the GIL, until the helpers that took
-part have let go of it too, and a helper spins (without the GIL) for a
-while between maps before it sleeps.
+Helpers sleep between maps on a condition variable. Spinning without the
+GIL instead, for the caller at a map's end and for the helpers between maps
+(so that no thread sleeps while another holds the GIL), gained 3% of the
+staging wall time of 8 partitions on 2 threads, and was dropped.
 """
 
 from __future__ import annotations
@@ -31,10 +29,6 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
-
-import numpy as np
-
-from jaxcache._src import kernels
 
 __all__ = ["HostThreads", "cores", "default_threads"]
 
@@ -111,12 +105,8 @@ class HostThreads:
         crew = _crew(helpers) if helpers > 0 else None
         if crew is not None and crew.busy.acquire(blocking=False):
             try:
-                generation = crew.start(job)
+                crew.start(job)
                 job.work()
-                # Awake for the helpers' last pieces, and until they have
-                # let go of the GIL: asking for it while a helper still
-                # holds it would put this thread to sleep.
-                kernels.wait_for_helpers(job.done, crew.marks, generation, _SPIN_ROUNDS)
                 job.wait()
             finally:
                 crew.clear()
@@ -139,7 +129,6 @@ class _Job(Generic[T]):
         self.fn = fn
         self.items = items
         self.results: list[Any] = [None] * len(items)
-        self.done = np.zeros(1, np.int64)  # finished, for a caller spinning without the GIL
         self._lock = threading.Lock()
         self._finished = threading.Lock()  # held until the last piece ends
         self._finished.acquire()
@@ -158,7 +147,6 @@ class _Job(Generic[T]):
             with self._lock:
                 self._left -= 1
                 if not self._left:
-                    self.done[0] = 1
                     self._finished.release()
 
     def wait(self) -> None:
@@ -168,36 +156,22 @@ class _Job(Generic[T]):
 
 
 class _Crew:
-    """Threads that help the thread calling ``HostThreads.gather``, one map at a time.
-
-    Between maps a helper spins for a while without the GIL before it
-    sleeps: a step's maps follow each other closely. ``marks`` tell the
-    caller which helpers joined a map and which have left it
-    (``kernels.wait_for_helpers``).
-    """
+    """Threads that help the thread calling ``HostThreads.gather``, one map at a time."""
 
     def __init__(self, size: int) -> None:
         self.busy = threading.Lock()  # held by the thread whose map the crew works on
         self._wake = threading.Condition()
         self._job: _Job[Any] | None = None
         self._generation = 0
-        self._sleeping = 0  # helpers waiting on ``_wake`` (the rest spin)
-        # [0] the map posted last; [1 + k] the last helper k joined; [1 + size + k] it left.
-        self.marks = np.zeros(1 + 2 * size, np.int64)
         for k in range(size):
-            threading.Thread(
-                target=self._serve, args=(k,), name=f"jaxcache-host-{k}", daemon=True
-            ).start()
+            threading.Thread(target=self._serve, name=f"jaxcache-host-{k}", daemon=True).start()
 
-    def start(self, job: _Job[Any]) -> int:
-        """Wakes every thread of the crew to work on ``job``; returns its map number."""
+    def start(self, job: _Job[Any]) -> None:
+        """Wakes every thread of the crew to work on ``job``."""
         with self._wake:
             self._job = job
             self._generation += 1
-            self.marks[0] = self._generation
-            if self._sleeping:
-                self._wake.notify_all()
-            return self._generation
+            self._wake.notify_all()
 
     def clear(self) -> None:
         """Drops the finished job: the crew holds no pieces (nor the arrays
@@ -205,28 +179,16 @@ class _Crew:
         with self._wake:
             self._job = None
 
-    def _serve(self, helper: int) -> None:
+    def _serve(self) -> None:
         seen = 0
         while True:
-            if not kernels.park(self.marks, helper, seen, _PARK_ROUNDS):
-                with self._wake:
-                    self._sleeping += 1
-                    while self._generation == seen:
-                        self._wake.wait()
-                    self._sleeping -= 1
             with self._wake:
+                while self._generation == seen:
+                    self._wake.wait()
                 seen, job = self._generation, self._job
             if job is not None:  # a helper woken late finds the map done or none
-                self.marks[1 + helper] = seen
                 job.work()
 
-
-# The most reads of the caller's spin at a map's end (about a millisecond
-# on current CPUs); a longer wait sleeps.
-_SPIN_ROUNDS = 1 << 22
-# The most reads of a helper's spin between maps (a few hundred
-# microseconds): the gaps between a step's maps are shorter.
-_PARK_ROUNDS = 1 << 20
 
 _CREWS: dict[int, _Crew] = {}
 _CREWS_LOCK = threading.Lock()
