@@ -1,0 +1,166 @@
+"""The vocabulary of raw ids: against a dict model of its rules, op for op."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jaxcache
+from jaxcache._src.vocabulary import Vocabulary, hashed_rows
+
+
+class Model:
+    """The rules in plain Python: id -> row, free rows taken lowest first,
+    held rows never taken, a new id takes the released row of least (key,
+    row) once no row is free; admission by exact counts."""
+
+    def __init__(self, rows: int, admit_after: int, forget: str) -> None:
+        self.rows, self.admit_after, self.forget = rows, admit_after, forget
+        self.row_of: dict[int, int] = {}
+        self.free = list(range(rows))
+        self.released: set[int] = set()
+        self.key: dict[int, int] = {}
+        self.seen: dict[int, int] = {}
+
+    def admit(self, ids, counts, step):
+        rows = [self.row_of.get(i, -1) for i in ids]
+        unknown = [u for u, r in enumerate(rows) if r < 0]
+        seen = {ids[u]: self.seen.get(ids[u], 0) + counts[u] for u in unknown}
+        if self.admit_after > 1:
+            admitted = [u for u in unknown if seen[ids[u]] >= self.admit_after]
+        else:
+            admitted = unknown
+        held_again = {r for r in rows if r >= 0} & self.released
+        if len(admitted) > len(self.free) + len(self.released - held_again):
+            raise jaxcache.CapacityError("full")
+        if self.admit_after > 1:
+            self.seen.update(seen)
+        for u, r in enumerate(rows):
+            if r >= 0:
+                self.released.discard(r)
+                self.key[r] = self.key[r] + counts[u] if self.forget == "lfu" else step
+        forgotten = []
+        for u in admitted:
+            if self.free:
+                r = self.free.pop(0)
+            else:
+                r = min(self.released, key=lambda row: (self.key[row], row))
+                self.released.remove(r)
+                old = next(i for i, row in self.row_of.items() if row == r)
+                del self.row_of[old]
+                forgotten.append(old)
+            self.row_of[ids[u]] = r
+            self.key[r] = counts[u] if self.forget == "lfu" else step
+            rows[u] = r
+        return rows, [ids[u] for u in admitted], forgotten
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.integers(1, 12),
+    admit_after=st.sampled_from([1, 1, 2, 3]),
+    forget=st.sampled_from(["lru", "lfu"]),
+    seed=st.integers(0, 2**16),
+)
+def test_admits_and_forgets_by_the_rules_of_a_dict_model(rows, admit_after, forget, seed):
+    rng = np.random.default_rng(seed)
+    # Raw ids anywhere in int64, a few dozen of them, many sharing index probes.
+    universe = rng.integers(-(1 << 62), 1 << 62, 40)
+    universe[:5] = [0, -1, 1 << 40, (1 << 63) - 1, -(1 << 63)]
+    vocab = Vocabulary(rows, admit_after=admit_after, forget=forget, sketch_width=1 << 16)
+    model = Model(rows, admit_after, forget)
+    held: set[int] = set()
+    for step in range(60):
+        if step == 30:  # a restore mid-run continues exactly
+            restored = Vocabulary(
+                rows, admit_after=admit_after, forget=forget, sketch_width=1 << 16
+            )
+            restored.load_state_dict(vocab.state_dict())
+            vocab = restored
+        if held and rng.random() < 0.4:
+            out = rng.choice(sorted(held), size=rng.integers(1, len(held) + 1), replace=False)
+            vocab.release(np.array(out))
+            model.released.update(int(r) for r in out)
+            held -= set(out.tolist())
+            continue
+        ids = rng.choice(universe, size=rng.integers(1, min(rows, 6) + 2), replace=False)
+        counts = rng.integers(1, 4, ids.size)
+        try:
+            expected = model.admit(ids.tolist(), counts.tolist(), step)
+        except jaxcache.CapacityError:
+            before = vocab.state_dict()
+            with pytest.raises(jaxcache.CapacityError, match="new ids to admit"):
+                vocab.admit(ids, counts, step=step)
+            after = vocab.state_dict()
+            assert all(np.array_equal(before[k], after[k]) for k in before)  # nothing changed
+            continue
+        done = vocab.admit(ids, counts, step=step)
+        assert done.rows.tolist() == expected[0]
+        assert done.new_ids.tolist() == expected[1]
+        assert done.forgotten_ids.tolist() == expected[2]
+        assert done.refused == int((done.rows < 0).sum())
+        held |= {int(r) for r in done.rows if r >= 0}
+        # The index holds exactly the model's ids.
+        live = list(model.row_of)
+        assert vocab.lookup(np.array(live, np.int64)).tolist() == [model.row_of[i] for i in live]
+        gone = [i for i in universe.tolist() if i not in model.row_of]
+        assert (vocab.lookup(np.array(gone, np.int64)) == -1).all()
+        assert vocab.size == len(model.row_of) and vocab.released == len(model.released)
+
+
+def test_many_ids_through_a_small_budget_keep_the_index_exact():
+    # 50,000 distinct ids through 1,000 rows: every probe run is shifted on
+    # deletion many times over.
+    vocab = Vocabulary(1000)
+    rng = np.random.default_rng(0)
+    ids = rng.permutation(rng.integers(-(1 << 62), 1 << 62, 50_000))
+    alive: dict[int, int] = {}
+    for step, batch in enumerate(np.array_split(ids, 100)):
+        done = vocab.admit(batch, np.ones(batch.size), step=step)
+        for i in done.forgotten_ids.tolist():
+            del alive[i]
+        alive.update(zip(done.new_ids.tolist(), done.new_rows.tolist(), strict=True))
+        vocab.release(done.rows)
+    assert len(alive) == vocab.size == 1000
+    assert vocab.lookup(np.array(list(alive))).tolist() == list(alive.values())
+    assert (vocab.lookup(ids[:-1000][~np.isin(ids[:-1000], list(alive))]) == -1).all()
+
+
+def test_a_batch_too_large_for_the_budget_is_refused_with_nothing_changed():
+    vocab = Vocabulary(3, admit_after=2, sketch_width=1 << 8)
+    first = vocab.admit(np.array([1, 2]), np.array([2, 2]), step=0)
+    assert first.rows.tolist() == [0, 1]
+    before = vocab.state_dict()
+    with pytest.raises(jaxcache.CapacityError, match="2 new ids to admit but only 1 of the 3"):
+        vocab.admit(np.array([3, 4, 5]), np.array([2, 2, 1]), step=1)  # 5 is not admitted yet
+    after = vocab.state_dict()
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    assert vocab.estimate(np.array([3, 4, 5])).tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"rows": 0}, "rows=0"),
+        ({"rows": 4, "admit_after": 0}, "admit_after=0"),
+        ({"rows": 4, "forget": "fifo"}, "forget='fifo'"),
+        ({"rows": 4, "sketch_width": 1000}, "power of two"),
+    ],
+)
+def test_bad_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Vocabulary(**kwargs)
+
+
+def test_first_values_depend_on_the_seed_and_the_id_alone():
+    ids = np.arange(-50_000, 50_000, dtype=np.int64) * 7919
+    rows = hashed_rows(ids, 6, seed=3, scale=0.5)
+    again = hashed_rows(ids[::-1], 6, seed=3, scale=0.5)[::-1]
+    np.testing.assert_array_equal(rows, again)
+    assert abs(rows.mean()) < 0.01 and abs(rows.std() - 0.5) < 0.01
+    assert not np.array_equal(rows, hashed_rows(ids, 6, seed=4, scale=0.5))
+    uniform = hashed_rows(ids, 5, seed=3, init="uniform", scale=0.2)
+    assert uniform.min() >= -0.2 and uniform.max() < 0.2 and abs(uniform.mean()) < 0.01
+    assert not hashed_rows(ids[:3], 4, seed=0, init="zeros").any()
