@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxcache._src import replay as replay_lib
 from jaxcache._src import tier_replay
+from jaxcache._src.planner import CapacityError
 
 __all__ = ["main"]
 
@@ -78,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=_capacities,
         metavar="C1,C2,...",
         help="several capacities (row counts or fractions), one result each, e.g. "
-        "0.005,0.01,0.02,0.05",
+        "0.005,0.01,0.02,0.05; one below a batch's distinct ids is marked infeasible",
     )
     replay_parser.add_argument(
         "--policy",
@@ -153,6 +154,8 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             num_embeddings=args.num_embeddings,
             frequencies=frequencies,
         )
+        if args.sweep is None and not results[0]["feasible"]:
+            raise CapacityError(results[0]["infeasible"])
     if args.dram_budget is not None:
         if args.row_bytes is None:
             parser.error("argument --dram-budget: needs --row-bytes, the bytes of one row.")
@@ -171,6 +174,8 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                         frequencies=frequencies,
                     ),
                 }
+                if result["feasible"]
+                else result
                 for result in results
             ]
     for result in results:

@@ -76,7 +76,8 @@ def replay(
     Returns:
       A flat, JSON-ready dict: ``policy``, ``capacity``
       (rows), ``capacity_fraction``, ``num_embeddings``, ``batches``,
-      ``lookups``, ``distinct`` (summed per batch), ``hits`` (distinct ids
+      ``lookups``, ``distinct`` (summed per batch), ``feasible`` (``True``:
+      see :func:`sweep`), ``hits`` (distinct ids
       resident), ``access_hits`` (lookups served by resident rows),
       ``unique_hit_rate`` (hits over distinct), ``access_hit_rate``,
       ``steady_unique_hit_rate`` (the same over the batches after the first
@@ -99,7 +100,7 @@ def replay(
       >>> round(out["unique_hit_rate"], 3), round(out["steady_unique_hit_rate"], 3)
       (0.333, 0.429)
     """
-    return sweep(
+    (result,) = sweep(
         trace,
         capacities=[capacity],
         policies=[policy],
@@ -107,7 +108,10 @@ def replay(
         num_embeddings=num_embeddings,
         frequencies=frequencies,
         planner=planner,
-    )[0]
+    )
+    if not result["feasible"]:
+        raise CapacityError(result["infeasible"])
+    return result
 
 
 def sweep(
@@ -127,7 +131,9 @@ def sweep(
 
     Returns:
       One :func:`replay` dict per ``(policy, capacity)``, policy-major, each
-      in the given order.
+      in the given order. A capacity below some batch's distinct ids is no
+      cache a run could use: its dicts say ``feasible: False`` and why
+      (``infeasible``), with the trace's counts only, and the sweep goes on.
 
     Examples:
       >>> import numpy as np
@@ -139,6 +145,9 @@ def sweep(
       [100, 250, 500]
       >>> [r["hits"] <= s["hits"] for r, s in zip(curve, curve[1:])]
       [True, True]
+      >>> small = sweep(trace, batch=100, capacities=[10, 100], policies=["lru"])
+      >>> [r["feasible"] for r in small], small[0]["infeasible"].split(";")[0]
+      ([False, True], 'batch 0 of the trace: the batch has 58 distinct ids but capacity is 10 rows')
     """
     trace = _check_trace(trace)
     batches = _split(trace, batch)
@@ -151,11 +160,37 @@ def sweep(
     counts = frequencies
     if counts is None and "frequency" in names:
         counts = np.bincount(trace.reshape(-1), minlength=n)
+    distinct = np.array([np.unique(ids).size for ids in batches])
     return [
         _run(batches, n, capacity, name, frequencies, counts, planner)
+        if capacity >= distinct.max(initial=0)
+        else _infeasible(name, capacity, n, batches, distinct)
         for name in names
         for capacity in rows
     ]
+
+
+def _infeasible(
+    policy: str, capacity: int, num_embeddings: int, batches: list[np.ndarray], distinct: np.ndarray
+) -> Result:
+    """The dict of a capacity that the first batch of more distinct ids
+    would refuse (``CapacityError``'s words), with the trace's counts."""
+    step = int(np.argmax(distinct > capacity))
+    return {
+        "policy": policy,
+        "capacity": capacity,
+        "capacity_fraction": capacity / num_embeddings,
+        "num_embeddings": num_embeddings,
+        "batches": len(batches),
+        "lookups": int(sum(ids.size for ids in batches)),
+        "distinct": int(distinct.sum()),
+        "feasible": False,
+        "infeasible": (
+            f"batch {step} of the trace: the batch has {distinct[step]} distinct ids but "
+            f"capacity is {capacity} rows; raise capacity to at least {distinct[step]} or use "
+            "smaller batches."
+        ),
+    }
 
 
 def plot_curve(
@@ -167,7 +202,8 @@ def plot_curve(
     drawn without pyplot, so no global backend is changed.
 
     Args:
-      results: dicts from :func:`sweep` or :func:`replay`.
+      results: dicts from :func:`sweep` or :func:`replay` (infeasible
+        capacities are left out).
       path: where to save the figure (PNG, SVG, PDF by extension); not saved
         when ``None``.
       title: the figure's title; by default it names the trace's size.
@@ -198,6 +234,9 @@ def plot_curve(
         raise ValueError("results is empty; pass the dicts returned by sweep() or replay().")
     fig = Figure(figsize=(10, 4), layout="constrained")
     hit_ax, miss_ax = fig.subplots(1, 2)
+    results = [r for r in results if r.get("feasible", True)]
+    if not results:
+        raise ValueError("no capacity of the results is feasible; there is no curve to draw.")
     names = list(dict.fromkeys(r["policy"] for r in results))
     for color, name in enumerate(n for n in names if n != "belady"):
         curve = sorted((r for r in results if r["policy"] == name), key=lambda r: r["capacity"])
@@ -363,6 +402,7 @@ def _summary(
         "batches": len(per_batch),
         "lookups": total["lookups"],
         "distinct": distinct,
+        "feasible": True,
         "hits": hits,
         "access_hits": total["access_hits"],
         "unique_hit_rate": hit_rate,
