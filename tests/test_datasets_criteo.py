@@ -102,6 +102,31 @@ def test_hashes_near_2_pow_32_reduce_without_int32_wrap(built, tmp_path, lines):
     assert shared[0, 1] == 2**33 + ids[0, 1] and shared.dtype == np.int64
 
 
+def test_raw_ids_keep_every_hash_apart_by_feature(built, tmp_path, lines):
+    # The same lines as the reduced build, each feature's 32-bit hash kept.
+    manual = write_lines(tmp_path / "manual" / "train.txt", lines).parent
+    config = jd.CriteoConfig(name="test_raw", raw_ids=True, skip_malformed=True)
+    builder = jd.prepare(jd.CriteoBuilder(config=config, data_dir=tmp_path / "data"), manual)
+    raw, reduced = read_all(builder), read_all(built)
+    np.testing.assert_array_equal(raw["label"], reduced["label"])
+    features = np.arange(26) << 33
+    good = [line.split("\t") for line in lines if len(line.split("\t")) == 40]
+    want = [
+        [int(f) + (int(h, 16) if h else 1 << 32) for f, h in zip(features, row[14:], strict=True)]
+        for row in good
+    ]
+    np.testing.assert_array_equal(raw["sparse"], np.array(want, np.int64))
+    assert raw["sparse"][10 + HIGH_HASHES.index("ffffffff"), 0] == 0xFFFFFFFF
+    assert builder.info.metadata["raw_ids"] and builder.info.metadata["cardinalities"] == {
+        "sparse": None
+    }
+    assert jd.raw_id(3, 5).item() == 3 * 2**33 + 5
+    with pytest.raises(ValueError, match="raw ids have not; read a raw-id dataset"):
+        jd.criteo_batches(builder=builder, frequencies=False)
+    with pytest.raises(ValueError, match="raw ids have not"):
+        jd.criteo_batches(manual, tmp_path / "other", config="kaggle_raw")
+
+
 def test_gzipped_day_files_give_one_split_each(tmp_path, lines):
     good = [line for line in lines if len(line.split("\t")) == 40]
     write_lines(tmp_path / "manual" / "day_0.gz", good[:700])

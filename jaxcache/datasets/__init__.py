@@ -36,6 +36,7 @@ from jaxcache.datasets._criteo import (
     CriteoConfig,
     CriteoData,
     criteo_batches,
+    raw_id,
 )
 from jaxcache.datasets._fake import write_fake_criteo, write_fake_movielens
 from jaxcache.datasets._frequency import count_frequencies, frequencies_path
@@ -61,6 +62,7 @@ __all__ = [
     "frequencies_path",
     "movielens_from_recbole",
     "prepare",
+    "raw_id",
     "shared_offsets",
     "to_shared_table",
     "write_fake_criteo",

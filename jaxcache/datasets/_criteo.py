@@ -14,7 +14,10 @@ Stored form, per sample:
   ``V_f = vocab_sizes[f]``: an empty field is id 0 (row 0 of every feature
   is reserved for "missing"), a hash ``h`` is ``1 + h mod (V_f - 1)``,
   reduced on the host in 64-bit integers (hashes reach ``2**32``; nothing is
-  ever wrapped to int32);
+  ever wrapped to int32). With ``raw_ids`` (the ``"kaggle_raw"`` config)
+  nothing is reduced: the id is ``f 2^33 + h``, or ``f 2^33 + 2^32`` for an
+  empty field, so that no two features or values share an id (for a
+  dynamic vocabulary, which gives each id a row of its own);
 - ``"label"``: ``float32``, 0 or 1.
 
 ``jaxcache.datasets.to_shared_table`` moves the ids of all features into one table of
@@ -51,6 +54,7 @@ __all__ = [
     "CriteoConfig",
     "CriteoData",
     "criteo_batches",
+    "raw_id",
 ]
 
 CRITEO_TERABYTE_CARDINALITIES: tuple[int, ...] = (
@@ -89,6 +93,8 @@ class CriteoConfig(tfds.core.BuilderConfig):
       skip_malformed: drop malformed lines and count them (in
         ``info.metadata["skipped"]``) instead of raising ``DataFormatError``.
       rows_per_record: rows stored in one record.
+      raw_ids: keep the hashes, feature by feature, as raw int64 ids
+        (``raw_id``) instead of reducing them modulo ``vocab_sizes``.
 
     Examples:
       >>> import jaxcache.datasets as jd
@@ -103,6 +109,7 @@ class CriteoConfig(tfds.core.BuilderConfig):
     vocab_sizes: tuple[int, ...] = CRITEO_KAGGLE_CARDINALITIES
     skip_malformed: bool = False
     rows_per_record: int = DEFAULT_ROWS_PER_RECORD
+    raw_ids: bool = False
 
     def __post_init__(self) -> None:
         sizes = tuple(self.vocab_sizes)
@@ -161,6 +168,11 @@ class CriteoBuilder(ChunkedBuilder):
             vocab_sizes=CRITEO_TERABYTE_CARDINALITIES,
             description="MLPerf's Criteo Terabyte cardinalities (capped at 40M).",
         ),
+        CriteoConfig(
+            name="kaggle_raw",
+            raw_ids=True,
+            description="Raw ids: each feature's 32-bit hashes, unreduced (raw_id).",
+        ),
     ]
     DEFAULT_CONFIG_NAME = "kaggle"
     MANUAL_DOWNLOAD_INSTRUCTIONS = f"Put {_EXPECTED} in the manual directory."
@@ -189,14 +201,17 @@ class CriteoBuilder(ChunkedBuilder):
         if not files:
             raise self._missing(dl_manager, _EXPECTED)
         metadata = self.info.metadata
-        metadata["cardinalities"] = {"sparse": list(self.builder_config.vocab_sizes)}
+        config = self.builder_config
+        metadata["cardinalities"] = {"sparse": None if config.raw_ids else list(config.vocab_sizes)}
         metadata["missing_id"] = MISSING_ID
+        metadata["raw_ids"] = config.raw_ids
         metadata["files"] = {split: path.name for split, path in files.items()}
         return {split: self._generate_examples(split, path) for split, path in files.items()}
 
     def _generate_examples(self, split: str, path: Any) -> Iterator[tuple[int, dict]]:
         config = self.builder_config
-        parsed = _ParsedFile(path, config.vocab_sizes, skip=config.skip_malformed)
+        vocab = None if config.raw_ids else config.vocab_sizes
+        parsed = _ParsedFile(path, vocab, skip=config.skip_malformed)
         rows = 0
         for index, chunk in enumerate(rechunk(parsed, config.rows_per_record)):
             rows += len(chunk["label"])
@@ -221,9 +236,9 @@ class CriteoBuilder(ChunkedBuilder):
 class _ParsedFile:
     """Iterates over the parsed blocks of one Criteo file; counts skipped lines."""
 
-    def __init__(self, path: Any, vocab_sizes: Sequence[int], *, skip: bool) -> None:
+    def __init__(self, path: Any, vocab_sizes: Sequence[int] | None, *, skip: bool) -> None:
         self.path = os.fspath(path)
-        self.vocab = np.asarray(vocab_sizes, np.uint64)
+        self.vocab = None if vocab_sizes is None else np.asarray(vocab_sizes, np.uint64)
         self.skip = skip
         self.skipped = 0
         self.examples: list[str] = []
@@ -240,8 +255,11 @@ class _ParsedFile:
         )
         counts = block.integers(_DENSE_COLUMNS, _DENSE_NAMES, allow_empty=True)
         hashes, empty = block.hexadecimal(_SPARSE_COLUMNS, _SPARSE_NAMES)
-        reduced = (hashes % (self.vocab - np.uint64(1)) + np.uint64(1)).astype(np.int64)
-        ids = np.where(empty, MISSING_ID, reduced)
+        if self.vocab is None:
+            ids = raw_id(np.arange(NUM_SPARSE), np.where(empty, np.uint64(1 << 32), hashes))
+        else:
+            reduced = (hashes % (self.vocab - np.uint64(1)) + np.uint64(1)).astype(np.int64)
+            ids = np.where(empty, MISSING_ID, reduced)
         keep, dropped, examples = block.check(self.path, skip=self.skip)
         self.skipped += dropped
         self.examples.extend(examples[: _tsv.MAX_EXAMPLES - len(self.examples)])
@@ -250,6 +268,25 @@ class _ParsedFile:
             "sparse": ids[keep],
             "label": label[keep].astype(np.float32),
         }
+
+
+_RAW_BATCHES = (
+    "criteo_batches lays the ids out for one table of sum(vocab_sizes) rows, which raw ids "
+    "have not; read a raw-id dataset's records with jaxcache.datasets.Loader("
+    "builder.as_data_source(split), batch_size) instead."
+)
+
+
+def raw_id(feature: Any, value: Any) -> np.ndarray:
+    """The raw int64 id of a categorical ``value`` (a 32-bit hash, or
+    ``2^32`` for an empty field) of ``feature`` (0-25): ``feature 2^33 +
+    value``, unique over features and values.
+
+    Examples:
+      >>> raw_id(2, 0x68FD1E64).item() == 2 * 2**33 + 0x68FD1E64
+      True
+    """
+    return (np.asarray(feature, np.int64) << 33) + np.asarray(value, np.uint64).astype(np.int64)
 
 
 class CriteoData(NamedTuple):
@@ -351,6 +388,9 @@ def criteo_batches(
             "pass either builder= (a prepared dataset) or manual_dir/data_dir (to build one), "
             "not both."
         )
+    raw = config == "kaggle_raw" or (isinstance(config, CriteoConfig) and config.raw_ids)
+    if builder is None and raw:
+        raise ValueError(_RAW_BATCHES)
     if builder is None:
         builder = prepare(
             CriteoBuilder(
@@ -359,6 +399,8 @@ def criteo_batches(
             manual_dir,
         )
     metadata = metadata_of(builder)
+    if metadata.get("raw_ids"):
+        raise ValueError(_RAW_BATCHES)
     cardinalities = tuple(int(c) for c in metadata["cardinalities"]["sparse"])
     padding_id = metadata.get("padding_id")
     counts = None
