@@ -162,6 +162,18 @@ def test_adaptive_keys_stay_in_int32_in_a_run_of_any_length(devices):
     assert len(bonuses) > 2  # and re-keyed
 
 
+def test_a_re_key_with_nothing_resident_leaves_the_new_keys_room():
+    # Keyed by count with an offset of 2^28 - KEY_FLOOR, every new row's key
+    # would sit at the ceiling, and its order among them would be lost.
+    cfg = jaxcache.CacheConfig(N, 2, capacity=8, policy="adaptive")
+    planner = jaxcache.EmbeddingCache(cfg, planner="device").planner
+    assert isinstance(planner, DevicePlanner)
+    rekey = device_plan.make_rekey(planner.mesh, planner.axis, planner.key_span)
+    planner.state = rekey(planner.state, np.array([-1], np.int32))
+    _, _, bonus, offset, _ = np.asarray(planner.state.scalars).tolist()
+    assert (bonus, offset) == (-1, 0)
+
+
 @pytest.mark.parametrize("saved, restored", [("host", "device"), ("device", "host")])
 def test_a_checkpoint_of_one_planner_restores_exactly_into_the_other(saved, restored):
     cfg = jaxcache.CacheConfig(2000, 4, capacity=150, policy="adaptive")

@@ -733,8 +733,10 @@ def _rekey_device(span: int, state: PlanState, bonus) -> PlanState:
     age = jnp.maximum(state.last_use - base, -2 * KEY_SPAN)
     new = _adaptive_key(age, weight, bonus, jnp.int32(0))
     # Every key and the plans' keys to come move by one shift (the order is
-    # all that counts): the highest resident key goes to ``_KEY_TOP``.
-    offset = _KEY_TOP - jnp.max(jnp.where(resident, new, KEY_FLOOR))
+    # all that counts): the highest resident key goes to ``_KEY_TOP`` (none
+    # resident: no shift, so that new keys keep their room below the ceiling).
+    top = jnp.max(jnp.where(resident, new, KEY_FLOOR))
+    offset = jnp.where(jnp.any(resident), _KEY_TOP - top, 0)
     keys = jnp.where(resident, jnp.clip(new + offset, KEY_FLOOR, KEY_CEIL), state.keys)
     return state._replace(
         keys=keys, scalars=jnp.stack([scalars[0], scalars[1], bonus, offset, base])
