@@ -400,7 +400,7 @@ class EmbeddingCache:
         Flax shells' ``lookup_ids`` call it.
 
         Args:
-          state: its device state before the step.
+          state: the device state before the step.
           ids: integer ids ``[B, ...]`` (traced).
           train: the step will update these rows.
 
@@ -412,7 +412,7 @@ class EmbeddingCache:
             raise ValueError(
                 f"lookup_ids (the host-callback form) runs in one process, but this cache's "
                 f"mesh spans {self.shard[1]} processes; pass each step the Lookup that "
-                "jaxself.prefetch (or CachedEmbed.prepare) makes instead."
+                "jaxcache.prefetch (or CachedEmbed.prepare) makes instead."
             )
         cfg = self.config
         num_ids = int(np.prod(ids.shape))
