@@ -73,7 +73,7 @@ class Dispatched(NamedTuple):
       out: the program's ``PlanOut`` (device arrays).
       train: the batch updates its rows.
       epoch: the planner's epoch when it was dispatched.
-      read: what the host read of it, once (``DevicePlanner._read``).
+      read: what the host read of it, once (``DevicePlanner._info``, ``_lists``).
     """
 
     index: int  # type: ignore[assignment]  # the field shadows tuple.index
@@ -560,12 +560,11 @@ class DevicePlanner:
         fetch_ids, fetch_at, evict_ids, evict_at = [], [], [], []
         for b, device in enumerate(self.layout.own):
             residue = self.layout.residue(device)
-            m, w = int(misses[b]), int(written[b])
-            local = lists[b].astype(np.int64) * self.layout.devices + residue
-            fetch_ids.append(local[:m])
-            fetch_at.append(b * p + np.arange(m))
-            evict_ids.append(local[m : m + w])
-            evict_at.append(b * p + np.arange(w))
+            fetched, evicted, _, _ = lists[b]
+            fetch_ids.append(fetched.astype(np.int64) * self.layout.devices + residue)
+            fetch_at.append(b * p + np.arange(misses[b]))
+            evict_ids.append(evicted.astype(np.int64) * self.layout.devices + residue)
+            evict_at.append(b * p + np.arange(written[b]))
         total = info.sum(0)
         stats = StepStats(
             lookups=int(total[COLUMN["lookups"]]),
@@ -597,15 +596,18 @@ class DevicePlanner:
             read["info"] = info.reshape(len(self.layout.own), len(device_plan.INFO))
         return read["info"]
 
-    def _lists(self, dispatched: Dispatched) -> list[np.ndarray]:
-        """Each own device's packed lists (``PlanOut.lists``), as far as they
-        are filled: one read from each device."""
+    def _lists(self, dispatched: Dispatched) -> list[list[np.ndarray]]:
+        """Each own device's lists (``PlanOut.lists``): its missed local ids,
+        the local ids of its dirty evictions, the adaptive sample and the
+        sample's lookups; one read from each device."""
         read = dispatched.read
         if "lists" not in read:
             info = self._info(dispatched)
-            filled = info[:, COLUMN["misses"]] + info[:, COLUMN["written"]]
-            filled = filled + 2 * info[:, COLUMN["sampled"]]
-            read["lists"] = _heads(dispatched.out.lists, filled)
+            m, w, s = (info[:, COLUMN[c]] for c in ("misses", "written", "sampled"))
+            heads = _heads(dispatched.out.lists, m + w + 2 * s)
+            read["lists"] = [
+                np.split(head, np.cumsum([m[b], w[b], s[b]])) for b, head in enumerate(heads)
+            ]
         return read["lists"]
 
     def rollback(self, index: int) -> None:
@@ -698,10 +700,9 @@ class DevicePlanner:
                 lists = self._lists(dispatched)
                 choices = []
                 for b, learner in enumerate(self.learners):
-                    before = int(info[b, COLUMN["misses"]] + info[b, COLUMN["written"]])
-                    count = int(info[b, COLUMN["sampled"]])
-                    sample = lists[b][before : before + count].astype(np.int64)
-                    learner.counts[sample] = lists[b][before + count : before + 2 * count]
+                    _, _, sample, counts = lists[b]
+                    sample = sample.astype(np.int64)
+                    learner.counts[sample] = counts
                     if learner.bits > bits:  # a smaller sample than the plan's
                         sample = sample[_sampled(sample, learner.bits)]
                     sample.sort()
