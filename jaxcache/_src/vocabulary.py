@@ -321,8 +321,7 @@ class Vocabulary:
         self.live[rows] = True
         self.id_of_row[rows] = ids
         self.key[rows] = state["keys"]
-        for i, r in zip(ids.tolist(), rows.tolist(), strict=True):
-            _insert(self._keys, self._slots, i, r)
+        _insert_all(self._keys, self._slots, ids, rows)
         free = np.asarray(state["free"], np.int64)
         self._free_count = free.size
         self._free[: free.size] = free[::-1]
@@ -365,6 +364,12 @@ def _insert(keys, slots, i, row):
         h = (h + 1) & mask
     keys[h] = i
     slots[h] = row
+
+
+@kernel
+def _insert_all(keys, slots, ids, rows):
+    for u in range(ids.size):
+        _insert(keys, slots, ids[u], rows[u])
 
 
 @kernel
