@@ -30,7 +30,7 @@ from jaxcache import (
     testing,
 )
 from jaxcache._src.checkpoint import Checkpointer
-from jaxcache._src.config import CacheConfig
+from jaxcache._src.config import CacheConfig, DynamicVocabulary
 from jaxcache._src.device_ops import CacheState, Lookup
 from jaxcache._src.engine import EmbeddingCache
 from jaxcache._src.frequency import FrequencyCounter
@@ -48,6 +48,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "CacheConfig",
+    "DynamicVocabulary",
     "CacheState",
     "CacheStats",
     "CapacityError",

@@ -15,6 +15,7 @@ import optax
 from flax import nnx
 
 import jaxcache
+from jaxcache.host import hashed_rows
 
 
 class FullTable(nnx.Variable):
@@ -39,7 +40,7 @@ class ReferenceEmbed(nnx.Module):
         real = ids >= 0  # negative ids are bag padding
         emb = self.table[...][jnp.where(real, ids, 0)]
         if self.combiner is None:
-            return emb
+            return jnp.where(real[..., None], emb, 0)
         w = real.astype(emb.dtype) if weights is None else real * weights
         total = jnp.einsum("...l,...ld->...d", w, emb)
         if self.combiner == "sum":
@@ -93,6 +94,7 @@ def make_cached(cache: jaxcache.EmbeddingCache, num_features: int, *, seed=0, co
         return train_lookup(model.embed.prepare(ids), labels, weights)
 
     train.with_lookup = train_lookup  # for loops fed by jaxcache.prefetch
+    train.optimizer = optimizer  # the dense optimizer, for checkpoints
     return model, train
 
 
@@ -146,6 +148,100 @@ def make_reference(
         return step(model, optimizer, jnp.asarray(ids), jnp.asarray(touched), labels, weights)
 
     return model, train
+
+
+class VocabularyModel:
+    """The rules in plain Python: id -> row, free rows taken lowest first,
+    held rows never taken, a new id takes the released row of least (key,
+    row) once no row is free; admission by exact counts."""
+
+    def __init__(self, rows: int, admit_after: int, forget: str) -> None:
+        self.rows, self.admit_after, self.forget = rows, admit_after, forget
+        self.row_of: dict[int, int] = {}
+        self.free = list(range(rows))
+        self.released: set[int] = set()
+        self.key: dict[int, int] = {}
+        self.seen: dict[int, int] = {}
+
+    def admit(self, ids, counts, step):
+        rows = [self.row_of.get(i, -1) for i in ids]
+        unknown = [u for u, r in enumerate(rows) if r < 0]
+        seen = {ids[u]: self.seen.get(ids[u], 0) + counts[u] for u in unknown}
+        if self.admit_after > 1:
+            admitted = [u for u in unknown if seen[ids[u]] >= self.admit_after]
+        else:
+            admitted = unknown
+        held_again = {r for r in rows if r >= 0} & self.released
+        if len(admitted) > len(self.free) + len(self.released - held_again):
+            raise jaxcache.CapacityError("full")
+        if self.admit_after > 1:
+            self.seen.update(seen)
+        for u, r in enumerate(rows):
+            if r >= 0:
+                self.released.discard(r)
+                self.key[r] = self.key[r] + counts[u] if self.forget == "lfu" else step
+        forgotten = []
+        for u in admitted:
+            if self.free:
+                r = self.free.pop(0)
+            else:
+                r = min(self.released, key=lambda row: (self.key[row], row))
+                self.released.remove(r)
+                old = next(i for i, row in self.row_of.items() if row == r)
+                del self.row_of[old]
+                forgotten.append(old)
+            self.row_of[ids[u]] = r
+            self.key[r] = counts[u] if self.forget == "lfu" else step
+            rows[u] = r
+        return rows, [ids[u] for u in admitted], forgotten
+
+
+def make_raw_reference(rows, config: jaxcache.CacheConfig, num_features: int, *, lookahead=0):
+    """The full-table reference of a cache with raw ids: a ``VocabularyModel``
+    gives rows by the same rules (rows held while a batch within
+    ``lookahead`` of the current one uses them), new rows start from
+    ``hashed_rows`` with fresh optimizer state, then ``make_reference``
+    trains the rows. Returns ``(model, train, vocabulary)``."""
+    spec = config.vocabulary
+    vocab = VocabularyModel(config.num_embeddings, spec.admit_after, spec.forget)
+    model, ref_train = make_reference(rows, config.optimizer, num_features)
+    in_flight: dict[int, set[int]] = {}
+    last: dict[int, int] = {}
+    step = [0]
+
+    def train(ids, labels, weights=None):
+        t = step[0]
+        step[0] += 1
+        for p in [p for p in in_flight if p <= t - 1 - lookahead]:
+            vocab.released |= {r for r in in_flight.pop(p) if last[r] == p}
+        real = (
+            ids != config.padding_id if config.padding_id is not None else np.ones_like(ids, bool)
+        )
+        unique, inverse, counts = np.unique(ids[real], return_inverse=True, return_counts=True)
+        rows_u, new_ids, _ = vocab.admit(unique.tolist(), counts.tolist(), t)
+        rows_u = np.array(rows_u, np.int64)
+        if new_ids:
+            new_rows = rows_u[np.searchsorted(unique, new_ids)]
+            first = hashed_rows(
+                np.array(new_ids, np.int64), rows.shape[1], seed=spec.seed, init=spec.init,
+                scale=spec.scale,
+            )  # fmt: skip
+            embed = model.embed
+            embed.table.set_value(embed.table[...].at[new_rows].set(first))
+            specs = config.optimizer.state_spec(rows.shape[1])
+            embed.opt_state.set_value(
+                {
+                    k: v.at[new_rows].set(specs[k].init)
+                    for k, v in embed.opt_state.get_value().items()
+                }
+            )
+        in_flight[t] = {int(r) for r in rows_u if r >= 0}
+        last.update((r, t) for r in in_flight[t])
+        mapped = np.full(ids.shape, -1, np.int64)
+        mapped[real] = rows_u[inverse]
+        return ref_train(mapped, labels, weights)
+
+    return model, train, vocab
 
 
 def zipf_batches(num_embeddings, batch, num_features, steps, *, alpha=1.1, seed=0):

@@ -17,6 +17,7 @@ TOP_LEVEL = {
     "CacheStats",
     "CapacityError",
     "Checkpointer",
+    "DynamicVocabulary",
     "EmbeddingCache",
     "FrequencyCounter",
     "HostTable",

@@ -9,52 +9,7 @@ from hypothesis import strategies as st
 
 import jaxcache
 from jaxcache._src.vocabulary import Vocabulary, hashed_rows
-
-
-class Model:
-    """The rules in plain Python: id -> row, free rows taken lowest first,
-    held rows never taken, a new id takes the released row of least (key,
-    row) once no row is free; admission by exact counts."""
-
-    def __init__(self, rows: int, admit_after: int, forget: str) -> None:
-        self.rows, self.admit_after, self.forget = rows, admit_after, forget
-        self.row_of: dict[int, int] = {}
-        self.free = list(range(rows))
-        self.released: set[int] = set()
-        self.key: dict[int, int] = {}
-        self.seen: dict[int, int] = {}
-
-    def admit(self, ids, counts, step):
-        rows = [self.row_of.get(i, -1) for i in ids]
-        unknown = [u for u, r in enumerate(rows) if r < 0]
-        seen = {ids[u]: self.seen.get(ids[u], 0) + counts[u] for u in unknown}
-        if self.admit_after > 1:
-            admitted = [u for u in unknown if seen[ids[u]] >= self.admit_after]
-        else:
-            admitted = unknown
-        held_again = {r for r in rows if r >= 0} & self.released
-        if len(admitted) > len(self.free) + len(self.released - held_again):
-            raise jaxcache.CapacityError("full")
-        if self.admit_after > 1:
-            self.seen.update(seen)
-        for u, r in enumerate(rows):
-            if r >= 0:
-                self.released.discard(r)
-                self.key[r] = self.key[r] + counts[u] if self.forget == "lfu" else step
-        forgotten = []
-        for u in admitted:
-            if self.free:
-                r = self.free.pop(0)
-            else:
-                r = min(self.released, key=lambda row: (self.key[row], row))
-                self.released.remove(r)
-                old = next(i for i, row in self.row_of.items() if row == r)
-                del self.row_of[old]
-                forgotten.append(old)
-            self.row_of[ids[u]] = r
-            self.key[r] = counts[u] if self.forget == "lfu" else step
-            rows[u] = r
-        return rows, [ids[u] for u in admitted], forgotten
+from tests.models import VocabularyModel
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -70,7 +25,7 @@ def test_admits_and_forgets_by_the_rules_of_a_dict_model(rows, admit_after, forg
     universe = rng.integers(-(1 << 62), 1 << 62, 40)
     universe[:5] = [0, -1, 1 << 40, (1 << 63) - 1, -(1 << 63)]
     vocab = Vocabulary(rows, admit_after=admit_after, forget=forget, sketch_width=1 << 16)
-    model = Model(rows, admit_after, forget)
+    model = VocabularyModel(rows, admit_after, forget)
     held: set[int] = set()
     for step in range(60):
         if step == 30:  # a restore mid-run continues exactly
@@ -87,6 +42,15 @@ def test_admits_and_forgets_by_the_rules_of_a_dict_model(rows, admit_after, forg
             continue
         ids = rng.choice(universe, size=rng.integers(1, min(rows, 6) + 2), replace=False)
         counts = rng.integers(1, 4, ids.size)
+        if rng.random() < 0.2:  # admitted, then taken back (its batch refused later)
+            before = vocab.state_dict()
+            try:
+                vocab.revert(vocab.admit(ids, counts, step=step))
+            except jaxcache.CapacityError:
+                pass
+            after = vocab.state_dict()
+            assert all(np.array_equal(before[k], after[k]) for k in before), "reverted"
+            continue
         try:
             expected = model.admit(ids.tolist(), counts.tolist(), step)
         except jaxcache.CapacityError:

@@ -9,10 +9,87 @@ import numpy as np
 
 from jaxcache._src import optimizers
 
-__all__ = ["POLICIES", "CacheConfig"]
+__all__ = ["FORGET", "INITS", "POLICIES", "CacheConfig", "DynamicVocabulary"]
 
 #: Names of the eviction policies ``CacheConfig(policy=...)`` accepts.
 POLICIES = ("adaptive", "frequency", "lfu", "lru")
+#: Which row a dynamic vocabulary takes back when its budget is full.
+FORGET = ("lru", "lfu")
+#: First values of a dynamic vocabulary's new rows.
+INITS = ("normal", "uniform", "zeros")
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicVocabulary:
+    """Raw ids: rows given to ids on first sight and taken back from stale ones.
+
+    With ``CacheConfig(vocabulary=DynamicVocabulary(...))`` the ids of a
+    batch are any int64 values (except ``padding_id``): hashed categorical
+    values, user or item ids. ``num_embeddings`` becomes the row budget of
+    the host table. An id gets a row when it is admitted; its row starts
+    from ``init`` as a function of ``(seed, id)`` alone, with fresh
+    optimizer state, so it starts the same whatever the batch order or the
+    device count. When the budget is full, a new id takes the row of a
+    stale one (``forget``), whose row and state start afresh; rows of
+    batches in flight are never taken, and a batch with more new ids than
+    rows can be freed raises ``CapacityError`` with nothing changed.
+
+    Attributes:
+      admit_after: an id gets a row once it was looked up this many times
+        (counted in a count-min sketch, which over-counts only when other
+        ids share all four of its counters). Until then it reads a zero row
+        and gets no update, like padding. 1: on first sight. Batches that
+        do not train (``train=False``, ``jaxcache.Server``) admit no id and
+        count nothing: unknown ids read zeros.
+      forget: which row a new id takes once none is free: the id looked up
+        longest ago (``"lru"``) or with the fewest lookups (``"lfu"``),
+        among ids no batch in flight uses.
+      init: the first values of a new row: ``"normal"`` (standard deviation
+        ``scale``), ``"uniform"`` (in ``[-scale, scale)``) or ``"zeros"``.
+      scale: of ``init``.
+      seed: of the first values and of the sketch's hashes.
+      sketch_width: counters per row of the admission sketch (a power of
+        two; used with ``admit_after > 1``).
+
+    Examples:
+      >>> import numpy as np, jaxcache
+      >>> cfg = jaxcache.CacheConfig(
+      ...     1000, 4, capacity=64, vocabulary=jaxcache.DynamicVocabulary()
+      ... )
+      >>> cache = jaxcache.EmbeddingCache(cfg)
+      >>> state, lookup = cache.prepare(cache.init_state(), np.array([10**15, -7]))
+      >>> cache.vocabulary.lookup(np.array([10**15, -7, 3])).tolist()
+      [1, 0, -1]
+    """
+
+    admit_after: int = 1
+    forget: str = "lru"
+    init: str = "normal"
+    scale: float = 0.01
+    seed: int = 0
+    sketch_width: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        after = self.admit_after
+        if isinstance(after, bool) or not isinstance(after, (int, np.integer)) or after < 1:
+            raise ValueError(
+                f"admit_after={after!r} must be a positive integer (1 admits an id the first "
+                "time it is looked up)."
+            )
+        if self.forget not in FORGET:
+            raise ValueError(f"forget={self.forget!r} is not one of {', '.join(FORGET)}.")
+        if self.init not in INITS:
+            raise ValueError(f"init={self.init!r} is not one of {', '.join(INITS)}.")
+        if not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale)):
+            raise ValueError(f"scale={self.scale!r} must be a finite number.")
+        width = self.sketch_width
+        if (
+            isinstance(width, bool)
+            or not isinstance(width, (int, np.integer))
+            or width < 1
+            or (width & (width - 1))
+        ):
+            raise ValueError(f"sketch_width={width!r} must be a power of two, such as 2**20.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +126,9 @@ class CacheConfig:
         number of ids in the batch, which always suffices but with padded
         multi-hot bags is many times their distinct ids. A batch with more
         distinct ids than this is refused before anything changes.
+      vocabulary: ``None``: ids are rows ``[0, num_embeddings)``. A
+        ``DynamicVocabulary``: ids are raw int64 values, given rows as they
+        come (``num_embeddings`` is then the row budget).
 
     Examples:
       >>> import jaxcache
@@ -68,6 +148,7 @@ class CacheConfig:
     name: str = "embedding"
     route_capacity: int | None = None
     callback_rows: int | None = None
+    vocabulary: DynamicVocabulary | None = None
 
     def __post_init__(self) -> None:
         for field in ("num_embeddings", "features", "min_bucket"):
@@ -100,7 +181,16 @@ class CacheConfig:
             )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} is not supported; use 'float32' or 'bfloat16'.")
-        if self.padding_id is not None and 0 <= self.padding_id < self.num_embeddings:
+        if self.vocabulary is not None and not isinstance(self.vocabulary, DynamicVocabulary):
+            raise TypeError(
+                f"vocabulary must be None (ids are rows) or a jaxcache.DynamicVocabulary, got "
+                f"{self.vocabulary!r}."
+            )
+        if (
+            self.vocabulary is None
+            and self.padding_id is not None
+            and 0 <= self.padding_id < self.num_embeddings
+        ):
             raise ValueError(
                 f"padding_id={self.padding_id} is a real row id (0 <= id < {self.num_embeddings}); "
                 "use a negative id such as -1."

@@ -43,9 +43,11 @@ from jaxcache._src.lifecycle import Lifecycle
 from jaxcache._src.partitions import Partitions
 from jaxcache._src.placement import Layout, axis_processes, process_shard
 from jaxcache._src.planner import CapacityError
+from jaxcache._src.raw_ids import ROW_PAD, RawIds
 from jaxcache._src.stager import Deferred, HostStaged, Stager, bucket_size, fresh_buffers
 from jaxcache._src.stats import CacheStats
 from jaxcache._src.threads import HostThreads, default_threads
+from jaxcache._src.vocabulary import Vocabulary
 from jaxcache._src.write_back import WriteBacks
 
 __all__ = [
@@ -236,6 +238,9 @@ class EmbeddingCache:
             )
         self.layout = layout
         platform = mesh.devices.flat[0].platform
+        if config.vocabulary is not None:
+            _check_dynamic(config, planner, processes, frequencies, warm)
+            planner = "host"
         planner = _planner(planner, platform)
         if planner == "device" and config.route_capacity is not None:
             raise ValueError(
@@ -248,6 +253,12 @@ class EmbeddingCache:
             default_threads(platform, layout.per_process * split) if threads is None else threads
         )
         self.config = config
+        # With raw ids the planners see host rows, and row -1 for padding and
+        # for ids not admitted (``raw_ids``).
+        self.raw = None if config.vocabulary is None else RawIds(config)
+        rows_config = config
+        if self.raw is not None:
+            rows_config = dataclasses.replace(config, padding_id=ROW_PAD, vocabulary=None)
         self.table = table if table is not None else HostTable(config, seed=seed, shard=self.shard)
         processes_agreement = (
             agreement(
@@ -268,7 +279,7 @@ class EmbeddingCache:
             )
         else:
             self.planner = Partitions(
-                config, self.layout, frequencies=frequencies, threads=self.threads
+                rows_config, self.layout, frequencies=frequencies, threads=self.threads
             )
         self.stats = CacheStats(config.row_bytes)
         self.mesh = mesh
@@ -285,13 +296,14 @@ class EmbeddingCache:
         )
         self.write_backs = WriteBacks(self._write_back, functools.partial(_count_wait, self.stats))
         self.stager = Stager(
-            config,
+            rows_config,
             self.planner,
             self.table,
             self.write_backs,
             self.stats,
             self.threads,
             processes_agreement,
+            self.raw,
         )
         self.lifecycle = Lifecycle(self.planner, self.write_backs)
         self.callbacks = HostCallbacks(self.stager, self.lifecycle, platform, planner)
@@ -340,6 +352,19 @@ class EmbeddingCache:
     def name(self) -> str:
         """The table's name (``config.name``)."""
         return self.config.name
+
+    @property
+    def vocabulary(self) -> Vocabulary | None:
+        """The raw ids' ``Vocabulary`` (id -> row) with
+        ``CacheConfig(vocabulary=...)``; ``None`` when ids are rows."""
+        return None if self.raw is None else self.raw.vocabulary
+
+    def _check_not_raw(self, form: str) -> None:
+        if self.raw is not None:
+            raise ValueError(
+                f"{form} does not take raw ids yet; with CacheConfig(vocabulary=...) pass each "
+                "step the Lookup of CachedEmbed.prepare (or jaxcache.prefetch) instead."
+            )
 
     # ----------------------------------------------------------------- state
     def init_state(self) -> CacheState:
@@ -408,6 +433,7 @@ class EmbeddingCache:
           ``(state, lookup)``: the state after the swap, and the batch's lookup.
         """
         self.callbacks.check()
+        self._check_not_raw("lookup_ids (the host-callback form)")
         if self.shard[1] > 1:
             raise ValueError(
                 f"lookup_ids (the host-callback form) runs in one process, but this cache's "
@@ -558,6 +584,8 @@ class EmbeddingCache:
         Returns:
           A ``HostStaged``.
         """
+        if size is not None:
+            self._check_not_raw("the host-callback form")
         if isinstance(self.planner, DevicePlanner):
             if size is not None:
                 self.callbacks.check()  # refuses: the callback form plans on the host
@@ -777,6 +805,30 @@ class EmbeddingCache:
             return np.array(table.rows), {k: np.array(v) for k, v in table.state.items()}
         return gather_shards(table, self.shard)
 
+    def export_ids(self, state: CacheState) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """The live raw ids with their rows and optimizer state (copies), by
+        row; ``CacheConfig(vocabulary=...)`` only. Flushes first.
+
+        Examples:
+          >>> import numpy as np, jaxcache
+          >>> cfg = jaxcache.CacheConfig(
+          ...     10, 2, capacity=4, vocabulary=jaxcache.DynamicVocabulary(init="zeros")
+          ... )
+          >>> cache = jaxcache.EmbeddingCache(cfg)
+          >>> state, _ = cache.prepare(cache.init_state(), np.array([2**40, 5]))
+          >>> ids, rows, _ = cache.export_ids(state)
+          >>> ids.tolist(), rows.tolist()
+          ([5, 1099511627776], [[0.0, 0.0], [0.0, 0.0]])
+        """
+        if self.raw is None:
+            raise ValueError(
+                "export_ids lists raw ids, but this cache's ids are rows; use export()."
+            )
+        self.flush(state)
+        saved = self.raw.vocabulary.state_dict()
+        rows, opt = self.table.gather(saved["rows"])
+        return saved["ids"], rows, opt
+
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Host state of the cache besides the table, for a checkpoint.
@@ -796,18 +848,24 @@ class EmbeddingCache:
           (1, 2)
         """
         self.lifecycle.check_idle("saving or restoring the cache")
-        return {
+        state = {
             "planner": self.planner.state_dict(),
             "buckets": self.stager.state_dict(),
             "stats": self.stats.state_dict(),
         }
+        if self.raw is not None:
+            state["vocabulary"] = self.raw.state_arrays()
+        return state
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """This process's part of the host state besides the table, as flat
         arrays for a checkpoint (``Partitions.state_arrays``); its scalars are
         ``state_meta``'s. Take it after ``flush``, with no batch in flight."""
         self.lifecycle.check_idle("saving or restoring the cache")
-        return self.planner.state_arrays()
+        arrays = self.planner.state_arrays()
+        if self.raw is not None:
+            arrays.update(self.raw.state_arrays())
+        return arrays
 
     def state_meta(self) -> dict[str, Any]:
         """What ``state_arrays`` leaves out, JSON-serialisable: the planners'
@@ -839,6 +897,14 @@ class EmbeddingCache:
         """Raises ``ValueError`` unless ``load_state_arrays`` takes ``parts``
         and ``meta`` (``Partitions.check_state_arrays``); changes nothing."""
         self.planner.check_state_arrays(parts, meta)
+        saved = any(key.startswith("vocabulary.") for part in parts for key in part)
+        if self.raw is not None:
+            self.raw.check_state_arrays(dict(parts[0]) if parts else {})
+        elif saved:
+            raise ValueError(
+                "the saved state holds a dynamic vocabulary (raw ids) but this cache takes "
+                "rows; build it with the saved CacheConfig(vocabulary=...)."
+            )
 
     def load_state_arrays(
         self,
@@ -863,7 +929,10 @@ class EmbeddingCache:
           ValueError: the state does not fit this table (nothing changed).
         """
         self.lifecycle.check_idle("saving or restoring the cache")
+        self.check_state_arrays(parts, meta)
         self.planner.load_state_arrays(parts, meta)
+        if self.raw is not None:
+            self.raw.load_state_arrays(dict(parts[0]))
         self._restored(meta if exact else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -887,7 +956,17 @@ class EmbeddingCache:
           ([1, 2], 2)
         """
         self.lifecycle.check_idle("saving or restoring the cache")
+        if (self.raw is None) != (state.get("vocabulary") is None):
+            have = "takes raw ids" if self.raw is not None else "takes rows"
+            raise ValueError(
+                f"the state and this cache disagree on raw ids (this cache {have}); build it "
+                "with the saved CacheConfig(vocabulary=...)."
+            )
+        if self.raw is not None:
+            self.raw.check_state_arrays(state["vocabulary"])
         self.planner.load_state_dict(state["planner"])
+        if self.raw is not None:
+            self.raw.load_state_arrays(state["vocabulary"])
         self._restored(state)
 
     def _restored(self, state: Mapping[str, Any]) -> None:
@@ -915,6 +994,31 @@ def _planner(planner: str | None, platform: str) -> str:
             "or 'host' (plan on the host threads), or leave it unset to pick by backend."
         )
     return planner
+
+
+def _check_dynamic(
+    config: CacheConfig,
+    planner: str | None,
+    processes: int,
+    frequencies: np.ndarray | None,
+    warm: bool | None,
+) -> None:
+    """Refuses what a dynamic vocabulary does not support yet."""
+    refusal = None
+    if planner == "device":
+        refusal = 'planner="device": raw ids are planned on the host for now; leave planner unset'
+    elif processes > 1:
+        refusal = (
+            f"a mesh over {processes} processes: raw ids are indexed in one process for now; "
+            "use one process"
+        )
+    elif config.policy == "frequency" or frequencies is not None or warm:
+        refusal = (
+            "frequencies, warm or policy='frequency': dataset counts are per row, and rows are "
+            "given to raw ids as they come; use the adaptive, lfu or lru policy without them"
+        )
+    if refusal is not None:
+        raise ValueError(f"CacheConfig(vocabulary=...) does not support {refusal}.")
 
 
 def _write_back(

@@ -34,6 +34,8 @@ class CapacityError(ValueError):
         and every earlier plan); ``None`` when the batch can never fit.
       distinct: when it can never fit, the batch's distinct ids (on the
         device that overflows, with rows split over several).
+      rows_needed, rows_available: a dynamic vocabulary's refusal: the
+        batch's new ids and the rows that could take them.
 
     Examples:
       >>> import numpy as np, jaxcache
@@ -53,6 +55,8 @@ class CapacityError(ValueError):
 
     fits_after: int | None = None
     distinct: int | None = None
+    rows_needed: int | None = None  # a dynamic vocabulary's: new ids to admit
+    rows_available: int | None = None  # and the rows it could give them
 
 
 class Plan(NamedTuple):

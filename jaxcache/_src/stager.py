@@ -29,6 +29,7 @@ from jaxcache._src.host_table import HostTable
 from jaxcache._src.partitions import Partitions, StepPlan
 from jaxcache._src.placement import Layout
 from jaxcache._src.planner import _NO_PAD
+from jaxcache._src.raw_ids import RawIds
 from jaxcache._src.stats import CacheStats, StepStats
 from jaxcache._src.threads import HostThreads
 from jaxcache._src.write_back import WriteBacks
@@ -142,6 +143,8 @@ class Stager:
       stats: the statistics to record each batch in.
       threads: the host threads.
       agreement: how processes agree on padded sizes (one process: alone).
+      raw: the raw ids of a dynamic vocabulary, translated to rows before
+        each plan (``raw_ids``), or ``None``.
     """
 
     def __init__(
@@ -153,8 +156,10 @@ class Stager:
         stats: CacheStats,
         threads: HostThreads,
         agreement: Agreement | None = None,
+        raw: RawIds | None = None,
     ) -> None:
         self.config = config
+        self.raw = raw
         self.partitions = partitions
         self.layout = partitions.layout
         self.table = table
@@ -190,17 +195,31 @@ class Stager:
         ids = np.asarray(ids)
         self.check_batch(ids.shape)
         assert isinstance(self.partitions, Partitions), "the host planner stages on the host"
+        partitions = self.partitions
         with self.lock:
             with timers.time("plan"):
-                step = self.partitions.plan(ids, train=train, released=released, max_distinct=size)
-                sizes = self._sizes(step, ids, size)
+                vocabulary: dict[str, int] = {}
+                if self.raw is None:
+                    rows = ids
+                    step = partitions.plan(ids, train=train, released=released, max_distinct=size)
+                else:  # raw ids: translated to rows first
+                    step, rows, vocabulary = self.raw.plan(
+                        partitions,
+                        ids,
+                        self.table,
+                        self.ledger,
+                        train=train,
+                        released=released,
+                        max_distinct=size,
+                    )
+                sizes = self._sizes(step, rows, size)
             # One map for the route and the moves: the ledger's part and the
             # buffers on one thread while the others fill the route, then
             # the evictions and each block's gather, on any thread.
             job = _MovesJob(self, step, defer, sizes.moves) if sizes.moves else None
             before, after = ((job.prepare,), job.pieces()) if job else ((), [])
             start = time.perf_counter()
-            route = self._route(step, ids, sizes, before, after)
+            route = self._route(step, rows, sizes, before, after)
             timers.add("gather", time.perf_counter() - start - (job.write_back if job else 0.0))
             moves, deferred = (job.moves, job.deferred) if job else (None, None)
             self.stats.record(
@@ -214,6 +233,7 @@ class Stager:
                     rows_to_device=step.misses,
                     rows_to_host=step.rows_to_host,
                     overflow=route.overflowed,
+                    **vocabulary,
                 )
             )
             return HostStaged(step, ids, moves, route, deferred)

@@ -61,6 +61,9 @@ class StepStats:
       rows_to_device: rows copied host -> device.
       rows_to_host: rows copied device -> host (dirty evictions and flushes).
       overflow: rows routed through the overflow path (several devices).
+      new_ids: raw ids given a row (``CacheConfig.vocabulary``).
+      forgotten_ids: raw ids whose rows new ids took.
+      refused_lookups: lookups of raw ids not admitted yet (they read zeros).
 
     Examples:
       >>> import jaxcache
@@ -78,6 +81,9 @@ class StepStats:
     rows_to_device: int = 0
     rows_to_host: int = 0
     overflow: int = 0
+    new_ids: int = 0
+    forgotten_ids: int = 0
+    refused_lookups: int = 0
 
     def add(self, other: StepStats) -> None:
         """Adds ``other``'s counts to these."""

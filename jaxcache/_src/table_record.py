@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcache._src import npy_files, optimizers
-from jaxcache._src.config import CacheConfig
+from jaxcache._src.config import CacheConfig, DynamicVocabulary
 from jaxcache._src.engine import EmbeddingCache
 
 __all__ = [
@@ -301,6 +301,8 @@ def _row_state_json(config: CacheConfig) -> dict[str, Any]:
 def _config_json(config: CacheConfig) -> dict[str, Any]:
     out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     out["optimizer"] = optimizers.to_json(config.optimizer)
+    if config.vocabulary is not None:
+        out["vocabulary"] = dataclasses.asdict(config.vocabulary)
     out["row_state"] = _row_state_json(config)
     return out
 
@@ -328,4 +330,6 @@ def config_from_json(saved: dict[str, Any]) -> CacheConfig:
     through the registry (``optimizers.from_json``)."""
     names = {f.name for f in dataclasses.fields(CacheConfig)}
     fields = {k: v for k, v in saved.items() if k in names and k != "optimizer"}
+    if fields.get("vocabulary") is not None:
+        fields["vocabulary"] = DynamicVocabulary(**fields["vocabulary"])
     return CacheConfig(**fields, optimizer=optimizers.from_json(saved["optimizer"]))

@@ -12,8 +12,8 @@ a stale id when the budget is full, so that no two live ids share a row.
   (``-1``); its lookups are counted in a count-min sketch of ``4 x width``
   int32 counters (a row count it never under-counts; it over-counts only
   when other ids share all four of its counters).
-- **Forgetting**: a row the caller holds (its batch runs, or its row is on
-  a device) is never taken. Rows the caller released form a min-heap on
+- **Forgetting**: a row the caller holds (a batch in flight uses it) is
+  never taken. Rows the caller released form a min-heap on
   ``(key, row)``: the step of the row's last admission (``"lru"``) or its
   lookups so far (``"lfu"``); a new id takes a free row first, then the
   heap's least. Every operation is ``O(log R)``.
@@ -23,9 +23,8 @@ a stale id when the budget is full, so that no two live ids share a row.
 
 Rows taken by new ids come back from ``admit`` with those ids, so that the
 caller writes their first values (``hashed_rows``: a function of the seed
-and the id alone) and fresh optimizer state. Raw ids and their rows are
-what the host needs for misses only; which ids are resident on a device is
-the planners' business.
+and the id alone) and fresh optimizer state; ``jaxcache._src.raw_ids``
+does that for a cache.
 """
 
 from __future__ import annotations
@@ -100,6 +99,18 @@ def hashed_rows(
     return (normal[:, :features] * scale).astype(np.float32)
 
 
+class _Undo(NamedTuple):
+    """What ``Vocabulary.revert`` needs to take an admission back."""
+
+    known_rows: np.ndarray  # the batch's known rows, their keys before, and
+    known_keys: np.ndarray  # whether they were released
+    known_released: np.ndarray
+    from_free: int  # the first new rows came from the free rows
+    forgotten_keys: np.ndarray  # the keys of the rows taken from other ids
+    cells: np.ndarray | None  # the sketch's counters the batch added to
+    added: np.ndarray | None  # and what it added
+
+
 class Admission(NamedTuple):
     """What ``Vocabulary.admit`` did for a batch's distinct ids.
 
@@ -107,8 +118,21 @@ class Admission(NamedTuple):
       rows: ``int64 [U]``: each id's row, ``-1`` for an id not admitted.
       new_ids: ``int64 [A]``: the ids that got a row now, in batch order.
       new_rows: ``int64 [A]``: their rows (write their first values there).
-      forgotten_ids: ``int64 [F]``: ids whose rows were taken (``F <= A``).
+      forgotten_ids: ``int64 [F]``: ids whose rows were taken (``F <= A``),
+        the last ``F`` of ``new_rows``.
       refused: ids not admitted (seen fewer than ``admit_after`` times).
+      undo: what ``Vocabulary.revert`` takes back.
+
+    Examples:
+      >>> vocab = Vocabulary(1)
+      >>> try:
+      ...     vocab.admit(np.array([42, 43]), np.array([1, 1]), step=0)
+      ... except CapacityError as error:
+      ...     print(error.rows_needed, error.rows_available)
+      2 1
+      >>> done = vocab.admit(np.array([42]), np.array([3]), step=0)
+      >>> done.rows.tolist(), done.new_ids.tolist(), done.forgotten_ids.tolist(), done.refused
+      ([0], [42], [], 0)
     """
 
     rows: np.ndarray
@@ -116,6 +140,7 @@ class Admission(NamedTuple):
     new_rows: np.ndarray
     forgotten_ids: np.ndarray
     refused: int
+    undo: _Undo | None = None
 
 
 class Vocabulary:
@@ -134,7 +159,7 @@ class Vocabulary:
       >>> vocab = Vocabulary(2)
       >>> vocab.admit(np.array([10**12, 5]), np.array([1, 1]), step=0).rows.tolist()
       [0, 1]
-      >>> vocab.release(np.array([0, 1]))  # both rows left the devices
+      >>> vocab.release(np.array([0, 1]))  # no batch in flight uses them
       >>> done = vocab.admit(np.array([7]), np.array([1]), step=1)  # takes the LRU row
       >>> done.rows.tolist(), done.forgotten_ids.tolist()
       ([0], [1000000000000])
@@ -221,13 +246,16 @@ class Vocabulary:
         return (mixed >> np.uint64(64 - bits)).astype(np.int64)
 
     # ----------------------------------------------------------------- writes
-    def admit(self, ids: np.ndarray, counts: np.ndarray, *, step: int) -> Admission:
+    def admit(
+        self, ids: np.ndarray, counts: np.ndarray, *, step: int, new: bool = True
+    ) -> Admission:
         """Rows for a batch's distinct ``ids`` (``counts``: their lookups).
 
         Known ids keep their rows; an unknown id seen ``admit_after`` times
         (this batch's lookups included) gets a free row, else the least
         released row (its old id is forgotten). Every row returned is held
-        until ``release``. All or nothing.
+        until ``release``. All or nothing. With ``new=False`` (a batch that
+        trains nothing) no id is admitted or counted.
 
         Raises:
           CapacityError: more ids to admit than free and released rows; the
@@ -241,9 +269,9 @@ class Vocabulary:
             raise ValueError("ids must be distinct: pass a batch's distinct ids and their lookups.")
         rows = self.lookup(ids)
         unknown = np.flatnonzero(rows < 0)
-        admitted = unknown
+        admitted = unknown if new else unknown[:0]
         cells = None
-        if self.admit_after > 1 and unknown.size:
+        if new and self.admit_after > 1 and unknown.size:
             cells = self._cells(ids[unknown])
             depth = np.arange(_SKETCH_DEPTH)[:, None]
             _sketch_add(
@@ -259,30 +287,75 @@ class Vocabulary:
                 _sketch_add(
                     self.sketch, cells, -np.minimum(counts[unknown], _INT32_MAX).astype(np.int32)
                 )
-            raise CapacityError(
+            error = CapacityError(
                 f"the batch has {admitted.size} new ids to admit but only {available} of the "
                 f"{self.rows} rows can take one ({self.rows - available} are held by batches "
-                "in flight or by the devices); raise num_embeddings, or admit new ids later "
-                "(admit_after)."
+                "in flight); raise num_embeddings, use smaller batches or a shorter "
+                "look-ahead, or admit new ids later (admit_after)."
             )
+            error.rows_needed, error.rows_available = int(admitted.size), int(available)
+            raise error
         new_rows = np.empty(admitted.size, np.int64)
         forgotten = np.empty(admitted.size, np.int64)
+        forgotten_keys = np.empty(admitted.size, np.int64)
         key = counts if self.forget == "lfu" else np.full(ids.size, step, np.int64)
+        known_rows = rows[known]
+        undo = _Undo(
+            known_rows,
+            self.key[known_rows],
+            self._heap_at[known_rows] >= 0,
+            min(admitted.size, self._free_count),
+            forgotten_keys,
+            cells,
+            None if cells is None else np.minimum(counts[unknown], _INT32_MAX).astype(np.int32),
+        )
         free_count = np.array([self._free_count], np.int64)
         taken = _admit(
             self._keys, self._slots, self.id_of_row, self.live, self.key, self._free,
             free_count, self._heap, self._heap_at, self._heap_size,
             ids, rows, key, known, admitted, self.forget == "lfu", new_rows, forgotten,
+            forgotten_keys,
         )  # fmt: skip
         self._free_count = int(free_count[0])
         rows[admitted] = new_rows
         return Admission(
-            rows, ids[admitted], new_rows, forgotten[:taken], int(unknown.size - admitted.size)
+            rows,
+            ids[admitted],
+            new_rows,
+            forgotten[:taken],
+            int(unknown.size - admitted.size),
+            undo._replace(forgotten_keys=forgotten_keys[:taken]),
         )
 
+    def revert(self, admission: Admission) -> None:
+        """Takes back the latest ``admit`` (its batch was refused later):
+        the vocabulary, sketch included, is as it was before it, up to the
+        layout of its arrays."""
+        undo = admission.undo
+        if undo is None:
+            raise ValueError("revert takes the Admission that admit returned.")
+        free_count = np.array([self._free_count], np.int64)
+        _revert(
+            self._keys, self._slots, self.id_of_row, self.live, self.key, self._free,
+            free_count, self._heap, self._heap_at, self._heap_size,
+            admission.new_ids, admission.new_rows, undo.from_free,
+            admission.forgotten_ids, undo.forgotten_keys,
+        )  # fmt: skip
+        self._free_count = int(free_count[0])
+        self.key[undo.known_rows] = undo.known_keys
+        _release(
+            self._heap,
+            self._heap_at,
+            self._heap_size,
+            self.key,
+            undo.known_rows[undo.known_released],
+        )
+        if undo.cells is not None and undo.added is not None:
+            _sketch_add(self.sketch, undo.cells, -undo.added)
+
     def release(self, rows: np.ndarray) -> None:
-        """The caller no longer holds ``rows`` (their batches ended and they
-        left the devices): a new id may take them, least first."""
+        """The caller no longer holds ``rows`` (no batch in flight uses
+        them): a new id may take them, least first."""
         rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
         if rows.size and (rows.min() < 0 or rows.max() >= self.rows or not self.live[rows].all()):
             raise ValueError("release takes live rows of this vocabulary (from admit).")
@@ -469,7 +542,7 @@ def _release(heap, at, size, key, rows):
 @kernel
 def _admit(
     keys, slots, id_of_row, live, key, free, free_count, heap, at, heap_size,
-    ids, rows, new_key, known, admitted, add, new_rows, forgotten,
+    ids, rows, new_key, known, admitted, add, new_rows, forgotten, forgotten_keys,
 ):  # fmt: skip
     """Holds the known rows (their keys updated), then gives each admitted
     id a free row or the heap's least; returns how many rows were taken
@@ -489,6 +562,7 @@ def _admit(
             r = heap[0]
             _heap_remove(heap, at, key, heap_size, r)
             forgotten[taken] = id_of_row[r]
+            forgotten_keys[taken] = key[r]
             taken += 1
             _delete(keys, slots, id_of_row[r])
         _insert(keys, slots, ids[u], r)
@@ -497,3 +571,29 @@ def _admit(
         key[r] = new_key[u]
         new_rows[k] = r
     return taken
+
+
+@kernel
+def _revert(
+    keys, slots, id_of_row, live, key, free, free_count, heap, at, heap_size,
+    new_ids, new_rows, from_free, forgotten, forgotten_keys,
+):  # fmt: skip
+    """``_admit``'s new rows given back, last first: to the free rows, or
+    to the ids they were taken from (released again)."""
+    for k in range(new_rows.size - 1, -1, -1):
+        r = new_rows[k]
+        _delete(keys, slots, new_ids[k])
+        if k < from_free:
+            free[free_count[0]] = r
+            free_count[0] += 1
+            live[r] = False
+        else:
+            j = k - from_free
+            _insert(keys, slots, forgotten[j], r)
+            id_of_row[r] = forgotten[j]
+            key[r] = forgotten_keys[j]
+            size = heap_size[0]
+            heap[size] = r
+            at[r] = size
+            heap_size[0] = size + 1
+            _sift_up(heap, at, key, size)

@@ -172,6 +172,28 @@ class WriteBacks:
                         del self._unlanded[index], self._dispatched[index]
                     self._lock.notify_all()
 
+    def cancel(self, ids: np.ndarray) -> None:
+        """Drops the unlanded write-backs of distinct ``ids``: their rows now
+        belong to other ids (a dynamic vocabulary gave them away), so the
+        old values must never land over the new ones. Waits for a landing
+        under way that holds one of them."""
+        if ids.size == 0:
+            return
+        wanted = kernels.IdIndex(ids)
+        with self._lock:
+
+            def holds(index: int) -> bool:
+                return wanted.find(self._unlanded[index][0])[0].size > 0
+
+            while any(holds(i) for i in self._landing):
+                self._lock.wait()
+            for index, (evicted, at) in list(self._unlanded.items()):
+                which, _ = wanted.find(evicted)
+                if which.size:
+                    keep = np.ones(evicted.size, bool)
+                    keep[which] = False
+                    self._unlanded[index] = (evicted[keep], at[keep])
+
     def pending(self, ids: np.ndarray, before: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Which of distinct ``ids`` an unlanded write-back holds (only those of
         plans with an index below ``before``, when given).

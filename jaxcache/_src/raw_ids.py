@@ -1,0 +1,284 @@
+"""A cache's raw ids: each batch translated to host rows before it is planned.
+
+With ``CacheConfig(vocabulary=DynamicVocabulary(...))`` the ids of a batch
+are raw int64 values. ``RawIds`` holds the ``Vocabulary`` (id -> row) and
+does, for each batch, in the stager's lock and in plan order:
+
+1. **Release** the rows no plan in flight uses any more: those whose last
+   plan is finished by the bound the planners use (``released``), so that
+   which rows a new id may take does not depend on thread timing.
+2. **Admit** the batch's distinct ids (sorted, so that rows do not depend
+   on the positions of ids in the batch or on the device count). Ids not
+   admitted, and the padding id, become row ``-1``: the planners' padding.
+3. The planners plan the rows. If they refuse the batch, the admission is
+   taken back (``Vocabulary.revert``): nothing changed.
+4. **Renew** the rows given to new ids: their unlanded write-backs (of the
+   ids that had them) are dropped, their first values and fresh optimizer
+   state are written to the host table, and a row the plan found resident
+   (its old id's values on the device) is fetched again like a miss, over
+   its own slot.
+
+A row's values therefore depend only on the ids that had it and the steps
+that trained them, never on the device cache: training with raw ids
+through a cache equals the same vocabulary over the whole table on device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jaxcache._src import validation
+from jaxcache._src.config import CacheConfig
+from jaxcache._src.host_table import HostTable
+from jaxcache._src.partitions import Partitions, StepPlan
+from jaxcache._src.planner import CapacityError
+from jaxcache._src.vocabulary import Admission, Vocabulary, hashed_rows
+from jaxcache._src.write_back import WriteBacks
+
+__all__ = ["RawIds", "Translated"]
+
+# The planners' padding row (rows are never negative).
+ROW_PAD = -1
+_STATE_KEYS = ("ids", "rows", "keys", "released", "free", "sketch")
+
+
+class Translated(NamedTuple):
+    """A batch's raw ids as rows (``RawIds.translate``).
+
+    Attributes:
+      rows: ``int64`` of the ids' shape: each id's row, ``-1`` for padding
+        and for ids not admitted.
+      admission: what the vocabulary did (``Vocabulary.admit``).
+      new_counts: ``int64 [A]``: lookups of each new id in the batch.
+      refused_lookups: lookups of ids not admitted.
+    """
+
+    rows: np.ndarray
+    admission: Admission
+    new_counts: np.ndarray
+    refused_lookups: int
+
+
+class RawIds:
+    """The raw ids of one cache: vocabulary, rows in flight, new rows' values.
+
+    Args:
+      config: the table's configuration (``config.vocabulary`` set).
+    """
+
+    def __init__(self, config: CacheConfig) -> None:
+        spec = config.vocabulary
+        assert spec is not None, "RawIds serves a dynamic vocabulary"
+        self.spec = spec
+        self.config = config
+        self.vocabulary = Vocabulary(
+            config.num_embeddings,
+            admit_after=int(spec.admit_after),
+            forget=spec.forget,
+            sketch_width=int(spec.sketch_width),
+            seed=int(spec.seed),
+        )
+        self._last_plan = np.full(config.num_embeddings, -1, np.int64)
+        self._in_flight: dict[int, np.ndarray] = {}  # plan index -> its rows
+
+    # ----------------------------------------------------------------- steps
+    def plan(
+        self,
+        partitions: Partitions,
+        ids: np.ndarray,
+        table: HostTable,
+        ledger: WriteBacks,
+        *,
+        train: bool,
+        released: int | None,
+        max_distinct: int | None,
+    ) -> tuple[StepPlan, np.ndarray, dict[str, int]]:
+        """Plans a batch of raw ids (steps 1-4 of the module; arguments as
+        for ``Partitions.plan``): its ``StepPlan``, its rows, and its
+        vocabulary's statistics (``StepStats`` fields). All or nothing."""
+        finished = partitions.released
+        if released is not None:
+            finished = min(finished, int(released))
+        translated = self.translate(
+            ids, index=partitions.next_index, finished=finished, train=train
+        )
+        try:
+            step = partitions.plan(
+                translated.rows, train=train, released=released, max_distinct=max_distinct
+            )
+        except BaseException:
+            self.revert(translated)
+            raise
+        self.commit(translated, step.index)
+        step = self.renew(step, translated, partitions, table, ledger)
+        return step, translated.rows, self.record(translated)
+
+    def release(self, finished: int) -> None:
+        """Plans up to ``finished`` are done: rows no later plan uses may go
+        to new ids."""
+        for index in sorted(i for i in self._in_flight if i <= finished):
+            rows = self._in_flight.pop(index)
+            self.vocabulary.release(rows[self._last_plan[rows] == index])
+
+    def translate(
+        self, ids: np.ndarray, *, index: int, finished: int, train: bool = True
+    ) -> Translated:
+        """Admits the distinct ids of batch ``index`` and maps every id to its row.
+
+        A batch that does not train (``train=False``: evaluation, serving)
+        admits no id: unknown ids read the padding row.
+
+        Raises:
+          CapacityError: more new ids than rows that can take one (nothing
+            changed); ``fits_after`` is the last plan in flight when
+            releasing every plan in flight would make room.
+        """
+        array = validation.check_id_type(ids, "ids").astype(np.int64, copy=False)
+        self.release(finished)
+        flat = array.reshape(-1)
+        pad = self.config.padding_id
+        real = None if pad is None else flat != pad
+        values = flat if real is None else flat[real]
+        unique, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+        try:
+            admission = self.vocabulary.admit(unique, counts, step=index, new=train)
+        except CapacityError as error:
+            error.fits_after = self._fits_after(error, unique)
+            raise
+        rows = np.full(flat.shape, ROW_PAD, np.int64)
+        mapped = admission.rows[inverse]
+        if real is None:
+            rows[:] = mapped
+        else:
+            rows[real] = mapped
+        refused = int(counts[admission.rows < 0].sum())
+        new_counts = counts[np.isin(unique, admission.new_ids, assume_unique=True)]
+        return Translated(rows.reshape(array.shape), admission, new_counts, refused)
+
+    def _fits_after(self, error: CapacityError, unique: np.ndarray) -> int | None:
+        """The last plan in flight, if the batch fits once every plan in
+        flight is finished; else ``None`` (it never fits)."""
+        if not self._in_flight or error.rows_needed is None or error.rows_available is None:
+            return None
+        held = np.unique(np.concatenate(list(self._in_flight.values())))
+        mine = self.vocabulary.lookup(unique)
+        more = np.setdiff1d(held, mine[mine >= 0], assume_unique=False).size
+        if error.rows_needed > error.rows_available + more:
+            return None
+        return max(self._in_flight)
+
+    def revert(self, translated: Translated) -> None:
+        """Takes back ``translate`` (the planners refused the batch)."""
+        self.vocabulary.revert(translated.admission)
+
+    def commit(self, translated: Translated, index: int) -> None:
+        """Batch ``index`` was planned: its rows are held until it finishes."""
+        rows = translated.admission.rows
+        rows = rows[rows >= 0]
+        self._last_plan[rows] = index
+        self._in_flight[index] = rows
+
+    def renew(
+        self,
+        step: StepPlan,
+        translated: Translated,
+        partitions: Partitions,
+        table: HostTable,
+        ledger: WriteBacks,
+    ) -> StepPlan:
+        """Gives the batch's new rows their first values (host table) and
+        fetches those the plan found resident again; returns the plan with
+        them among its fetches."""
+        admission = translated.admission
+        rows = admission.new_rows
+        if rows.size == 0:
+            return step
+        # The old ids' values must never land over the new ones.
+        ledger.cancel(rows)
+        cfg, spec = self.config, self.spec
+        first = hashed_rows(
+            admission.new_ids, cfg.features, seed=int(spec.seed), init=spec.init, scale=spec.scale
+        )
+        state = {
+            name: np.full((rows.size, *s.shape), s.init, s.dtype)
+            for name, s in cfg.optimizer.state_spec(cfg.features).items()
+        }
+        table.scatter(rows, first, state)
+        return _refetch_resident(step, partitions, rows, translated.new_counts)
+
+    def record(self, translated: Translated) -> dict[str, int]:
+        """The statistics of a translated batch (``StepStats`` fields)."""
+        admission = translated.admission
+        return {
+            "new_ids": int(admission.new_ids.size),
+            "forgotten_ids": int(admission.forgotten_ids.size),
+            "refused_lookups": translated.refused_lookups,
+        }
+
+    # ------------------------------------------------------------ checkpoint
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """The vocabulary as flat arrays (``Vocabulary.state_dict``); take it
+        with no batch in flight (every row released)."""
+        self.release(max(self._in_flight, default=-1))
+        return {f"vocabulary.{k}": v for k, v in self.vocabulary.state_dict().items()}
+
+    def check_state_arrays(self, arrays: dict[str, Any]) -> None:
+        """Raises ``ValueError`` unless ``load_state_arrays`` takes ``arrays``."""
+        missing = [k for k in _STATE_KEYS if f"vocabulary.{k}" not in arrays]
+        if missing:
+            raise ValueError(
+                f"the saved state has no vocabulary.{missing[0]}: it was saved by a cache "
+                "without a dynamic vocabulary; restore it into one built with vocabulary=None."
+            )
+        rows = np.asarray(arrays["vocabulary.rows"])
+        if rows.size and (rows.min() < 0 or rows.max() >= self.config.num_embeddings):
+            raise ValueError(
+                f"the saved vocabulary has rows past this budget of {self.config.num_embeddings}; "
+                "restore it into a cache with the saved num_embeddings."
+            )
+        sketch = np.shape(arrays["vocabulary.sketch"])
+        if sketch != self.vocabulary.sketch.shape:
+            raise ValueError(
+                f"the saved admission sketch is {sketch}, this cache's "
+                f"{self.vocabulary.sketch.shape}; build it with the saved admit_after and "
+                "sketch_width."
+            )
+
+    def load_state_arrays(self, arrays: dict[str, Any]) -> None:
+        """Restores ``state_arrays`` (checked by ``check_state_arrays``)."""
+        self.vocabulary.load_state_dict(
+            {k: np.asarray(arrays[f"vocabulary.{k}"]) for k in _STATE_KEYS}
+        )
+        self._in_flight.clear()
+        self._last_plan[:] = -1
+
+
+def _refetch_resident(
+    step: StepPlan, partitions: Partitions, rows: np.ndarray, counts: np.ndarray
+) -> StepPlan:
+    """``step`` with the resident ones of ``rows`` (new rows, counted
+    ``counts`` times in the batch) fetched again into their own slots: the
+    device holds their old ids' values. A hit turns into a fetch."""
+    layout = partitions.layout
+    part_of, local = layout.part_of(rows), layout.part_local_ids(rows)
+    plans = list(step.plans)
+    for i, (part, planner) in enumerate(zip(partitions.parts, partitions.planners, strict=True)):
+        mine = part_of == part
+        if not mine.any():
+            continue
+        plan = plans[i]
+        hit = ~np.isin(local[mine], plan.fetch_ids)
+        if not hit.any():
+            continue
+        again = local[mine][hit]
+        plans[i] = plan._replace(
+            fetch_ids=np.concatenate([plan.fetch_ids, again]),
+            fetch_slots=np.concatenate([plan.fetch_slots, planner.slot_of_id[again]]).astype(
+                np.int32
+            ),
+            hits=plan.hits - int(hit.sum()),
+            access_hits=plan.access_hits - int(counts[mine][hit].sum()),
+        )
+    return step._replace(plans=tuple(plans))

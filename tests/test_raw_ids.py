@@ -1,0 +1,244 @@
+"""Raw ids through a dynamic vocabulary equal a dict reference over the whole table."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jaxcache
+from tests.models import dense_params, make_cached, make_raw_reference
+
+D, B, F = 8, 32, 4
+PAD = 7  # a raw padding id (any int64 may be one)
+OPTIMIZERS = {
+    "sgd": jaxcache.sgd(0.2),
+    "adagrad": jaxcache.adagrad(0.2),
+    "rowwise_adagrad": jaxcache.rowwise_adagrad(0.2),
+    "adam": jaxcache.adam(0.02),
+}
+
+
+def raw_batches(steps, *, universe=1500, alpha=1.05, seed=0, padding=0.1):
+    """Skewed batches ``[B, F]`` of raw int64 ids drawn from ``universe`` ids
+    anywhere in int64, a share of them padding, and labels."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-(1 << 62), 1 << 62, universe)
+    ids[ids == PAD] += 1
+    p = 1.0 / np.arange(1, universe + 1) ** alpha
+    p /= p.sum()
+    for _ in range(steps):
+        batch = ids[rng.choice(universe, size=(B, F), p=p)]
+        batch[rng.random((B, F)) < padding] = PAD
+        yield batch, (rng.random(B) < 0.5).astype(np.float32)
+
+
+def config(rows, capacity, opt, **vocabulary):
+    return jaxcache.CacheConfig(
+        rows,
+        D,
+        capacity,
+        policy=vocabulary.pop("policy", "adaptive"),
+        optimizer=opt,
+        padding_id=PAD,
+        vocabulary=jaxcache.DynamicVocabulary(**vocabulary),
+    )
+
+
+def run_both(cfg, *, steps=14, lookahead=0, mesh=None, seed=0):
+    batches = [{"ids": i, "y": y} for i, y in raw_batches(steps, seed=seed)]
+    table = jaxcache.HostTable(cfg, seed=3)
+    reference, ref_train, vocab = make_raw_reference(
+        np.array(table.rows), cfg, F, lookahead=lookahead
+    )
+    cache = jaxcache.EmbeddingCache(cfg, table=table, mesh=mesh)
+    model, train = make_cached(cache, F)
+    with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=lookahead) as pipeline:
+        losses = [float(train.with_lookup(b["ids"], b["y"])) for b in pipeline]
+    ref_losses = [float(ref_train(b["ids"], b["y"])) for b in batches]
+    return cache, model, reference, vocab, losses, ref_losses
+
+
+def assert_same(cache, model, reference, vocab, losses, ref_losses):
+    rows, state = model.embed.export()
+    np.testing.assert_allclose(rows, reference.embed.table[...], rtol=0, atol=1e-6)
+    ref_state = reference.embed.opt_state.get_value()
+    for name in state:
+        np.testing.assert_allclose(state[name], ref_state[name], rtol=0, atol=1e-6)
+    for a, b in zip(dense_params(model), dense_params(reference), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-6)
+    # The same ids hold the same rows as in the dict model.
+    live = np.array(list(vocab.row_of), np.int64)
+    assert cache.vocabulary.lookup(live).tolist() == [vocab.row_of[i] for i in live.tolist()]
+    assert cache.vocabulary.size == len(vocab.row_of)
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_raw_ids_under_churn_match_the_dict_reference(opt_name):
+    # 300 rows for ~1,000 distinct ids and 130 slots for ~100 a batch: the
+    # budget forgets ids and the device cache evicts rows every step.
+    cfg = config(300, 130, OPTIMIZERS[opt_name])
+    run = run_both(cfg)
+    cache = run[0]
+    total = cache.stats.total
+    assert total.forgotten_ids > 100 and total.rows_to_host > 100
+    assert total.new_ids > cfg.num_embeddings
+    assert_same(*run)
+
+
+@pytest.mark.parametrize(
+    ("lookahead", "rows", "vocabulary"),
+    [
+        (1, 320, {"forget": "lfu", "policy": "lru"}),
+        (2, 120, {"admit_after": 2, "init": "uniform", "scale": 0.5, "policy": "lfu"}),
+    ],
+)
+def test_pipelined_raw_ids_match_the_dict_reference(lookahead, rows, vocabulary):
+    # Rows of the batches in flight are held: the budget leaves room for them.
+    cfg = config(rows, min(rows, 130 * (lookahead + 1) + 10), OPTIMIZERS["adam"], **vocabulary)
+    run = run_both(cfg, lookahead=lookahead, steps=20)
+    total = run[0].stats.total
+    assert total.forgotten_ids > 30
+    if vocabulary.get("admit_after", 1) > 1:
+        assert total.refused_lookups > 100
+    assert_same(*run)
+
+
+def test_raw_ids_over_eight_devices_match_the_dict_reference():
+    mesh = Mesh(np.array(jax.devices()[:8]), ("rows",))
+    cfg = config(320, 160, OPTIMIZERS["rowwise_adagrad"], forget="lfu")
+    run = run_both(cfg, lookahead=1, mesh=mesh, steps=12)
+    assert run[0].stats.total.forgotten_ids > 50
+    assert_same(*run)
+
+
+def _snapshot(cache):
+    saved = cache.vocabulary.state_dict()
+    return (
+        {k: np.array(v) for k, v in saved.items()},
+        np.array(cache.planner.id_of_slot),
+        np.array(cache.table.rows),
+        cache.planner.next_index,
+    )
+
+
+def _assert_unchanged(before, after):
+    for a, b in zip(before[0].values(), after[0].values(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(before[1], after[1])
+    np.testing.assert_array_equal(before[2], after[2])
+    assert before[3] == after[3]
+
+
+def _after_one_batch(rows, capacity, ids):
+    """A cache of ``rows`` rows and ``capacity`` slots after one batch, and a
+    snapshot of its state as the next plan, refused or not, finds it:
+    ``prepare`` counts the batch finished, and a plan first releases the
+    rows of finished ones."""
+    cache = jaxcache.EmbeddingCache(config(rows, capacity, jaxcache.sgd(0.1), policy="lru"))
+    state, _ = cache.prepare(cache.init_state(), np.array(ids))
+    cache.lifecycle.release_all()
+    cache.raw.release(cache.planner.released)
+    return cache, state, _snapshot(cache)
+
+
+def test_a_batch_with_more_new_ids_than_rows_is_refused_with_nothing_changed():
+    cache, state, before = _after_one_batch(6, 6, [10, 11, 12, 13])
+    # 4 rows are released after the step, 2 free: 7 new ids do not fit.
+    with pytest.raises(jaxcache.CapacityError, match="7 new ids to admit but only 6"):
+        cache.prepare(state, np.arange(100, 107))
+    _assert_unchanged(before, _snapshot(cache))
+    # 6 do: the four rows of the first batch are taken back.
+    state, _ = cache.prepare(state, np.arange(100, 106))
+    assert cache.stats.last.forgotten_ids == 4
+    assert cache.vocabulary.lookup(np.array([10, 11, 12, 13])).tolist() == [-1] * 4
+
+
+def test_a_batch_the_device_cache_refuses_takes_its_admission_back():
+    # The row budget admits 10 new ids, but 8 slots cannot hold them.
+    cache, state, before = _after_one_batch(100, 8, [1, 2, 3])
+    with pytest.raises(jaxcache.CapacityError, match="10 distinct ids but capacity is 8"):
+        cache.prepare(state, np.arange(50, 60))
+    _assert_unchanged(before, _snapshot(cache))
+    assert cache.vocabulary.lookup(np.arange(50, 60)).tolist() == [-1] * 10
+
+
+def test_a_new_id_given_a_resident_row_starts_from_its_first_values():
+    # The full table: every row is resident from the start, so each new id
+    # takes a row whose slot holds another id's trained values.
+    cfg = config(4, 4, jaxcache.adagrad(0.5), policy="lru", init="uniform", scale=1.0)
+    cache = jaxcache.EmbeddingCache.full_table(cfg)
+    model, train = make_cached(cache, 2)
+    y = np.ones(2, np.float32)
+    train(np.array([[10, 11], [12, 13]]), y)  # trains rows 0..3
+    train(np.array([[20, 21], [10, 11]]), y)  # 20, 21 take the rows of 12, 13
+    assert cache.stats.last.forgotten_ids == 2 and cache.stats.last.misses == 2
+    state = model.embed.get_state()
+    ids, rows, _ = cache.export_ids(state)
+    first = jaxcache.host.hashed_rows(np.array([20, 21]), D, seed=0, init="uniform", scale=1.0)
+    trained = {i: r for i, r in zip(ids.tolist(), rows, strict=True)}
+    # One update from the first values (adagrad: the step is lr * sign(g)).
+    for i, start in zip((20, 21), first, strict=True):
+        assert np.abs(trained[i] - start).max() <= 0.5 + 1e-6
+        assert not np.allclose(trained[i], start)
+    assert sorted(trained) == [10, 11, 20, 21]
+
+
+def test_checkpoint_restores_raw_ids_onto_another_layout(tmp_path):
+    # Saved after 7 steps on one device; restored into 8 devices with
+    # another capacity; the 7 steps after equal an uninterrupted reference.
+    cfg = config(300, 128, jaxcache.adam(0.02), forget="lfu")
+    batches = list(raw_batches(14, seed=5))
+    table = jaxcache.HostTable(cfg, seed=3)
+    reference, ref_train, _ = make_raw_reference(np.array(table.rows), cfg, F)
+    ref_losses = [float(ref_train(ids, y)) for ids, y in batches]
+    cache = jaxcache.EmbeddingCache(cfg, table=table)
+    model, train = make_cached(cache, F)
+    losses = [float(train(ids, y)) for ids, y in batches[:7]]
+    ckpt = jaxcache.Checkpointer(tmp_path)
+    ckpt.save(7, model=model, optimizer=train.optimizer)
+    restored_cfg = ckpt.cache_config("embedding")
+    assert restored_cfg.vocabulary == cfg.vocabulary
+    mesh = Mesh(np.array(jax.devices()[:8]), ("rows",))
+    other = jaxcache.EmbeddingCache(dataclasses.replace(restored_cfg, capacity=160), mesh=mesh)
+    model2, train2 = make_cached(other, F)
+    ckpt.restore(7, model=model2, optimizer=train2.optimizer)
+    assert other.vocabulary.size == cache.vocabulary.size
+    losses += [float(train2(ids, y)) for ids, y in batches[7:]]
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-6)
+    rows, _ = model2.embed.export()
+    np.testing.assert_allclose(rows, reference.embed.table[...], rtol=0, atol=1e-6)
+
+
+def test_unsupported_uses_are_refused_with_the_way_out():
+    cfg = config(100, 8, jaxcache.sgd(0.1))
+    with pytest.raises(ValueError, match='planner="device"'):
+        jaxcache.EmbeddingCache(cfg, planner="device")
+    with pytest.raises(ValueError, match="frequencies"):
+        jaxcache.EmbeddingCache(cfg, frequencies=np.ones(100, np.int64))
+    cache = jaxcache.EmbeddingCache(cfg)
+    with pytest.raises(TypeError, match="integer array"):
+        cache.prepare(cache.init_state(), np.array([1.5]))
+    with pytest.raises(ValueError, match="host-callback form"):
+        cache.stage_host(np.array([1, 2]), size=4)
+    with pytest.raises(ValueError, match="ids are rows"):
+        jaxcache.EmbeddingCache(jaxcache.CacheConfig(10, 2, 4)).export_ids(None)
+
+
+def test_batches_that_do_not_train_admit_nothing_and_read_zeros_for_unknown_ids():
+    cfg = config(50, 16, jaxcache.sgd(0.1), init="uniform", scale=1.0)
+    cache = jaxcache.EmbeddingCache(cfg)
+    state, _ = cache.prepare(cache.init_state(), np.array([10, 11]))
+    known = cache.vocabulary.state_dict()
+    state, lookup = cache.prepare(state, np.array([10, 99, PAD]), train=False)
+    rows = np.asarray(jaxcache.device.lookup_rows(state.rows, lookup))
+    first = jaxcache.host.hashed_rows(np.array([10]), D, seed=0, init="uniform", scale=1.0)
+    np.testing.assert_array_equal(rows[0], first[0])
+    assert not rows[1:].any()  # the unknown id and the padding read zeros
+    assert cache.vocabulary.lookup(np.array([99])).tolist() == [-1]
+    assert cache.stats.last.refused_lookups == 1 and cache.stats.last.new_ids == 0
+    np.testing.assert_array_equal(cache.vocabulary.state_dict()["ids"], known["ids"])
