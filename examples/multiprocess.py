@@ -26,6 +26,10 @@ saved them) and saves one at the end; run it again to continue training::
     python examples/multiprocess.py --steps 10 --checkpoint /tmp/dlrm-ckpt
     python examples/multiprocess.py --steps 10 --checkpoint /tmp/dlrm-ckpt
 
+With ``--raw-ids ROWS`` the ids become raw int64 values (a bijective mix of
+the synthetic ids) and the table a dynamic vocabulary of ``ROWS`` rows
+(``jaxcache.DynamicVocabulary``); every process keeps the whole vocabulary.
+
 The last line of stdout is one JSON object (from process 0, or from the
 launcher: the processes' results and whether they agree).
 """
@@ -57,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--checkpoint", default=None, help="directory: resume from its latest step, save at the end"
+    )
+    parser.add_argument(
+        "--raw-ids", type=int, default=None, help="raw ids through a vocabulary of this many rows"
     )
     return parser.parse_args(argv)
 
@@ -112,12 +119,15 @@ def run(args: argparse.Namespace) -> dict:
     data = jaxcache.synthetic.SyntheticCriteo(
         scale=args.scale, batch_size=args.batch_size, seed=args.seed
     )
+    vocabulary = None if args.raw_ids is None else jaxcache.DynamicVocabulary(forget="lfu")
+    rows = data.num_embeddings if args.raw_ids is None else args.raw_ids
     cfg = jaxcache.CacheConfig(
-        data.num_embeddings,
+        rows,
         16,
         args.cache_fraction,
         policy="lfu",
         optimizer=jaxcache.rowwise_adagrad(0.05),
+        vocabulary=vocabulary,
     )
     # This process's share of the host rows: ids i with i % count == index.
     table = jaxcache.HostTable(cfg, seed=args.seed, shard=jaxcache.host.process_shard(mesh))
@@ -142,6 +152,8 @@ def run(args: argparse.Namespace) -> dict:
         start = checkpointer.restore(model=model, optimizer=optimizer).batches_consumed
     losses = []
     batches = data.batches(args.steps, start=start)
+    if vocabulary is not None:
+        batches = ({**b, "sparse": raw_ids(b["sparse"])} for b in batches)
     with jaxcache.prefetch(batches, {"sparse": model.embed}, lookahead=args.lookahead) as pipeline:
         for batch in pipeline:
             losses.append(float(step(batch["dense"], batch["sparse"], batch["label"])))
@@ -165,9 +177,20 @@ def run(args: argparse.Namespace) -> dict:
         "homed_ids": sum(
             int((batch["sparse"] % table.shard[1] == table.shard[0]).sum())
             for batch in data.batches(args.steps, start=start)
-        ),
+        )
+        if vocabulary is None
+        else None,
+        "forgotten_ids": cache.stats.total.forgotten_ids,
         "planner_bytes": cache.planner.nbytes,
     }
+
+
+def raw_ids(ids):
+    """Synthetic ids as raw int64 ids: times an odd constant modulo 2^64, a
+    bijection that spreads them over all of int64."""
+    import numpy as np
+
+    return (ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)).view(np.int64)
 
 
 def main(argv=None) -> int:

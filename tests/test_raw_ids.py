@@ -48,12 +48,11 @@ def config(rows, capacity, opt, **vocabulary):
     )
 
 
-def run_both(cfg, *, steps=14, lookahead=0, mesh=None, seed=0):
+def run_both(cfg, *, steps=14, lookahead=0, mesh=None, seed=0, reference_lookahead=None):
     batches = [{"ids": i, "y": y} for i, y in raw_batches(steps, seed=seed)]
     table = jaxcache.HostTable(cfg, seed=3)
-    reference, ref_train, vocab = make_raw_reference(
-        np.array(table.rows), cfg, F, lookahead=lookahead
-    )
+    window = lookahead if reference_lookahead is None else reference_lookahead
+    reference, ref_train, vocab = make_raw_reference(np.array(table.rows), cfg, F, lookahead=window)
     cache = jaxcache.EmbeddingCache(cfg, table=table, mesh=mesh)
     model, train = make_cached(cache, F)
     with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=lookahead) as pipeline:
@@ -242,3 +241,15 @@ def test_batches_that_do_not_train_admit_nothing_and_read_zeros_for_unknown_ids(
     assert cache.vocabulary.lookup(np.array([99])).tolist() == [-1]
     assert cache.stats.last.refused_lookups == 1 and cache.stats.last.new_ids == 0
     np.testing.assert_array_equal(cache.vocabulary.state_dict()["ids"], known["ids"])
+
+
+def test_a_pipeline_waits_when_its_batches_in_flight_hold_the_rows_new_ids_need():
+    # 150 rows hold about one batch's ids: with two batches staged ahead a
+    # new batch waits until the loop releases the ones before it, instead
+    # of failing. The least recently used ids go first, and those of the
+    # batches in flight are the most recent, so forgetting follows the
+    # unpipelined rules.
+    cfg = config(150, 150, OPTIMIZERS["adagrad"], policy="lru")
+    run = run_both(cfg, lookahead=2, steps=10, reference_lookahead=0)
+    assert run[0].stats.total.forgotten_ids > 200
+    assert_same(*run)

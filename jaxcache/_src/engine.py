@@ -239,7 +239,7 @@ class EmbeddingCache:
         self.layout = layout
         platform = mesh.devices.flat[0].platform
         if config.vocabulary is not None:
-            _check_dynamic(config, planner, processes, frequencies, warm)
+            _check_dynamic(config, planner, frequencies, warm)
             planner = "host"
         planner = _planner(planner, platform)
         if planner == "device" and config.route_capacity is not None:
@@ -565,6 +565,7 @@ class EmbeddingCache:
         size: int | None = None,
         released: int | None = None,
         defer: bool = False,
+        admit_released: int | None = None,
     ) -> HostStaged:
         """``stage`` without the transfer: the padded host arrays of a step.
 
@@ -580,6 +581,10 @@ class EmbeddingCache:
             not landed is left for ``to_device`` (or the host-callback form's
             stage callback) to read, once that plan's swap ran, instead of
             waiting here for it.
+          admit_released: with raw ids, the bound of ``released`` for the
+            vocabulary (default: ``released``). A pipeline keeps it where
+            its look-ahead puts it when only the device cache made it wait,
+            so that which ids are forgotten never depends on the capacity.
 
         Returns:
           A ``HostStaged``.
@@ -595,7 +600,14 @@ class EmbeddingCache:
             except (ValueError, CapacityError):
                 self.planner.rollback(dispatched.index)
                 raise
-        return self.stager.stage(ids, train=train, size=size, released=released, defer=defer)
+        return self.stager.stage(
+            ids,
+            train=train,
+            size=size,
+            released=released,
+            defer=defer,
+            admit_released=admit_released,
+        )
 
     def to_device(self, host: HostStaged | DeviceStaged) -> Staged:
         """Starts the transfer of a host-staged batch (``device_put``, asynchronous;
@@ -807,7 +819,9 @@ class EmbeddingCache:
 
     def export_ids(self, state: CacheState) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
         """The live raw ids with their rows and optimizer state (copies), by
-        row; ``CacheConfig(vocabulary=...)`` only. Flushes first.
+        row; ``CacheConfig(vocabulary=...)`` only. Flushes first; when the
+        host rows are split over processes, every process must call it (a
+        collective, as ``export``).
 
         Examples:
           >>> import numpy as np, jaxcache
@@ -824,8 +838,12 @@ class EmbeddingCache:
             raise ValueError(
                 "export_ids lists raw ids, but this cache's ids are rows; use export()."
             )
-        self.flush(state)
         saved = self.raw.vocabulary.state_dict()
+        if self.shard[1] > 1:
+            table, state_arrays = self.export(state)
+            live = saved["rows"]
+            return saved["ids"], table[live], {k: v[live] for k, v in state_arrays.items()}
+        self.flush(state)
         rows, opt = self.table.gather(saved["rows"])
         return saved["ids"], rows, opt
 
@@ -999,7 +1017,6 @@ def _planner(planner: str | None, platform: str) -> str:
 def _check_dynamic(
     config: CacheConfig,
     planner: str | None,
-    processes: int,
     frequencies: np.ndarray | None,
     warm: bool | None,
 ) -> None:
@@ -1007,11 +1024,6 @@ def _check_dynamic(
     refusal = None
     if planner == "device":
         refusal = 'planner="device": raw ids are planned on the host for now; leave planner unset'
-    elif processes > 1:
-        refusal = (
-            f"a mesh over {processes} processes: raw ids are indexed in one process for now; "
-            "use one process"
-        )
     elif config.policy == "frequency" or frequencies is not None or warm:
         refusal = (
             "frequencies, warm or policy='frequency': dataset counts are per row, and rows are "

@@ -399,7 +399,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         # Planning with that bound, not with whatever the loop has released
         # by now, makes every plan independent of thread timing, so the
         # processes of a multi-process run choose the same slots.
-        finished = planner.next_index - 1 - self.lookahead
+        finished = admit = planner.next_index - 1 - self.lookahead
         while True:
             try:
                 return cache.stage_host(
@@ -408,6 +408,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
                     size=size,
                     released=finished,
                     defer=True,
+                    admit_released=admit,
                 )
             except CapacityError as error:
                 if error.fits_after is None or error.fits_after >= planner.next_index:
@@ -418,6 +419,8 @@ class Prefetcher(Iterator[dict[str, Any]]):
                             raise PipelineStopped("stopped while waiting for capacity") from None
                         self._released.wait(timeout=_POLL_SECONDS)
                 finished = max(finished, error.fits_after)
+                if error.rows_needed is not None:  # the vocabulary's rows, not the slots
+                    admit = max(admit, error.fits_after)
 
     # ------------------------------------------------------ device planners
     def _feed(self) -> None:

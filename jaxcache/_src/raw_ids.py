@@ -42,6 +42,7 @@ __all__ = ["RawIds", "Translated"]
 # The planners' padding row (rows are never negative).
 ROW_PAD = -1
 _STATE_KEYS = ("ids", "rows", "keys", "released", "free", "sketch")
+_HELD_KEYS = ("held_rows", "held_plans")
 
 
 class Translated(NamedTuple):
@@ -94,13 +95,15 @@ class RawIds:
         train: bool,
         released: int | None,
         max_distinct: int | None,
+        admit_released: int | None = None,
     ) -> tuple[StepPlan, np.ndarray, dict[str, int]]:
         """Plans a batch of raw ids (steps 1-4 of the module; arguments as
-        for ``Partitions.plan``): its ``StepPlan``, its rows, and its
-        vocabulary's statistics (``StepStats`` fields). All or nothing."""
+        for ``Partitions.plan``, ``admit_released`` the vocabulary's bound as
+        for ``EmbeddingCache.stage_host``): its ``StepPlan``, its rows, and
+        its vocabulary's statistics (``StepStats`` fields). All or nothing."""
         finished = partitions.released
-        if released is not None:
-            finished = min(finished, int(released))
+        if admit_released is not None:
+            finished = min(finished, int(admit_released))
         translated = self.translate(
             ids, index=partitions.next_index, finished=finished, train=train
         )
@@ -197,15 +200,22 @@ class RawIds:
             return step
         # The old ids' values must never land over the new ones.
         ledger.cancel(rows)
-        cfg, spec = self.config, self.spec
+        cfg, spec, layout = self.config, self.spec, partitions.layout
+        # Every process keeps the whole vocabulary (the same batches make the
+        # same choices everywhere) and writes the rows it stores.
+        mine = rows % layout.processes == layout.process
         first = hashed_rows(
-            admission.new_ids, cfg.features, seed=int(spec.seed), init=spec.init, scale=spec.scale
+            admission.new_ids[mine],
+            cfg.features,
+            seed=int(spec.seed),
+            init=spec.init,
+            scale=spec.scale,
         )
         state = {
-            name: np.full((rows.size, *s.shape), s.init, s.dtype)
+            name: np.full((first.shape[0], *s.shape), s.init, s.dtype)
             for name, s in cfg.optimizer.state_spec(cfg.features).items()
         }
-        table.scatter(rows, first, state)
+        table.scatter(rows[mine], first, state)
         return _refetch_resident(step, partitions, rows, translated.new_counts)
 
     def record(self, translated: Translated) -> dict[str, int]:
@@ -219,10 +229,16 @@ class RawIds:
 
     # ------------------------------------------------------------ checkpoint
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """The vocabulary as flat arrays (``Vocabulary.state_dict``); take it
-        with no batch in flight (every row released)."""
-        self.release(max(self._in_flight, default=-1))
-        return {f"vocabulary.{k}": v for k, v in self.vocabulary.state_dict().items()}
+        """The vocabulary as flat arrays (``Vocabulary.state_dict``), and the
+        rows the latest plans hold with the last plan of each: a pipeline
+        resumed after a checkpoint releases them by the same bound as one
+        that ran on, so forgetting resumes exactly."""
+        held = np.unique(np.concatenate([np.zeros(0, np.int64), *self._in_flight.values()]))
+        return {
+            **{f"vocabulary.{k}": v for k, v in self.vocabulary.state_dict().items()},
+            "vocabulary.held_rows": held,
+            "vocabulary.held_plans": self._last_plan[held],
+        }
 
     def check_state_arrays(self, arrays: dict[str, Any]) -> None:
         """Raises ``ValueError`` unless ``load_state_arrays`` takes ``arrays``."""
@@ -253,6 +269,11 @@ class RawIds:
         )
         self._in_flight.clear()
         self._last_plan[:] = -1
+        rows = np.asarray(arrays.get("vocabulary.held_rows", np.zeros(0)), np.int64)
+        plans = np.asarray(arrays.get("vocabulary.held_plans", np.zeros(0)), np.int64)
+        self._last_plan[rows] = plans
+        for plan in np.unique(plans).tolist():
+            self._in_flight[plan] = rows[plans == plan]
 
 
 def _refetch_resident(
