@@ -543,3 +543,29 @@ def test_misuse_fails_early_with_a_fix():
     variables = Twice().init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (2,)))
     with pytest.raises(ValueError, match="several modules"):
         jaxcache.linen.prepare(cache, variables, np.array([1, 2]))
+
+
+def test_raw_ids_through_linen_equal_the_whole_table():
+    # A dynamic vocabulary of 300 rows under churn, through a Linen model:
+    # a cache of 130 slots and the whole table on device train alike.
+    from tests.test_raw_ids import config, raw_batches
+
+    def run(capacity):
+        cfg = config(300, capacity, jaxcache.adagrad(0.2), policy="lru")
+        table = jaxcache.HostTable(cfg, seed=1)
+        cache = (
+            jaxcache.EmbeddingCache(cfg, table=table)
+            if capacity < 300
+            else jaxcache.EmbeddingCache.full_table(cfg, table=table)
+        )
+        held, train = make_linen(cache)
+        losses = [float(train(ids, y)) for ids, y in raw_batches(10, seed=2)]
+        rows, _ = jaxcache.linen.export(cache, held["cache"])
+        return cache, losses, rows, cache.vocabulary.state_dict()["ids"]
+
+    cache, losses, rows, ids = run(130)
+    _, full_losses, full_rows, full_ids = run(300)
+    assert cache.stats.total.forgotten_ids > 50 and cache.stats.total.rows_to_host > 100
+    np.testing.assert_allclose(losses, full_losses, rtol=0, atol=TOL)
+    np.testing.assert_array_equal(ids, full_ids)  # the same ids in the same rows
+    np.testing.assert_allclose(rows, full_rows, rtol=0, atol=TOL)

@@ -48,9 +48,11 @@ def config(rows, capacity, opt, **vocabulary):
     )
 
 
-def run_both(cfg, *, steps=14, lookahead=0, mesh=None, seed=0, reference_lookahead=None):
+def run_both(
+    cfg, *, steps=14, lookahead=0, mesh=None, seed=0, reference_lookahead=None, table=None
+):
     batches = [{"ids": i, "y": y} for i, y in raw_batches(steps, seed=seed)]
-    table = jaxcache.HostTable(cfg, seed=3)
+    table = jaxcache.HostTable(cfg, seed=3) if table is None else table
     window = lookahead if reference_lookahead is None else reference_lookahead
     reference, ref_train, vocab = make_raw_reference(np.array(table.rows), cfg, F, lookahead=window)
     cache = jaxcache.EmbeddingCache(cfg, table=table, mesh=mesh)
@@ -112,6 +114,18 @@ def test_raw_ids_over_eight_devices_match_the_dict_reference():
     cfg = config(320, 160, OPTIMIZERS["rowwise_adagrad"], forget="lfu")
     run = run_both(cfg, lookahead=1, mesh=mesh, steps=12)
     assert run[0].stats.total.forgotten_ids > 50
+    assert_same(*run)
+
+
+def test_raw_ids_over_a_tiered_table_match_the_dict_reference(tmp_path):
+    # The row budget on disk behind a DRAM tier of 64 rows: new rows are
+    # written through it, and rows forgotten in DRAM come back from disk.
+    cfg = config(300, 130, OPTIMIZERS["adam"], policy="lru")
+    row_bytes = cfg.row_bytes
+    table = jaxcache.TieredTable(cfg, tmp_path, dram_budget=64 * row_bytes, seed=3)
+    run = run_both(cfg, table=table)
+    assert run[0].stats.total.forgotten_ids > 100
+    assert table.stats().disk.rows_read > 0
     assert_same(*run)
 
 
