@@ -400,3 +400,41 @@ def test_console_script_runs(files):
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == replay(HAND_TRACE, batch=2, capacity=2, policy="lru")
+
+
+def test_vocabulary_replay_predicts_what_training_with_raw_ids_does(tmp_path, capsys):
+    # The counts of a replay with no model equal the statistics of a cache
+    # that trains on the same raw ids: rows given, forgotten, refused, hits.
+    from tests.test_raw_ids import PAD, config, raw_batches
+
+    batches = [ids for ids, _ in raw_batches(12, seed=4)]
+    cfg = config(130, 130, jaxcache.sgd(0.1), policy="lru", admit_after=2)
+    cache = jaxcache.EmbeddingCache(cfg)
+    state = cache.init_state()
+    for ids in batches:
+        state, _ = cache.prepare(state, ids)
+    total = cache.stats.total
+    out = jaxcache.sizing.replay_vocabulary(
+        np.stack([ids.reshape(-1) for ids in batches]),
+        rows=130,
+        vocabulary=cfg.vocabulary,
+        capacity=130,
+        policy="lru",
+        padding_id=PAD,
+    )
+    assert out["forgotten_ids"] > 20 and out["refused_lookups"] > 100
+    assert (out["new_ids"], out["forgotten_ids"], out["refused_lookups"]) == (
+        total.new_ids,
+        total.forgotten_ids,
+        total.refused_lookups,
+    )
+    assert out["rows_fetched"] == total.misses
+    assert out["unique_hit_rate"] == pytest.approx(total.hits / total.distinct)
+    assert out["live_ids"] == cache.vocabulary.size
+    # The command line prints the same.
+    path = tmp_path / "raw.npy"
+    np.save(path, np.stack([ids.reshape(-1) for ids in batches]))
+    args = ["vocabulary", str(path), "--rows", "130", "--admit-after", "2", "--capacity", "130"]
+    args += ["--policy", "lru", "--padding-id", str(PAD)]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out) == out

@@ -4,6 +4,8 @@
 trace through the planner with no model and prints one JSON object per run;
 ``--sweep`` gives one per capacity (a miss-ratio curve) and ``--plot`` draws
 it. Everything it computes comes from :mod:`jaxcache._src.replay`.
+``jaxcache vocabulary TRACE.npy --rows R`` admits a trace of raw ids into a
+dynamic vocabulary of ``R`` rows (:mod:`jaxcache._src.vocabulary_replay`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import numpy as np
 
 from jaxcache._src import replay as replay_lib
 from jaxcache._src import tier_replay
+from jaxcache._src.config import FORGET, POLICIES, DynamicVocabulary
 from jaxcache._src.planner import CapacityError
+from jaxcache._src.vocabulary_replay import replay_vocabulary
 
 __all__ = ["main"]
 
@@ -119,9 +123,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="bytes of one row with its optimizer state, for --dram-budget (D * 4 + 4 for "
         "float32 rows and row-wise Adagrad)",
     )
+    vocabulary_parser = commands.add_parser(
+        "vocabulary",
+        help="admit a trace of raw ids into a dynamic vocabulary, to size its row budget",
+        description=(
+            "Admits a trace of raw int64 ids into a dynamic vocabulary "
+            "(CacheConfig(vocabulary=...)) with no model, and prints one JSON object: ids "
+            "given rows, forgotten, refused by admission, and the rows that forget nothing."
+        ),
+    )
+    vocabulary_parser.add_argument("trace", help="a .npy array of raw int64 ids, 1-D or 2-D")
+    vocabulary_parser.add_argument("--rows", type=_positive_int, required=True, help="row budget")
+    vocabulary_parser.add_argument(
+        "--batch", type=_positive_int, help="ids per batch; required for a 1-D trace"
+    )
+    vocabulary_parser.add_argument(
+        "--admit-after", type=_positive_int, default=1, help="lookups before an id gets a row"
+    )
+    vocabulary_parser.add_argument("--forget", choices=FORGET, default="lru")
+    vocabulary_parser.add_argument(
+        "--padding-id", type=int, default=None, help="a raw id that marks padding, skipped"
+    )
+    vocabulary_parser.add_argument(
+        "--capacity", type=_capacity, help="also plan the rows through a device cache this large"
+    )
+    vocabulary_parser.add_argument("--policy", choices=POLICIES, default="adaptive")
     args = parser.parse_args(argv)
     if args.command == "replay":
         _replay(replay_parser, args)
+    else:
+        trace = _load(vocabulary_parser, "trace", args.trace)
+        with _blame(vocabulary_parser, "trace"):
+            result = replay_vocabulary(
+                trace,
+                rows=args.rows,
+                batch=args.batch,
+                vocabulary=DynamicVocabulary(admit_after=args.admit_after, forget=args.forget),
+                capacity=args.capacity,
+                policy=args.policy,
+                padding_id=args.padding_id,
+            )
+        print(json.dumps(result), flush=True)
     return 0
 
 

@@ -1,0 +1,132 @@
+"""Replay of a raw-id trace through a dynamic vocabulary: sizing a row budget.
+
+The rows a ``CacheConfig(vocabulary=DynamicVocabulary(...))`` table would give
+and take back over a trace of raw ids, with no model: each batch is admitted
+as a training step (``Vocabulary.admit``; its rows released at once, since
+nothing is in flight), and, with a ``capacity``, the rows are planned by the
+real ``Planner`` as the cache would plan them (a new row found resident is
+fetched again, as ``raw_ids`` does). ``jaxcache vocabulary`` on the command
+line runs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jaxcache._src.config import CacheConfig, DynamicVocabulary
+from jaxcache._src.planner import CapacityError, Planner
+from jaxcache._src.replay import _ratio, _split
+from jaxcache._src.vocabulary import Vocabulary
+
+__all__ = ["replay_vocabulary"]
+
+
+def replay_vocabulary(
+    trace: np.ndarray,
+    *,
+    rows: int,
+    batch: int | None = None,
+    vocabulary: DynamicVocabulary | None = None,
+    capacity: int | float | None = None,
+    policy: str = "adaptive",
+    padding_id: int | None = None,
+) -> dict[str, Any]:
+    """Admits every batch of a raw-id ``trace`` into a budget of ``rows`` rows.
+
+    Args:
+      trace: int64 raw ids, ``[T]`` (split into batches of ``batch``) or
+        ``[S, B]`` (one batch per row).
+      rows: the row budget (``num_embeddings``).
+      batch: ids per batch; required for a 1-D trace.
+      vocabulary: the admission and forgetting rules (default:
+        ``DynamicVocabulary()``: admit on first sight, forget LRU).
+      capacity: also plan the rows through a device cache of this many rows
+        (or fraction of ``rows``) with ``policy``, and count its hits.
+      padding_id: a raw id to skip.
+
+    Returns:
+      A flat, JSON-ready dict: ``rows``, ``batches``, ``lookups``,
+      ``distinct_ids`` (in the whole trace), ``new_ids`` (rows given),
+      ``readmitted_ids`` (of those, ids that had a row before and were
+      forgotten), ``forgotten_ids``, ``refused_lookups`` (ids not admitted
+      yet), ``live_ids`` at the end, ``rows_to_forget_nothing`` (distinct
+      ids ever admitted: a budget this large never forgets), and with
+      ``capacity``: ``capacity``, ``unique_hit_rate``, ``rows_fetched``.
+
+    Raises:
+      TypeError, ValueError: a bad argument.
+      CapacityError: a batch has more new ids than the budget can take.
+
+    Examples:
+      >>> import numpy as np
+      >>> trace = np.array([[5, -9], [7, 5], [8, -9], [5, 7]])
+      >>> out = replay_vocabulary(trace, rows=2)
+      >>> out["new_ids"], out["forgotten_ids"], out["readmitted_ids"], out["rows_to_forget_nothing"]
+      (7, 5, 3, 4)
+    """
+    spec = DynamicVocabulary() if vocabulary is None else vocabulary
+    array = np.asarray(trace)
+    if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"trace must hold integer raw ids, got dtype {array.dtype}.")
+    if array.ndim not in (1, 2) or array.size == 0:
+        raise ValueError(
+            f"trace must be a non-empty 1-D or 2-D [steps, ids] array, got shape {array.shape}."
+        )
+    batches = _split(array.astype(np.int64, copy=False), batch)
+    vocab = Vocabulary(
+        int(rows),
+        admit_after=int(spec.admit_after),
+        forget=spec.forget,
+        sketch_width=int(spec.sketch_width),
+        seed=int(spec.seed),
+    )
+    planner = None
+    if capacity is not None:
+        config = CacheConfig(rows, 1, capacity, policy=policy, padding_id=-1)
+        planner = Planner(config)
+    had_row: set[int] = set()
+    counts = dict.fromkeys(
+        ("lookups", "new_ids", "readmitted_ids", "forgotten_ids", "refused_lookups"), 0
+    )
+    distinct = hits = fetched = 0
+    seen: list[np.ndarray] = []
+    for step, ids in enumerate(batches):
+        real = ids if padding_id is None else ids[ids != padding_id]
+        unique, inverse, lookups = np.unique(real, return_inverse=True, return_counts=True)
+        seen.append(unique)
+        try:
+            done = vocab.admit(unique, lookups, step=step)
+        except CapacityError as error:
+            raise CapacityError(f"batch {step}: {error}") from None
+        new = done.new_ids.tolist()
+        counts["readmitted_ids"] += sum(i in had_row for i in new)
+        had_row.update(new)
+        counts["lookups"] += int(lookups.sum())
+        counts["new_ids"] += len(new)
+        counts["forgotten_ids"] += done.forgotten_ids.size
+        counts["refused_lookups"] += int(lookups[done.rows < 0].sum())
+        if planner is not None:
+            resident = done.new_rows[planner.slot_of_id[done.new_rows] >= 0]
+            plan = planner.plan(done.rows[inverse], train=True)
+            planner.release(plan.index)
+            distinct += plan.distinct
+            hits += plan.hits - resident.size  # refetched: the device holds the old id's row
+            fetched += plan.misses + resident.size
+        vocab.release(done.rows[done.rows >= 0])
+    out: dict[str, Any] = {
+        "rows": int(rows),
+        "batches": len(batches),
+        **counts,
+        "distinct_ids": int(np.unique(np.concatenate(seen)).size),
+        "live_ids": vocab.size,
+        "rows_to_forget_nothing": len(had_row),
+    }
+    if planner is not None:
+        out.update(
+            capacity=planner.capacity,
+            unique_hit_rate=_ratio(hits, distinct),
+            rows_fetched=fetched,
+        )
+    return out
