@@ -18,6 +18,11 @@ that a change of load on the machine falls on all of them.
    device planner's host CPU per step over the host planner's; ``..._lfu``:
    the same with LFU, whose plans learn nothing on the host (the adaptive
    policy's shadow caches run on the host with either planner).
+3. ``host_cpu_raw_8x_ids_over_1x``: the same as 1. for raw int64 ids through
+   a dynamic vocabulary (``CacheConfig(vocabulary=...)``, planned on the
+   host for now), each batch bringing ``--misses`` new ids;
+   ``host_cpu_raw_over_rows``: raw ids over the same batches as rows, both
+   on the host planner, at 1x: what the translation to rows costs.
 
     python benchmarks/host_cpu.py            # a few minutes on 2 CPU cores
     python benchmarks/host_cpu.py --quick
@@ -101,6 +106,53 @@ def fixed_misses(args: argparse.Namespace) -> float:
     return float(np.median(seconds[8]) / np.median(seconds[1]))
 
 
+def raw_ids(args: argparse.Namespace) -> tuple[float, float]:
+    """``host_cpu_raw_8x_ids_over_1x`` and ``host_cpu_raw_over_rows``."""
+    hot, misses, base = 1 << 15, args.misses, args.ids
+    total = hot + 8 * misses * (args.warmup + args.rounds * args.steps) + 64
+    n = 1 << int(total - 1).bit_length()
+    mix = np.uint64(0x9E3779B97F4A7C15)  # rows to raw ids: a bijection over int64
+
+    def cache(raw: bool) -> Loop:
+        vocabulary = jaxcache.DynamicVocabulary() if raw else None
+        cfg = jaxcache.CacheConfig(n, 16, capacity=n, policy="lru", vocabulary=vocabulary)
+        loop = Loop(jaxcache.EmbeddingCache(cfg, planner="host"))
+        warm = np.arange(hot, dtype=np.uint64).reshape(64, -1)
+        loop.host_cpu_per_step([(warm * mix).view(np.int64) if raw else warm.astype(np.int64)])
+        return loop
+
+    loops = {(raw, scale): cache(raw) for raw in (False, True) for scale in (1, 8)}
+    fresh = {key: iter(range(hot, n)) for key in loops}
+    rng = np.random.default_rng(0)
+
+    def batches(key: tuple[bool, int], count: int) -> list[np.ndarray]:
+        raw, scale = key
+        out = []
+        for _ in range(count):
+            new = np.fromiter(fresh[key], np.int64, misses)
+            old = rng.integers(0, hot, base * scale - misses)
+            ids = rng.permutation(np.concatenate([old, new])).reshape(64, -1)
+            out.append((ids.astype(np.uint64) * mix).view(np.int64) if raw else ids)
+        return out
+
+    for key, loop in loops.items():
+        loop.host_cpu_per_step(batches(key, args.warmup))
+    seconds: dict[tuple[bool, int], list[float]] = {key: [] for key in loops}
+    for _ in range(args.rounds):
+        for key, loop in loops.items():
+            seconds[key].append(loop.host_cpu_per_step(batches(key, args.steps)))
+    print()
+    for (raw, scale), loop in loops.items():
+        last = loop.cache.stats.last
+        print(
+            f"host planner, {'raw ids' if raw else 'rows'}, {base * scale:>7} ids a step, "
+            f"{last.misses} misses: host CPU {1e3 * np.median(seconds[raw, scale]):.3f} ms a "
+            f"step ({_harness.ms_range(seconds[raw, scale], 3)})"
+        )
+    median = {key: float(np.median(values)) for key, values in seconds.items()}
+    return median[True, 8] / median[True, 1], median[True, 1] / median[False, 1]
+
+
 def embedding_heavy(args: argparse.Namespace, policy: str) -> float:
     """``host_cpu_device_over_host_planner`` on the embedding-heavy batch."""
     setup = _training.embedding_heavy(args)
@@ -144,6 +196,7 @@ def main() -> None:
     print(_harness.machine())
     start = time.perf_counter()
     ids_ratio = fixed_misses(args)
+    raw_ratio, raw_over_rows = raw_ids(args)
     planners = {policy: embedding_heavy(args, policy) for policy in ("adaptive", "lfu")}
     print(f"\n({time.perf_counter() - start:.0f} s)")
     _harness.print_results(
@@ -151,6 +204,8 @@ def main() -> None:
             "host_cpu_8x_ids_over_1x": ids_ratio,
             "host_cpu_device_over_host_planner": planners["adaptive"],
             "host_cpu_device_over_host_planner_lfu": planners["lfu"],
+            "host_cpu_raw_8x_ids_over_1x": raw_ratio,
+            "host_cpu_raw_over_rows": raw_over_rows,
         }
     )
 

@@ -195,6 +195,21 @@ class VocabularyModel:
             rows[u] = r
         return rows, [ids[u] for u in admitted], forgotten
 
+    def expire(self, before):
+        """Forgets released ids last used before ``before`` (lru keys): their
+        rows are taken next, the last expired first."""
+        expired = sorted(
+            (r for r in self.released if self.key[r] < before), key=lambda r: (self.key[r], r)
+        )
+        gone = []
+        for r in expired:
+            self.released.remove(r)
+            old = next(i for i, row in self.row_of.items() if row == r)
+            del self.row_of[old]
+            self.free.insert(0, r)
+            gone.append(old)
+        return gone
+
 
 def make_raw_reference(rows, config: jaxcache.CacheConfig, num_features: int, *, lookahead=0):
     """The full-table reference of a cache with raw ids: a ``VocabularyModel``
@@ -214,14 +229,22 @@ def make_raw_reference(rows, config: jaxcache.CacheConfig, num_features: int, *,
         step[0] += 1
         for p in [p for p in in_flight if p <= t - 1 - lookahead]:
             vocab.released |= {r for r in in_flight.pop(p) if last[r] == p}
+        if spec.ttl is not None:
+            vocab.expire(t - spec.ttl)
         real = (
             ids != config.padding_id if config.padding_id is not None else np.ones_like(ids, bool)
         )
-        unique, inverse, counts = np.unique(ids[real], return_inverse=True, return_counts=True)
+        # The distinct ids in the order they first appear (row-major).
+        unique, first, inverse, counts = np.unique(
+            ids[real], return_index=True, return_inverse=True, return_counts=True
+        )
+        order = np.argsort(first)
+        unique, counts, inverse = unique[order], counts[order], np.argsort(order)[inverse]
         rows_u, new_ids, _ = vocab.admit(unique.tolist(), counts.tolist(), t)
         rows_u = np.array(rows_u, np.int64)
         if new_ids:
-            new_rows = rows_u[np.searchsorted(unique, new_ids)]
+            position = {i: u for u, i in enumerate(unique.tolist())}
+            new_rows = rows_u[[position[i] for i in new_ids]]
             first = hashed_rows(
                 np.array(new_ids, np.int64), rows.shape[1], seed=spec.seed, init=spec.init,
                 scale=spec.scale,

@@ -109,6 +109,16 @@ def test_pipelined_raw_ids_match_the_dict_reference(lookahead, rows, vocabulary)
     assert_same(*run)
 
 
+def test_ids_unused_for_ttl_steps_are_forgotten_as_in_the_dict_reference():
+    # A budget with room to spare: only the time-to-live forgets ids, and
+    # their rows go to new ids first.
+    cfg = config(1500, 150, OPTIMIZERS["rowwise_adagrad"], policy="lfu", ttl=3)
+    run = run_both(cfg, lookahead=1)
+    total = run[0].stats.total
+    assert total.forgotten_ids > 100 and run[0].vocabulary.size < 600
+    assert_same(*run)
+
+
 def test_raw_ids_over_eight_devices_match_the_dict_reference():
     mesh = Mesh(np.array(jax.devices()[:8]), ("rows",))
     cfg = config(320, 160, OPTIMIZERS["rowwise_adagrad"], forget="lfu")

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxcache
-from jaxcache._src.vocabulary import Vocabulary, hashed_rows
+from jaxcache._src.vocabulary import Vocabulary, distinct_ids, hashed_rows
 from tests.models import VocabularyModel
 
 
@@ -34,6 +34,10 @@ def test_admits_and_forgets_by_the_rules_of_a_dict_model(rows, admit_after, forg
             )
             restored.load_state_dict(vocab.state_dict())
             vocab = restored
+        if forget == "lru" and rng.random() < 0.15:  # ids unused for a few steps expire
+            before = step - int(rng.integers(1, 8))
+            assert vocab.expire(before).tolist() == model.expire(before)
+            continue
         if held and rng.random() < 0.4:
             out = rng.choice(sorted(held), size=rng.integers(1, len(held) + 1), replace=False)
             vocab.release(np.array(out))
@@ -128,3 +132,20 @@ def test_first_values_depend_on_the_seed_and_the_id_alone():
     uniform = hashed_rows(ids, 5, seed=3, init="uniform", scale=0.2)
     assert uniform.min() >= -0.2 and uniform.max() < 0.2 and abs(uniform.mean()) < 0.01
     assert not hashed_rows(ids[:3], 4, seed=0, init="zeros").any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ids=st.lists(st.sampled_from([0, -1, 5, 1 << 40, -(1 << 63), (1 << 63) - 1, 77]), max_size=40),
+    pad=st.sampled_from([None, -1, 5]),
+)
+def test_distinct_ids_are_numpys_in_order_of_first_appearance(ids, pad):
+    array = np.array(ids, np.int64)
+    unique, inverse, counts = distinct_ids(array, pad)
+    real = array if pad is None else array[array != pad]
+    expected = list(dict.fromkeys(real.tolist()))  # dicts keep insertion order
+    assert unique.tolist() == expected
+    assert counts.tolist() == [int((real == i).sum()) for i in expected]
+    assert [-1 if i < 0 else unique[i] for i in inverse.tolist()] == [
+        -1 if pad is not None and x == pad else x for x in ids
+    ]

@@ -47,6 +47,9 @@ class DynamicVocabulary:
       init: the first values of a new row: ``"normal"`` (standard deviation
         ``scale``), ``"uniform"`` (in ``[-scale, scale)``) or ``"zeros"``.
       scale: of ``init``.
+      ttl: with ``forget="lru"``, also forget the ids no batch looked up in
+        the last ``ttl`` steps, even while rows are free (their rows are
+        taken first); ``None``: only when the budget is full.
       seed: of the first values and of the sketch's hashes.
       sketch_width: counters per row of the admission sketch (a power of
         two; used with ``admit_after > 1``).
@@ -58,8 +61,8 @@ class DynamicVocabulary:
       ... )
       >>> cache = jaxcache.EmbeddingCache(cfg)
       >>> state, lookup = cache.prepare(cache.init_state(), np.array([10**15, -7]))
-      >>> cache.vocabulary.lookup(np.array([10**15, -7, 3])).tolist()
-      [1, 0, -1]
+      >>> cache.vocabulary.lookup(np.array([10**15, -7, 3])).tolist()  # in order of first sight
+      [0, 1, -1]
     """
 
     admit_after: int = 1
@@ -68,6 +71,7 @@ class DynamicVocabulary:
     scale: float = 0.01
     seed: int = 0
     sketch_width: int = 1 << 20
+    ttl: int | None = None
 
     def __post_init__(self) -> None:
         after = self.admit_after
@@ -82,6 +86,16 @@ class DynamicVocabulary:
             raise ValueError(f"init={self.init!r} is not one of {', '.join(INITS)}.")
         if not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale)):
             raise ValueError(f"scale={self.scale!r} must be a finite number.")
+        ttl = self.ttl
+        if ttl is not None and (
+            isinstance(ttl, bool) or not isinstance(ttl, (int, np.integer)) or ttl < 1
+        ):
+            raise ValueError(f"ttl={ttl!r} must be a positive number of steps, or None.")
+        if ttl is not None and self.forget != "lru":
+            raise ValueError(
+                f'ttl={ttl} forgets by the step of last use: it needs forget="lru", not '
+                f"{self.forget!r}."
+            )
         width = self.sketch_width
         if (
             isinstance(width, bool)

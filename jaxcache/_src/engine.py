@@ -832,7 +832,7 @@ class EmbeddingCache:
           >>> state, _ = cache.prepare(cache.init_state(), np.array([2**40, 5]))
           >>> ids, rows, _ = cache.export_ids(state)
           >>> ids.tolist(), rows.tolist()
-          ([5, 1099511627776], [[0.0, 0.0], [0.0, 0.0]])
+          ([1099511627776, 5], [[0.0, 0.0], [0.0, 0.0]])
         """
         if self.raw is None:
             raise ValueError(

@@ -7,8 +7,9 @@ does, for each batch, in the stager's lock and in plan order:
 1. **Release** the rows no plan in flight uses any more: those whose last
    plan is finished by the bound the planners use (``released``), so that
    which rows a new id may take does not depend on thread timing.
-2. **Admit** the batch's distinct ids (sorted, so that rows do not depend
-   on the positions of ids in the batch or on the device count). Ids not
+2. **Admit** the batch's distinct ids, in the order they first appear
+   (``distinct_ids``: one hash pass, no sort), so that rows depend on the
+   batch alone, never on the device count. Ids not
    admitted, and the padding id, become row ``-1``: the planners' padding.
 3. The planners plan the rows. If they refuse the batch, the admission is
    taken back (``Vocabulary.revert``): nothing changed.
@@ -34,7 +35,7 @@ from jaxcache._src.config import CacheConfig
 from jaxcache._src.host_table import HostTable
 from jaxcache._src.partitions import Partitions, StepPlan
 from jaxcache._src.planner import CapacityError
-from jaxcache._src.vocabulary import Admission, Vocabulary, hashed_rows
+from jaxcache._src.vocabulary import Admission, Vocabulary, distinct_ids, hashed_rows
 from jaxcache._src.write_back import WriteBacks
 
 __all__ = ["RawIds", "Translated"]
@@ -83,6 +84,7 @@ class RawIds:
         )
         self._last_plan = np.full(config.num_embeddings, -1, np.int64)
         self._in_flight: dict[int, np.ndarray] = {}  # plan index -> its rows
+        self._expired = 0  # ids expired since the last batch was recorded
 
     # ----------------------------------------------------------------- steps
     def plan(
@@ -138,27 +140,21 @@ class RawIds:
             changed); ``fits_after`` is the last plan in flight when
             releasing every plan in flight would make room.
         """
-        array = validation.check_id_type(ids, "ids").astype(np.int64, copy=False)
+        array = validation.check_id_type(ids, "ids")
         self.release(finished)
-        flat = array.reshape(-1)
-        pad = self.config.padding_id
-        real = None if pad is None else flat != pad
-        values = flat if real is None else flat[real]
-        unique, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+        if self.spec.ttl is not None:  # by the step alone: a refusal keeps it
+            self._expired += self.vocabulary.expire(index - int(self.spec.ttl)).size
+        unique, inverse, counts = distinct_ids(array, self.config.padding_id)
         try:
-            admission = self.vocabulary.admit(unique, counts, step=index, new=train)
+            admission = self.vocabulary.admit(unique, counts, step=index, new=train, distinct=True)
         except CapacityError as error:
             error.fits_after = self._fits_after(error, unique)
             raise
-        rows = np.full(flat.shape, ROW_PAD, np.int64)
-        mapped = admission.rows[inverse]
-        if real is None:
-            rows[:] = mapped
-        else:
-            rows[real] = mapped
+        # Padding's inverse is -1: the last entry, the planners' padding row.
+        rows = np.append(admission.rows, ROW_PAD)[inverse]
         refused = int(counts[admission.rows < 0].sum())
-        new_counts = counts[np.isin(unique, admission.new_ids, assume_unique=True)]
-        return Translated(rows.reshape(array.shape), admission, new_counts, refused)
+        assert admission.new_at is not None
+        return Translated(rows, admission, counts[admission.new_at], refused)
 
     def _fits_after(self, error: CapacityError, unique: np.ndarray) -> int | None:
         """The last plan in flight, if the batch fits once every plan in
@@ -221,9 +217,10 @@ class RawIds:
     def record(self, translated: Translated) -> dict[str, int]:
         """The statistics of a translated batch (``StepStats`` fields)."""
         admission = translated.admission
+        expired, self._expired = self._expired, 0
         return {
             "new_ids": int(admission.new_ids.size),
-            "forgotten_ids": int(admission.forgotten_ids.size),
+            "forgotten_ids": int(admission.forgotten_ids.size) + expired,
             "refused_lookups": translated.refused_lookups,
         }
 

@@ -36,7 +36,7 @@ import numpy as np
 from jaxcache._src.compiled import kernel
 from jaxcache._src.planner import CapacityError
 
-__all__ = ["Admission", "Vocabulary", "hashed_rows", "splitmix64"]
+__all__ = ["Admission", "Vocabulary", "distinct_ids", "hashed_rows", "splitmix64"]
 
 FORGET = ("lru", "lfu")
 _SKETCH_DEPTH = 4
@@ -99,6 +99,37 @@ def hashed_rows(
     return (normal[:, :features] * scale).astype(np.float32)
 
 
+def distinct_ids(
+    ids: np.ndarray, padding_id: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct ids of a batch in the order they first appear, with one
+    compiled pass over a hash set (``O(ids)``, no sort).
+
+    Returns:
+      ``(unique [U], inverse, counts [U])``: ``inverse`` has the shape of
+      ``ids`` and gives each id's place in ``unique`` (``-1`` for
+      ``padding_id``); ``counts`` are the lookups of each distinct id.
+
+    Examples:
+      >>> unique, inverse, counts = distinct_ids(np.array([[9, -1], [2**40, 9]]), -1)
+      >>> unique.tolist(), inverse.tolist(), counts.tolist()
+      ([9, 1099511627776], [[0, -1], [1, 0]], [2, 1])
+    """
+    array = np.ascontiguousarray(ids, np.int64)
+    flat = array.reshape(-1)
+    size = 16
+    while size < 2 * flat.size:
+        size *= 2
+    keys = np.empty(size, np.int64)
+    slots = np.full(size, -1, np.int32)
+    unique = np.empty(flat.size, np.int64)
+    counts = np.empty(flat.size, np.int64)
+    inverse = np.empty(flat.size, np.int64)
+    pad = 0 if padding_id is None else int(padding_id)
+    found = _distinct(flat, pad, padding_id is not None, keys, slots, unique, inverse, counts)
+    return unique[:found].copy(), inverse.reshape(array.shape), counts[:found].copy()
+
+
 class _Undo(NamedTuple):
     """What ``Vocabulary.revert`` needs to take an admission back."""
 
@@ -121,6 +152,7 @@ class Admission(NamedTuple):
       forgotten_ids: ``int64 [F]``: ids whose rows were taken (``F <= A``),
         the last ``F`` of ``new_rows``.
       refused: ids not admitted (seen fewer than ``admit_after`` times).
+      new_at: ``int64 [A]``: where each new id is in the ids given.
       undo: what ``Vocabulary.revert`` takes back.
 
     Examples:
@@ -140,6 +172,7 @@ class Admission(NamedTuple):
     new_rows: np.ndarray
     forgotten_ids: np.ndarray
     refused: int
+    new_at: np.ndarray | None = None
     undo: _Undo | None = None
 
 
@@ -247,7 +280,13 @@ class Vocabulary:
 
     # ----------------------------------------------------------------- writes
     def admit(
-        self, ids: np.ndarray, counts: np.ndarray, *, step: int, new: bool = True
+        self,
+        ids: np.ndarray,
+        counts: np.ndarray,
+        *,
+        step: int,
+        new: bool = True,
+        distinct: bool = False,
     ) -> Admission:
         """Rows for a batch's distinct ``ids`` (``counts``: their lookups).
 
@@ -255,7 +294,8 @@ class Vocabulary:
         (this batch's lookups included) gets a free row, else the least
         released row (its old id is forgotten). Every row returned is held
         until ``release``. All or nothing. With ``new=False`` (a batch that
-        trains nothing) no id is admitted or counted.
+        trains nothing) no id is admitted or counted. ``distinct=True``:
+        the caller vouches that ``ids`` are distinct (``distinct_ids``).
 
         Raises:
           CapacityError: more ids to admit than free and released rows; the
@@ -265,7 +305,7 @@ class Vocabulary:
         counts = np.ascontiguousarray(counts, np.int64).reshape(-1)
         if ids.size != counts.size:
             raise ValueError(f"{ids.size} ids but {counts.size} counts; pass one count per id.")
-        if np.unique(ids).size != ids.size:
+        if not distinct and np.unique(ids).size != ids.size:
             raise ValueError("ids must be distinct: pass a batch's distinct ids and their lookups.")
         rows = self.lookup(ids)
         unknown = np.flatnonzero(rows < 0)
@@ -324,6 +364,7 @@ class Vocabulary:
             new_rows,
             forgotten[:taken],
             int(unknown.size - admitted.size),
+            admitted.astype(np.int64),
             undo._replace(forgotten_keys=forgotten_keys[:taken]),
         )
 
@@ -352,6 +393,21 @@ class Vocabulary:
         )
         if undo.cells is not None and undo.added is not None:
             _sketch_add(self.sketch, undo.cells, -undo.added)
+
+    def expire(self, before: int) -> np.ndarray:
+        """Forgets the released ids last admitted or looked up before step
+        ``before`` (``forget="lru"``, whose keys are those steps): their rows
+        become free, the last expired taken first. Returns their ids."""
+        if self.forget != "lru":
+            raise ValueError('expire needs forget="lru": its keys are the steps of last use.')
+        out = np.empty(self.released, np.int64)
+        free_count = np.array([self._free_count], np.int64)
+        count = _expire(
+            self._keys, self._slots, self.id_of_row, self.live, self.key, self._free,
+            free_count, self._heap, self._heap_at, self._heap_size, int(before), out,
+        )  # fmt: skip
+        self._free_count = int(free_count[0])
+        return out[:count]
 
     def release(self, rows: np.ndarray) -> None:
         """The caller no longer holds ``rows`` (no batch in flight uses
@@ -597,3 +653,51 @@ def _revert(
             at[r] = size
             heap_size[0] = size + 1
             _sift_up(heap, at, key, size)
+
+
+@kernel
+def _expire(
+    keys, slots, id_of_row, live, key, free, free_count, heap, at, heap_size, before, out,
+):  # fmt: skip
+    """``Vocabulary.expire``: the heap's least while its key is below ``before``."""
+    count = 0
+    while heap_size[0] > 0 and key[heap[0]] < before:
+        r = heap[0]
+        _heap_remove(heap, at, key, heap_size, r)
+        _delete(keys, slots, id_of_row[r])
+        live[r] = False
+        free[free_count[0]] = r
+        free_count[0] += 1
+        out[count] = id_of_row[r]
+        count += 1
+    return count
+
+
+@kernel
+def _distinct(ids, pad, use_pad, keys, slots, unique, inverse, counts):
+    """``distinct_ids``' pass: each id found in, or added to, a hash set of
+    its first place; returns the number of distinct ids."""
+    mask = keys.size - 1
+    found = 0
+    for i in range(ids.size):
+        x = ids[i]
+        if use_pad and x == pad:
+            inverse[i] = -1
+            continue
+        h = np.int64(_mix(x) & np.uint64(mask))
+        while True:
+            s = slots[h]
+            if s < 0:
+                slots[h] = found
+                keys[h] = x
+                unique[found] = x
+                counts[found] = 1
+                inverse[i] = found
+                found += 1
+                break
+            if keys[h] == x:
+                counts[s] += 1
+                inverse[i] = s
+                break
+            h = (h + 1) & mask
+    return found

@@ -18,7 +18,7 @@ import numpy as np
 from jaxcache._src.config import CacheConfig, DynamicVocabulary
 from jaxcache._src.planner import CapacityError, Planner
 from jaxcache._src.replay import _ratio, _split
-from jaxcache._src.vocabulary import Vocabulary
+from jaxcache._src.vocabulary import Vocabulary, distinct_ids
 
 __all__ = ["replay_vocabulary"]
 
@@ -93,11 +93,12 @@ def replay_vocabulary(
     distinct = hits = fetched = 0
     seen: list[np.ndarray] = []
     for step, ids in enumerate(batches):
-        real = ids if padding_id is None else ids[ids != padding_id]
-        unique, inverse, lookups = np.unique(real, return_inverse=True, return_counts=True)
+        if spec.ttl is not None:
+            counts["forgotten_ids"] += vocab.expire(step - int(spec.ttl)).size
+        unique, inverse, lookups = distinct_ids(ids, padding_id)
         seen.append(unique)
         try:
-            done = vocab.admit(unique, lookups, step=step)
+            done = vocab.admit(unique, lookups, step=step, distinct=True)
         except CapacityError as error:
             raise CapacityError(f"batch {step}: {error}") from None
         new = done.new_ids.tolist()
@@ -109,7 +110,7 @@ def replay_vocabulary(
         counts["refused_lookups"] += int(lookups[done.rows < 0].sum())
         if planner is not None:
             resident = done.new_rows[planner.slot_of_id[done.new_rows] >= 0]
-            plan = planner.plan(done.rows[inverse], train=True)
+            plan = planner.plan(np.append(done.rows, -1)[inverse], train=True)
             planner.release(plan.index)
             distinct += plan.distinct
             hits += plan.hits - resident.size  # refetched: the device holds the old id's row
