@@ -122,3 +122,57 @@ def test_serve_example_runs_with_no_arguments():
     assert result["batches"] == 20 and result["bytes_to_host"] == 0
     assert result["optimizer_state_on_device"] == []
     assert 0 < result["hit_rate"] < 1 and result["p50_ms"] <= result["p99_ms"]
+
+
+def test_serving_raw_ids_scores_like_the_trained_model(tmp_path):
+    # Raw ids through a vocabulary of 1,200 rows for the stream's 1,708 ids:
+    # the server restores
+    # the vocabulary, admits nothing, and unknown ids read zeros, as they do
+    # in the trained model's evaluation.
+    def raw(batch):
+        sparse = (batch["sparse"].astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)).view(np.int64)
+        return {**batch, "sparse": sparse}
+
+    config = jaxcache.CacheConfig(
+        1200,
+        8,
+        capacity=0.4,
+        optimizer=jaxcache.rowwise_adagrad(0.05),
+        vocabulary=jaxcache.DynamicVocabulary(forget="lfu"),
+    )
+    embed, model = _dlrm(jaxcache.EmbeddingCache(config))
+    optimizer, step = jaxcache.models.make_train_step(
+        model, jaxcache.models.dense_optimizer("adagrad", 0.05)
+    )
+    batches = [raw(b) for b in DATA.batches(30)]
+    with jaxcache.prefetch(batches, {"sparse": embed}, lookahead=2) as pipeline:
+        for batch in pipeline:
+            step(batch["dense"], batch["sparse"], batch["label"])
+    assert embed.cache.stats.total.forgotten_ids > 0
+    jaxcache.Checkpointer(tmp_path).save(30, model=model, optimizer=optimizer)
+    model.eval()
+    predict = jaxcache.models.make_predict_step(model)
+    held_out = [raw(b) for b in DATA.batches(6, held_out=True)]
+    live = embed.cache.vocabulary.size
+    expected = [
+        np.asarray(predict(b["dense"], embed.prepare(b["sparse"], train=False))) for b in held_out
+    ]
+    assert embed.cache.stats.last.refused_lookups > 0  # ids the model never kept
+    assert embed.cache.vocabulary.size == live  # evaluation admits nothing
+
+    checkpointer = jaxcache.Checkpointer(tmp_path, read_only=True)
+    served = jaxcache.serving_config(checkpointer.cache_config(), capacity=0.25)
+    served_embed, served_model = _dlrm(jaxcache.EmbeddingCache(served))
+    checkpointer.restore(model=served_model)
+    assert served_embed.cache.vocabulary.size == live
+    served_predict = jaxcache.models.make_predict_step(served_model)
+    server = jaxcache.Server(
+        served_model,
+        lambda b: served_predict(b["dense"], b["sparse"]),
+        {"sparse": served_embed},
+    )
+    for got, want in zip(server.score(held_out), expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert served_embed.cache.vocabulary.size == live
+    assert served_embed.cache.stats.total.new_ids == 0
+    assert served_embed.cache.stats.total.rows_to_host == 0
