@@ -915,6 +915,11 @@ class EmbeddingCache:
         """Raises ``ValueError`` unless ``load_state_arrays`` takes ``parts``
         and ``meta`` (``Partitions.check_state_arrays``); changes nothing."""
         self.planner.check_state_arrays(parts, meta)
+        self._check_vocabulary(parts)
+
+    def _check_vocabulary(self, parts: Sequence[Mapping[str, np.ndarray]]) -> None:
+        """Raises ``ValueError`` unless the saved parts hold a vocabulary
+        exactly when this cache takes raw ids, one that fits it."""
         saved = any(key.startswith("vocabulary.") for part in parts for key in part)
         if self.raw is not None:
             self.raw.check_state_arrays(dict(parts[0]) if parts else {})
@@ -947,7 +952,7 @@ class EmbeddingCache:
           ValueError: the state does not fit this table (nothing changed).
         """
         self.lifecycle.check_idle("saving or restoring the cache")
-        self.check_state_arrays(parts, meta)
+        self._check_vocabulary(parts)  # the planners check their part as they load
         self.planner.load_state_arrays(parts, meta)
         if self.raw is not None:
             self.raw.load_state_arrays(dict(parts[0]))

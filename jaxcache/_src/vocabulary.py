@@ -584,15 +584,21 @@ def _heap_remove(heap, at, key, size, row):
 
 
 @kernel
+def _heap_push(heap, at, size, key, r):
+    """Puts ``r`` (not in the heap) into the heap of ``size[0]`` entries."""
+    k = size[0]
+    heap[k] = r
+    at[r] = k
+    size[0] = k + 1
+    _sift_up(heap, at, key, k)
+
+
+@kernel
 def _release(heap, at, size, key, rows):
     """Puts ``rows`` not in the heap yet into it."""
     for r in rows:
         if at[r] < 0:
-            k = size[0]
-            heap[k] = r
-            at[r] = k
-            size[0] = k + 1
-            _sift_up(heap, at, key, k)
+            _heap_push(heap, at, size, key, r)
 
 
 @kernel
@@ -648,11 +654,7 @@ def _revert(
             _insert(keys, slots, forgotten[j], r)
             id_of_row[r] = forgotten[j]
             key[r] = forgotten_keys[j]
-            size = heap_size[0]
-            heap[size] = r
-            at[r] = size
-            heap_size[0] = size + 1
-            _sift_up(heap, at, key, size)
+            _heap_push(heap, at, heap_size, key, r)
 
 
 @kernel

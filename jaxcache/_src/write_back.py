@@ -204,7 +204,7 @@ class WriteBacks:
         """
         plans = np.full(ids.shape, -1, np.int64)
         read_out = np.zeros(ids.shape, np.int64)
-        with self._lock:  # a snapshot: the entries never change
+        with self._lock:  # a snapshot: entries are replaced (cancel), never changed
             unlanded = sorted(self._unlanded.items())
         if before is not None:
             unlanded = [(index, entry) for index, entry in unlanded if index < before]
