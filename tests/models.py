@@ -150,65 +150,93 @@ def make_reference(
     return model, train
 
 
+def _fmix32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _splitmix64(z: int) -> int:
+    m = (1 << 64) - 1
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
+
+
 class VocabularyModel:
-    """The rules in plain Python: id -> row, free rows taken lowest first,
-    held rows never taken, a new id takes the released row of least (key,
-    row) once no row is free; admission by exact counts."""
+    """The rules in plain Python: ``B`` buckets (the least power of two with
+    ``B ways >= rows``), row ``r`` in bucket ``r % B``, an id in the bucket
+    of the low bits of its hash; a new id takes its bucket's lowest free or
+    expired way (an expired id its own), else the way of least ``(key,
+    row)`` among ids no plan after ``finished`` and not this batch uses;
+    admission by exact counts."""
 
-    def __init__(self, rows: int, admit_after: int, forget: str) -> None:
-        self.rows, self.admit_after, self.forget = rows, admit_after, forget
-        self.row_of: dict[int, int] = {}
-        self.free = list(range(rows))
-        self.released: set[int] = set()
-        self.key: dict[int, int] = {}
+    def __init__(self, rows, admit_after, forget, *, ways=64, ttl=None, seed=0) -> None:
+        self.rows, self.admit_after, self.forget, self.ttl = rows, admit_after, forget, ttl
+        self.buckets = 1
+        while self.buckets * ways < rows:
+            self.buckets *= 2
+        self.salt = _splitmix64(seed) & 0xFFFFFFFF
+        self.entry: dict[int, list[int]] = {}  # row -> [id, last use, lookups]
         self.seen: dict[int, int] = {}
+        self.clock = (-1, -1)
 
-    def admit(self, ids, counts, step):
-        rows = [self.row_of.get(i, -1) for i in ids]
+    def bucket(self, i: int) -> int:
+        u = i & ((1 << 64) - 1)
+        low, high = u & 0xFFFFFFFF, u >> 32
+        return _fmix32(low ^ _fmix32(high ^ self.salt)) % self.buckets
+
+    def expired(self, row, step, finished) -> bool:
+        last = self.entry[row][1]
+        return self.ttl is not None and last < step - self.ttl and last <= finished
+
+    @property
+    def row_of(self) -> dict[int, int]:
+        """Live id -> row at the latest admission."""
+        return {e[0]: r for r, e in self.entry.items() if not self.expired(r, *self.clock)}
+
+    def admit(self, ids, counts, step, finished=None, new=True):
+        finished = step - 1 if finished is None else min(finished, step - 1)
+        found = {e[0]: r for r, e in self.entry.items()}
+        rows, back = [], {}
+        for i in ids:
+            r = found.get(i, -1)
+            if r >= 0 and self.expired(r, step, finished):
+                back[i], r = r, -1
+            rows.append(r)
         unknown = [u for u, r in enumerate(rows) if r < 0]
         seen = {ids[u]: self.seen.get(ids[u], 0) + counts[u] for u in unknown}
-        if self.admit_after > 1:
-            admitted = [u for u in unknown if seen[ids[u]] >= self.admit_after]
-        else:
-            admitted = unknown
-        held_again = {r for r in rows if r >= 0} & self.released
-        if len(admitted) > len(self.free) + len(self.released - held_again):
-            raise jaxcache.CapacityError("full")
-        if self.admit_after > 1:
+        admitted = [u for u in unknown if seen[ids[u]] >= self.admit_after] if new else []
+        held = {r for r in rows if r >= 0} | {back[ids[u]] for u in admitted if ids[u] in back}
+        chosen: dict[int, int] = {}
+        for b in sorted({self.bucket(ids[u]) for u in admitted if ids[u] not in back}):
+            mine = [u for u in admitted if ids[u] not in back and self.bucket(ids[u]) == b]
+            ways = [r for r in range(b, self.rows, self.buckets) if r not in held]
+            free = [r for r in ways if r not in self.entry or self.expired(r, step, finished)]
+            stale = sorted(
+                (r for r in ways if r not in free and self.entry[r][1] <= finished),
+                key=lambda r: (self.entry[r][2 if self.forget == "lfu" else 1], r),
+            )
+            if len(mine) > len(free) + len(stale):
+                raise jaxcache.CapacityError("full")
+            chosen.update(zip(mine, free + stale, strict=False))
+        if new and self.admit_after > 1:
             self.seen.update(seen)
         for u, r in enumerate(rows):
             if r >= 0:
-                self.released.discard(r)
-                self.key[r] = self.key[r] + counts[u] if self.forget == "lfu" else step
+                self.entry[r][1] = step
+                self.entry[r][2] += counts[u]
         forgotten = []
         for u in admitted:
-            if self.free:
-                r = self.free.pop(0)
-            else:
-                r = min(self.released, key=lambda row: (self.key[row], row))
-                self.released.remove(r)
-                old = next(i for i, row in self.row_of.items() if row == r)
-                del self.row_of[old]
-                forgotten.append(old)
-            self.row_of[ids[u]] = r
-            self.key[r] = counts[u] if self.forget == "lfu" else step
+            r = back[ids[u]] if ids[u] in back else chosen[u]
+            if r in self.entry:
+                forgotten.append(self.entry[r][0])
+            self.entry[r] = [ids[u], step, counts[u]]
             rows[u] = r
+        self.clock = (max(step, self.clock[0]), max(finished, self.clock[1]))
         return rows, [ids[u] for u in admitted], forgotten
-
-    def expire(self, before):
-        """Forgets released ids last used before ``before`` (lru keys): their
-        rows are taken next, the last expired first."""
-        expired = sorted(
-            (r for r in self.released if self.key[r] < before), key=lambda r: (self.key[r], r)
-        )
-        gone = []
-        for r in expired:
-            self.released.remove(r)
-            old = next(i for i, row in self.row_of.items() if row == r)
-            del self.row_of[old]
-            self.free.insert(0, r)
-            gone.append(old)
-        return gone
 
 
 def make_raw_reference(rows, config: jaxcache.CacheConfig, num_features: int, *, lookahead=0):
@@ -218,19 +246,16 @@ def make_raw_reference(rows, config: jaxcache.CacheConfig, num_features: int, *,
     ``hashed_rows`` with fresh optimizer state, then ``make_reference``
     trains the rows. Returns ``(model, train, vocabulary)``."""
     spec = config.vocabulary
-    vocab = VocabularyModel(config.num_embeddings, spec.admit_after, spec.forget)
+    vocab = VocabularyModel(
+        config.num_embeddings, spec.admit_after, spec.forget, ways=spec.ways, ttl=spec.ttl,
+        seed=spec.seed,
+    )  # fmt: skip
     model, ref_train = make_reference(rows, config.optimizer, num_features)
-    in_flight: dict[int, set[int]] = {}
-    last: dict[int, int] = {}
     step = [0]
 
     def train(ids, labels, weights=None):
         t = step[0]
         step[0] += 1
-        for p in [p for p in in_flight if p <= t - 1 - lookahead]:
-            vocab.released |= {r for r in in_flight.pop(p) if last[r] == p}
-        if spec.ttl is not None:
-            vocab.expire(t - spec.ttl)
         real = (
             ids != config.padding_id if config.padding_id is not None else np.ones_like(ids, bool)
         )
@@ -240,7 +265,7 @@ def make_raw_reference(rows, config: jaxcache.CacheConfig, num_features: int, *,
         )
         order = np.argsort(first)
         unique, counts, inverse = unique[order], counts[order], np.argsort(order)[inverse]
-        rows_u, new_ids, _ = vocab.admit(unique.tolist(), counts.tolist(), t)
+        rows_u, new_ids, _ = vocab.admit(unique.tolist(), counts.tolist(), t, t - 1 - lookahead)
         rows_u = np.array(rows_u, np.int64)
         if new_ids:
             position = {i: u for u, i in enumerate(unique.tolist())}
@@ -258,8 +283,6 @@ def make_raw_reference(rows, config: jaxcache.CacheConfig, num_features: int, *,
                     for k, v in embed.opt_state.get_value().items()
                 }
             )
-        in_flight[t] = {int(r) for r in rows_u if r >= 0}
-        last.update((r, t) for r in in_flight[t])
         mapped = np.full(ids.shape, -1, np.int64)
         mapped[real] = rows_u[inverse]
         return ref_train(mapped, labels, weights)

@@ -95,7 +95,8 @@ def test_raw_ids_under_churn_match_the_dict_reference(opt_name):
     ("lookahead", "rows", "vocabulary"),
     [
         (1, 320, {"forget": "lfu", "policy": "lru"}),
-        (2, 120, {"admit_after": 2, "init": "uniform", "scale": 0.5, "policy": "lfu"}),
+        # One bucket of 120 rows: as tight as the batches in flight allow.
+        (2, 120, {"admit_after": 2, "init": "uniform", "scale": 0.5, "policy": "lfu", "ways": 128}),
     ],
 )
 def test_pipelined_raw_ids_match_the_dict_reference(lookahead, rows, vocabulary):
@@ -159,13 +160,10 @@ def _assert_unchanged(before, after):
 
 def _after_one_batch(rows, capacity, ids):
     """A cache of ``rows`` rows and ``capacity`` slots after one batch, and a
-    snapshot of its state as the next plan, refused or not, finds it:
-    ``prepare`` counts the batch finished, and a plan first releases the
-    rows of finished ones."""
+    snapshot of its state as the next plan, refused or not, finds it."""
     cache = jaxcache.EmbeddingCache(config(rows, capacity, jaxcache.sgd(0.1), policy="lru"))
     state, _ = cache.prepare(cache.init_state(), np.array(ids))
     cache.lifecycle.release_all()
-    cache.raw.release(cache.planner.released)
     return cache, state, _snapshot(cache)
 
 

@@ -8,80 +8,109 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxcache
-from jaxcache._src.vocabulary import Vocabulary, distinct_ids, hashed_rows
+from jaxcache._src.vocabulary import Vocabulary, distinct_ids, hashed_rows, rows_to_hold
 from tests.models import VocabularyModel
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    rows=st.integers(1, 12),
+    rows=st.sampled_from([1, 3, 12, 40]),
+    ways=st.sampled_from([4, 64]),
     admit_after=st.sampled_from([1, 1, 2, 3]),
     forget=st.sampled_from(["lru", "lfu"]),
+    ttl=st.sampled_from([None, None, 2, 5]),
     seed=st.integers(0, 2**16),
 )
-def test_admits_and_forgets_by_the_rules_of_a_dict_model(rows, admit_after, forget, seed):
+def test_admits_and_forgets_by_the_rules_of_a_dict_model(
+    rows, ways, admit_after, forget, ttl, seed
+):
+    ttl = ttl if forget == "lru" else None
     rng = np.random.default_rng(seed)
     # Raw ids anywhere in int64, a few dozen of them, many sharing index probes.
-    universe = rng.integers(-(1 << 62), 1 << 62, 40)
+    universe = rng.integers(-(1 << 62), 1 << 62, 60)
     universe[:5] = [0, -1, 1 << 40, (1 << 63) - 1, -(1 << 63)]
-    vocab = Vocabulary(rows, admit_after=admit_after, forget=forget, sketch_width=1 << 16)
-    model = VocabularyModel(rows, admit_after, forget)
-    held: set[int] = set()
-    for step in range(60):
+    settings_ = dict(admit_after=admit_after, forget=forget, ways=ways, ttl=ttl, seed=seed)
+    vocab = Vocabulary(rows, sketch_width=1 << 16, **settings_)
+    model = VocabularyModel(rows, admit_after, forget, ways=ways, ttl=ttl, seed=seed)
+    assert vocab.buckets == model.buckets
+    assert vocab.bucket_of(universe).tolist() == [model.bucket(int(i)) for i in universe]
+    step = 0
+    for _ in range(80):
         if step == 30:  # a restore mid-run continues exactly
-            restored = Vocabulary(
-                rows, admit_after=admit_after, forget=forget, sketch_width=1 << 16
-            )
+            restored = Vocabulary(rows, sketch_width=1 << 16, **settings_)
             restored.load_state_dict(vocab.state_dict())
             vocab = restored
-        if forget == "lru" and rng.random() < 0.15:  # ids unused for a few steps expire
-            before = step - int(rng.integers(1, 8))
-            assert vocab.expire(before).tolist() == model.expire(before)
-            continue
-        if held and rng.random() < 0.4:
-            out = rng.choice(sorted(held), size=rng.integers(1, len(held) + 1), replace=False)
-            vocab.release(np.array(out))
-            model.released.update(int(r) for r in out)
-            held -= set(out.tolist())
-            continue
-        ids = rng.choice(universe, size=rng.integers(1, min(rows, 6) + 2), replace=False)
+        lag = int(rng.integers(0, 4))  # plans in flight: their rows are held
+        ids = rng.choice(universe, size=rng.integers(1, min(rows, 8) + 2), replace=False)
         counts = rng.integers(1, 4, ids.size)
+        new = bool(rng.random() < 0.9)
+        kwargs = dict(step=step, finished=step - 1 - lag, new=new)
         if rng.random() < 0.2:  # admitted, then taken back (its batch refused later)
             before = vocab.state_dict()
             try:
-                vocab.revert(vocab.admit(ids, counts, step=step))
+                vocab.revert(vocab.admit(ids, counts, **kwargs))
             except jaxcache.CapacityError:
                 pass
             after = vocab.state_dict()
             assert all(np.array_equal(before[k], after[k]) for k in before), "reverted"
             continue
         try:
-            expected = model.admit(ids.tolist(), counts.tolist(), step)
+            expected = model.admit(ids.tolist(), counts.tolist(), step, step - 1 - lag, new)
         except jaxcache.CapacityError:
             before = vocab.state_dict()
-            with pytest.raises(jaxcache.CapacityError, match="new ids to admit"):
-                vocab.admit(ids, counts, step=step)
+            with pytest.raises(jaxcache.CapacityError, match="new ids to admit") as refusal:
+                vocab.admit(ids, counts, **kwargs)
             after = vocab.state_dict()
             assert all(np.array_equal(before[k], after[k]) for k in before)  # nothing changed
+            after_plan = refusal.value.fits_after
+            if after_plan is not None:  # releasing that plan makes room
+                assert step - 1 - lag < after_plan < step
+                model.admit(ids.tolist(), counts.tolist(), step, after_plan, new)
+                done = vocab.admit(ids, counts, step=step, finished=after_plan, new=new)
+                step += 1
             continue
-        done = vocab.admit(ids, counts, step=step)
+        done = vocab.admit(ids, counts, **kwargs)
         assert done.rows.tolist() == expected[0]
         assert done.new_ids.tolist() == expected[1]
         assert done.forgotten_ids.tolist() == expected[2]
         assert done.refused == int((done.rows < 0).sum())
-        held |= {int(r) for r in done.rows if r >= 0}
-        # The index holds exactly the model's ids.
-        live = list(model.row_of)
-        assert vocab.lookup(np.array(live, np.int64)).tolist() == [model.row_of[i] for i in live]
-        gone = [i for i in universe.tolist() if i not in model.row_of]
+        step += 1
+        # The index holds exactly the model's live ids.
+        live = model.row_of
+        assert vocab.lookup(np.array(list(live), np.int64)).tolist() == list(live.values())
+        gone = [i for i in universe.tolist() if i not in live]
         assert (vocab.lookup(np.array(gone, np.int64)) == -1).all()
-        assert vocab.size == len(model.row_of) and vocab.released == len(model.released)
+        assert vocab.size == len(live)
+
+
+def test_a_bucket_holds_at_most_its_ways_and_the_ids_spread_over_the_buckets():
+    vocab = Vocabulary(1000, ways=16)
+    assert vocab.buckets == 64
+    assert sorted({vocab.ways_of(b) for b in range(64)}) == [15, 16]
+    ids = np.random.default_rng(1).integers(-(1 << 62), 1 << 62, 64_000)
+    load = np.bincount(vocab.bucket_of(ids), minlength=64)
+    assert load.min() > 900 and load.max() < 1100  # 1000 each, within 3 sigma
+    done = vocab.admit(ids[:400], np.ones(400), step=0)
+    # Row r of bucket r % 64: each id's row is in its own bucket.
+    assert (done.rows[done.rows >= 0] % 64 == vocab.bucket_of(ids[:400])[done.rows >= 0]).all()
+
+
+def test_the_budget_that_forgets_nothing_holds_every_bucket():
+    ids = np.random.default_rng(2).integers(-(1 << 62), 1 << 62, 5000)
+    need = rows_to_hold(ids, ways=32, seed=4)
+    assert 5000 <= need <= 3 * 5000  # buckets fill unevenly: some room is never used
+    for rows, forgets in ((need, False), (need - 1, True)):
+        vocab = Vocabulary(rows, ways=32, seed=4)
+        forgotten = 0
+        for step, batch in enumerate(np.array_split(ids, 10)):
+            forgotten += vocab.admit(batch, np.ones(batch.size), step=step).forgotten_ids.size
+        assert (forgotten > 0) == forgets
 
 
 def test_many_ids_through_a_small_budget_keep_the_index_exact():
     # 50,000 distinct ids through 1,000 rows: every probe run is shifted on
     # deletion many times over.
-    vocab = Vocabulary(1000)
+    vocab = Vocabulary(1000, ways=1000)  # one bucket: it forgets only when all are full
     rng = np.random.default_rng(0)
     ids = rng.permutation(rng.integers(-(1 << 62), 1 << 62, 50_000))
     alive: dict[int, int] = {}
@@ -90,7 +119,6 @@ def test_many_ids_through_a_small_budget_keep_the_index_exact():
         for i in done.forgotten_ids.tolist():
             del alive[i]
         alive.update(zip(done.new_ids.tolist(), done.new_rows.tolist(), strict=True))
-        vocab.release(done.rows)
     assert len(alive) == vocab.size == 1000
     assert vocab.lookup(np.array(list(alive))).tolist() == list(alive.values())
     assert (vocab.lookup(ids[:-1000][~np.isin(ids[:-1000], list(alive))]) == -1).all()
@@ -102,7 +130,8 @@ def test_a_batch_too_large_for_the_budget_is_refused_with_nothing_changed():
     assert first.rows.tolist() == [0, 1]
     before = vocab.state_dict()
     with pytest.raises(jaxcache.CapacityError, match="2 new ids to admit but only 1 of the 3"):
-        vocab.admit(np.array([3, 4, 5]), np.array([2, 2, 1]), step=1)  # 5 is not admitted yet
+        # Plan 0 is in flight (its rows held), and 5 is not admitted yet.
+        vocab.admit(np.array([3, 4, 5]), np.array([2, 2, 1]), step=1, finished=-1)
     after = vocab.state_dict()
     assert all(np.array_equal(before[k], after[k]) for k in before)
     assert vocab.estimate(np.array([3, 4, 5])).tolist() == [0, 0, 0]
@@ -115,6 +144,8 @@ def test_a_batch_too_large_for_the_budget_is_refused_with_nothing_changed():
         ({"rows": 4, "admit_after": 0}, "admit_after=0"),
         ({"rows": 4, "forget": "fifo"}, "forget='fifo'"),
         ({"rows": 4, "sketch_width": 1000}, "power of two"),
+        ({"rows": 4, "ways": 0}, "ways=0"),
+        ({"rows": 4, "forget": "lfu", "ttl": 3}, "ttl=3"),
     ],
 )
 def test_bad_settings_are_refused(kwargs, message):

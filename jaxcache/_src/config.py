@@ -29,10 +29,12 @@ class DynamicVocabulary:
     the host table. An id gets a row when it is admitted; its row starts
     from ``init`` as a function of ``(seed, id)`` alone, with fresh
     optimizer state, so it starts the same whatever the batch order or the
-    device count. When the budget is full, a new id takes the row of a
-    stale one (``forget``), whose row and state start afresh; rows of
-    batches in flight are never taken, and a batch with more new ids than
-    rows can be freed raises ``CapacityError`` with nothing changed.
+    device count. The budget's rows form buckets of at most ``ways`` rows,
+    and an id's bucket is a hash of the id (as in a set-associative cache):
+    when its bucket is full, a new id takes the row of the bucket's stalest
+    id (``forget``), whose row and state start afresh. Rows of batches in
+    flight are never taken, and a batch with more new ids for a bucket than
+    it can free raises ``CapacityError`` with nothing changed.
 
     Attributes:
       admit_after: an id gets a row once it was looked up this many times
@@ -41,15 +43,21 @@ class DynamicVocabulary:
         and gets no update, like padding. 1: on first sight. Batches that
         do not train (``train=False``, ``jaxcache.Server``) admit no id and
         count nothing: unknown ids read zeros.
-      forget: which row a new id takes once none is free: the id looked up
-        longest ago (``"lru"``) or with the fewest lookups (``"lfu"``),
-        among ids no batch in flight uses.
+      forget: which row a new id takes once its bucket has none free: the
+        bucket's id looked up longest ago (``"lru"``) or with the fewest
+        lookups (``"lfu"``), among ids no batch in flight uses.
+      ways: the most rows of a bucket: ``B``, the least power of two with
+        ``B * ways >= num_embeddings``, buckets share the rows. More ways
+        forget more like a global LRU or LFU and refuse fewer batches; the
+        device planner compares an id with every way of its bucket. The
+        device planner splits the buckets over the devices, so their number
+        must be a multiple of the device count.
       init: the first values of a new row: ``"normal"`` (standard deviation
         ``scale``), ``"uniform"`` (in ``[-scale, scale)``) or ``"zeros"``.
       scale: of ``init``.
       ttl: with ``forget="lru"``, also forget the ids no batch looked up in
-        the last ``ttl`` steps, even while rows are free (their rows are
-        taken first); ``None``: only when the budget is full.
+        the last ``ttl`` steps, even while rows are free (their rows count
+        as free); ``None``: only when a bucket is full.
       seed: of the first values and of the sketch's hashes.
       sketch_width: counters per row of the admission sketch (a power of
         two; used with ``admit_after > 1``).
@@ -72,6 +80,7 @@ class DynamicVocabulary:
     seed: int = 0
     sketch_width: int = 1 << 20
     ttl: int | None = None
+    ways: int = 64
 
     def __post_init__(self) -> None:
         after = self.admit_after
@@ -96,6 +105,9 @@ class DynamicVocabulary:
                 f'ttl={ttl} forgets by the step of last use: it needs forget="lru", not '
                 f"{self.forget!r}."
             )
+        ways = self.ways
+        if isinstance(ways, bool) or not isinstance(ways, (int, np.integer)) or ways < 1:
+            raise ValueError(f"ways={ways!r} must be a positive integer, such as 64.")
         width = self.sketch_width
         if (
             isinstance(width, bool)

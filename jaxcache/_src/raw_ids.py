@@ -4,16 +4,15 @@ With ``CacheConfig(vocabulary=DynamicVocabulary(...))`` the ids of a batch
 are raw int64 values. ``RawIds`` holds the ``Vocabulary`` (id -> row) and
 does, for each batch, in the stager's lock and in plan order:
 
-1. **Release** the rows no plan in flight uses any more: those whose last
-   plan is finished by the bound the planners use (``released``), so that
-   which rows a new id may take does not depend on thread timing.
-2. **Admit** the batch's distinct ids, in the order they first appear
+1. **Admit** the batch's distinct ids, in the order they first appear
    (``distinct_ids``: one hash pass, no sort), so that rows depend on the
-   batch alone, never on the device count. Ids not
-   admitted, and the padding id, become row ``-1``: the planners' padding.
-3. The planners plan the rows. If they refuse the batch, the admission is
+   batch alone, never on the device count. Rows whose last plan is not
+   finished by the vocabulary's bound (``finished``, set by the look-ahead,
+   never by thread timing) are held. Ids not admitted, and the padding id,
+   become row ``-1``: the planners' padding.
+2. The planners plan the rows. If they refuse the batch, the admission is
    taken back (``Vocabulary.revert``): nothing changed.
-4. **Renew** the rows given to new ids: their unlanded write-backs (of the
+3. **Renew** the rows given to new ids: their unlanded write-backs (of the
    ids that had them) are dropped, their first values and fresh optimizer
    state are written to the host table, and a row the plan found resident
    (its old id's values on the device) is fetched again like a miss, over
@@ -34,7 +33,6 @@ from jaxcache._src import validation
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.host_table import HostTable
 from jaxcache._src.partitions import Partitions, StepPlan
-from jaxcache._src.planner import CapacityError
 from jaxcache._src.vocabulary import Admission, Vocabulary, distinct_ids, hashed_rows
 from jaxcache._src.write_back import WriteBacks
 
@@ -42,8 +40,7 @@ __all__ = ["RawIds", "Translated"]
 
 # The planners' padding row (rows are never negative).
 ROW_PAD = -1
-_STATE_KEYS = ("ids", "rows", "keys", "released", "free", "sketch")
-_HELD_KEYS = ("held_rows", "held_plans")
+_STATE_KEYS = ("ids", "rows", "last_use", "counts", "sketch", "clock")
 
 
 class Translated(NamedTuple):
@@ -75,16 +72,7 @@ class RawIds:
         assert spec is not None, "RawIds serves a dynamic vocabulary"
         self.spec = spec
         self.config = config
-        self.vocabulary = Vocabulary(
-            config.num_embeddings,
-            admit_after=int(spec.admit_after),
-            forget=spec.forget,
-            sketch_width=int(spec.sketch_width),
-            seed=int(spec.seed),
-        )
-        self._last_plan = np.full(config.num_embeddings, -1, np.int64)
-        self._in_flight: dict[int, np.ndarray] = {}  # plan index -> its rows
-        self._expired = 0  # ids expired since the last batch was recorded
+        self.vocabulary = Vocabulary.of(spec, config.num_embeddings)
 
     # ----------------------------------------------------------------- steps
     def plan(
@@ -116,16 +104,8 @@ class RawIds:
         except BaseException:
             self.revert(translated)
             raise
-        self.commit(translated, step.index)
         step = self.renew(step, translated, partitions, table, ledger)
         return step, translated.rows, self.record(translated)
-
-    def release(self, finished: int) -> None:
-        """Plans up to ``finished`` are done: rows no later plan uses may go
-        to new ids."""
-        for index in sorted(i for i in self._in_flight if i <= finished):
-            rows = self._in_flight.pop(index)
-            self.vocabulary.release(rows[self._last_plan[rows] == index])
 
     def translate(
         self, ids: np.ndarray, *, index: int, finished: int, train: bool = True
@@ -136,48 +116,24 @@ class RawIds:
         admits no id: unknown ids read the padding row.
 
         Raises:
-          CapacityError: more new ids than rows that can take one (nothing
-            changed); ``fits_after`` is the last plan in flight when
-            releasing every plan in flight would make room.
+          CapacityError: a bucket has more new ids than rows that can take
+            one (nothing changed); ``fits_after`` is the plan whose release
+            would make room (``Vocabulary.admit``).
         """
         array = validation.check_id_type(ids, "ids")
-        self.release(finished)
-        if self.spec.ttl is not None:  # by the step alone: a refusal keeps it
-            self._expired += self.vocabulary.expire(index - int(self.spec.ttl)).size
         unique, inverse, counts = distinct_ids(array, self.config.padding_id)
-        try:
-            admission = self.vocabulary.admit(unique, counts, step=index, new=train, distinct=True)
-        except CapacityError as error:
-            error.fits_after = self._fits_after(error, unique)
-            raise
+        admission = self.vocabulary.admit(
+            unique, counts, step=index, finished=finished, new=train, distinct=True
+        )
         # Padding's inverse is -1: the last entry, the planners' padding row.
         rows = np.append(admission.rows, ROW_PAD)[inverse]
         refused = int(counts[admission.rows < 0].sum())
         assert admission.new_at is not None
         return Translated(rows, admission, counts[admission.new_at], refused)
 
-    def _fits_after(self, error: CapacityError, unique: np.ndarray) -> int | None:
-        """The last plan in flight, if the batch fits once every plan in
-        flight is finished; else ``None`` (it never fits)."""
-        if not self._in_flight or error.rows_needed is None or error.rows_available is None:
-            return None
-        held = np.unique(np.concatenate(list(self._in_flight.values())))
-        mine = self.vocabulary.lookup(unique)
-        more = np.setdiff1d(held, mine[mine >= 0], assume_unique=False).size
-        if error.rows_needed > error.rows_available + more:
-            return None
-        return max(self._in_flight)
-
     def revert(self, translated: Translated) -> None:
         """Takes back ``translate`` (the planners refused the batch)."""
         self.vocabulary.revert(translated.admission)
-
-    def commit(self, translated: Translated, index: int) -> None:
-        """Batch ``index`` was planned: its rows are held until it finishes."""
-        rows = translated.admission.rows
-        rows = rows[rows >= 0]
-        self._last_plan[rows] = index
-        self._in_flight[index] = rows
 
     def renew(
         self,
@@ -217,25 +173,18 @@ class RawIds:
     def record(self, translated: Translated) -> dict[str, int]:
         """The statistics of a translated batch (``StepStats`` fields)."""
         admission = translated.admission
-        expired, self._expired = self._expired, 0
         return {
             "new_ids": int(admission.new_ids.size),
-            "forgotten_ids": int(admission.forgotten_ids.size) + expired,
+            "forgotten_ids": int(admission.forgotten_ids.size),
             "refused_lookups": translated.refused_lookups,
         }
 
     # ------------------------------------------------------------ checkpoint
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """The vocabulary as flat arrays (``Vocabulary.state_dict``), and the
-        rows the latest plans hold with the last plan of each: a pipeline
-        resumed after a checkpoint releases them by the same bound as one
-        that ran on, so forgetting resumes exactly."""
-        held = np.unique(np.concatenate([np.zeros(0, np.int64), *self._in_flight.values()]))
-        return {
-            **{f"vocabulary.{k}": v for k, v in self.vocabulary.state_dict().items()},
-            "vocabulary.held_rows": held,
-            "vocabulary.held_plans": self._last_plan[held],
-        }
+        """The vocabulary as flat arrays (``Vocabulary.state_dict``): each
+        entry's last use holds its row while a plan in flight uses it, so a
+        pipeline resumed after a checkpoint forgets as one that ran on."""
+        return {f"vocabulary.{k}": v for k, v in self.vocabulary.state_dict().items()}
 
     def check_state_arrays(self, arrays: dict[str, Any]) -> None:
         """Raises ``ValueError`` unless ``load_state_arrays`` takes ``arrays``."""
@@ -243,7 +192,8 @@ class RawIds:
         if missing:
             raise ValueError(
                 f"the saved state has no vocabulary.{missing[0]}: it was saved by a cache "
-                "without a dynamic vocabulary; restore it into one built with vocabulary=None."
+                "without a dynamic vocabulary (restore it into one built with vocabulary=None), "
+                "or by an older jaxcache whose vocabulary this one cannot read."
             )
         rows = np.asarray(arrays["vocabulary.rows"])
         if rows.size and (rows.min() < 0 or rows.max() >= self.config.num_embeddings):
@@ -255,8 +205,8 @@ class RawIds:
         if sketch != self.vocabulary.sketch.shape:
             raise ValueError(
                 f"the saved admission sketch is {sketch}, this cache's "
-                f"{self.vocabulary.sketch.shape}; build it with the saved admit_after and "
-                "sketch_width."
+                f"{self.vocabulary.sketch.shape}; build it with the saved admit_after, ways "
+                "and sketch_width."
             )
 
     def load_state_arrays(self, arrays: dict[str, Any]) -> None:
@@ -264,13 +214,6 @@ class RawIds:
         self.vocabulary.load_state_dict(
             {k: np.asarray(arrays[f"vocabulary.{k}"]) for k in _STATE_KEYS}
         )
-        self._in_flight.clear()
-        self._last_plan[:] = -1
-        rows = np.asarray(arrays.get("vocabulary.held_rows", np.zeros(0)), np.int64)
-        plans = np.asarray(arrays.get("vocabulary.held_plans", np.zeros(0)), np.int64)
-        self._last_plan[rows] = plans
-        for plan in np.unique(plans).tolist():
-            self._in_flight[plan] = rows[plans == plan]
 
 
 def _refetch_resident(

@@ -1,25 +1,38 @@
-"""Raw ids to host rows: a row budget that admits new ids and forgets stale ones.
+"""Raw ids to host rows: a row budget in buckets that admits new ids and forgets stale ones.
 
 Recommendation data carries raw 64-bit ids (hashed categorical values, user
 and item ids that grow every day). A ``Vocabulary`` gives such an id a row
 of the host table the first time it is admitted, and takes a row back from
-a stale id when the budget is full, so that no two live ids share a row.
+a stale id when its bucket is full, so that no two live ids share a row.
 
-- **Index**: id -> row in an open-addressing hash table (linear probing,
-  at most half full, deletion by backward shift, so no tombstones build
-  up); ``O(1)`` per id, compiled loops.
+- **Buckets**: the budget's ``R`` rows form ``B`` buckets, ``B`` the
+  smallest power of two with ``B * ways >= R``: row ``r`` is way ``r // B``
+  of bucket ``r % B``, so each bucket has ``ways`` rows or a few fewer. An
+  id's bucket is the low bits of ``id_hash``, a 32-bit hash of its two
+  32-bit words: the device planner computes it where the ids are, without
+  64-bit integers, and the devices split the buckets as they split rows
+  (``r % n``), so a bucket's rows and the ids that may take them share a
+  home. A choice within a bucket (a new id, a forgotten one) depends on
+  that bucket's ids alone, never on the device count.
+- **Index** (host only): id -> row in an open-addressing hash table (linear
+  probing, at most half full, deletion by backward shift), ``O(1)`` per id.
 - **Admission**: an id seen fewer than ``admit_after`` times gets no row
-  (``-1``); its lookups are counted in a count-min sketch of ``4 x width``
-  int32 counters (a row count it never under-counts; it over-counts only
-  when other ids share all four of its counters).
-- **Forgetting**: a row the caller holds (a batch in flight uses it) is
-  never taken. Rows the caller released form a min-heap on
-  ``(key, row)``: the step of the row's last admission (``"lru"``) or its
-  lookups so far (``"lfu"``); a new id takes a free row first, then the
-  heap's least. Every operation is ``O(log R)``.
-- **All or nothing**: a batch whose admitted new ids outnumber the free and
-  released rows raises ``CapacityError`` with nothing changed (the sketch's
-  counts are taken back).
+  (``-1``); the lookups of ids without a row are counted in a count-min
+  sketch of ``4`` rows of counters, each bucket owning its own columns (it
+  over-counts only when other ids of the bucket share all four counters).
+- **Forgetting**: an id admitted into a bucket takes the bucket's lowest
+  free way, else the way of least ``(key, way)`` among the ids that no batch
+  in flight uses: key the plan of last use (``"lru"``) or the lookups so far
+  (``"lfu"``). Held rows (used by a plan after ``finished``, or by the
+  batch itself) are never taken.
+- **Expiry** (``ttl``): an id no plan looked up in the last ``ttl`` plans
+  and no batch in flight uses has expired: it has no row, and its way
+  counts as free. Expiry is read from each row's last use when the row is
+  looked at, so it costs nothing per step; an expired id that is admitted
+  again takes its own way back.
+- **All or nothing**: a batch with more admitted new ids in some bucket
+  than that bucket can free raises ``CapacityError`` with nothing changed
+  (the sketch's counts are taken back).
 
 Rows taken by new ids come back from ``admit`` with those ids, so that the
 caller writes their first values (``hashed_rows``: a function of the seed
@@ -34,27 +47,49 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxcache._src.compiled import kernel
+from jaxcache._src.config import DynamicVocabulary
+from jaxcache._src.hashing import (
+    SKETCH_DEPTH,
+    bucket_count,
+    fmix32,
+    id_hash,
+    id_words,
+    seed_word,
+    sketch_salts,
+    splitmix64,
+)
 from jaxcache._src.planner import CapacityError
 
-__all__ = ["Admission", "Vocabulary", "distinct_ids", "hashed_rows", "splitmix64"]
+__all__ = ["Admission", "Vocabulary", "distinct_ids", "hashed_rows", "rows_to_hold"]
 
 FORGET = ("lru", "lfu")
-_SKETCH_DEPTH = 4
 _INT32_MAX = np.iinfo(np.int32).max
 
 
-def splitmix64(values: np.ndarray) -> np.ndarray:
-    """SplitMix64's finalizer of ``uint64`` values: a bijection whose output
-    bits each depend on every input bit (Steele et al. 2014).
+def rows_to_hold(ids: np.ndarray, *, ways: int = 64, seed: int = 0) -> int | None:
+    """The least row budget whose buckets hold all of ``ids`` (distinct raw
+    ids) at once: a vocabulary this large never forgets them. ``None`` when
+    no budget does (more than ``ways`` ids share all 32 bits of a hash).
 
     Examples:
-      >>> splitmix64(np.array([0, 1], np.uint64)).tolist()
-      [0, 6238072747940578789]
+      >>> rows_to_hold(np.arange(10), ways=64), rows_to_hold(np.arange(100), ways=64) >= 100
+      (10, True)
     """
-    z = np.asarray(values, np.uint64)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    low, high = id_words(np.asarray(ids, np.int64))
+    hashes = id_hash(low, high, seed_word(seed)).astype(np.int64)
+    if hashes.size == 0:
+        return 0
+    buckets = 1
+    while buckets <= 1 << 32:
+        loads = np.bincount(hashes & (buckets - 1), minlength=buckets)
+        used = np.flatnonzero(loads)
+        # Bucket b of R rows has ceil((R - b) / B) ways.
+        need = int(((loads[used] - 1) * buckets + used + 1).max())
+        need = max(need, buckets // 2 * ways + 1 if buckets > 1 else 1)
+        if need <= buckets * ways:
+            return need
+        buckets *= 2
+    return None
 
 
 def hashed_rows(
@@ -133,11 +168,13 @@ def distinct_ids(
 class _Undo(NamedTuple):
     """What ``Vocabulary.revert`` needs to take an admission back."""
 
-    known_rows: np.ndarray  # the batch's known rows, their keys before, and
-    known_keys: np.ndarray  # whether they were released
-    known_released: np.ndarray
-    from_free: int  # the first new rows came from the free rows
-    forgotten_keys: np.ndarray  # the keys of the rows taken from other ids
+    clock: tuple[int, int]  # the vocabulary's (step, finished) before
+    known_rows: np.ndarray  # the batch's known rows and their last use and
+    known_last: np.ndarray  # lookups before
+    known_counts: np.ndarray
+    old_ids: np.ndarray  # each new row's entry before (last use -1: none)
+    old_last: np.ndarray
+    old_counts: np.ndarray
     cells: np.ndarray | None  # the sketch's counters the batch added to
     added: np.ndarray | None  # and what it added
 
@@ -149,8 +186,8 @@ class Admission(NamedTuple):
       rows: ``int64 [U]``: each id's row, ``-1`` for an id not admitted.
       new_ids: ``int64 [A]``: the ids that got a row now, in batch order.
       new_rows: ``int64 [A]``: their rows (write their first values there).
-      forgotten_ids: ``int64 [F]``: ids whose rows were taken (``F <= A``),
-        the last ``F`` of ``new_rows``.
+      forgotten_ids: ``int64 [F]``: the ids whose rows new ids took (an
+        expired id admitted again is among them: its row starts afresh).
       refused: ids not admitted (seen fewer than ``admit_after`` times).
       new_at: ``int64 [A]``: where each new id is in the ids given.
       undo: what ``Vocabulary.revert`` takes back.
@@ -182,17 +219,19 @@ class Vocabulary:
     Args:
       rows: the row budget ``R`` (the host table's ``num_embeddings``).
       admit_after: an id gets a row once seen this many times (1: at once).
-      forget: which released row a new id takes when none is free:
-        ``"lru"`` (admitted longest ago) or ``"lfu"`` (fewest lookups).
-      sketch_width: counters per row of the admission sketch (a power of
-        two; with ``admit_after > 1``).
-      seed: of the sketch's hashes.
+      forget: which way of its bucket a new id takes when none is free:
+        ``"lru"`` (looked up longest ago) or ``"lfu"`` (fewest lookups).
+      ways: the most rows of one bucket.
+      ttl: with ``forget="lru"``, ids unused for more than this many plans
+        expire (``None``: never).
+      sketch_width: counters per row of the admission sketch over all
+        buckets (a power of two; with ``admit_after > 1``).
+      seed: of the hashes.
 
     Examples:
       >>> vocab = Vocabulary(2)
       >>> vocab.admit(np.array([10**12, 5]), np.array([1, 1]), step=0).rows.tolist()
       [0, 1]
-      >>> vocab.release(np.array([0, 1]))  # no batch in flight uses them
       >>> done = vocab.admit(np.array([7]), np.array([1]), step=1)  # takes the LRU row
       >>> done.rows.tolist(), done.forgotten_ids.tolist()
       ([0], [1000000000000])
@@ -204,6 +243,8 @@ class Vocabulary:
         *,
         admit_after: int = 1,
         forget: str = "lru",
+        ways: int = 64,
+        ttl: int | None = None,
         sketch_width: int = 1 << 20,
         seed: int = 0,
     ) -> None:
@@ -216,44 +257,88 @@ class Vocabulary:
             )
         if forget not in FORGET:
             raise ValueError(f"forget={forget!r} is not one of {FORGET}.")
+        if isinstance(ways, bool) or not isinstance(ways, int) or ways < 1:
+            raise ValueError(f"ways={ways!r} must be a positive integer, such as 64.")
+        if ttl is not None and forget != "lru":
+            raise ValueError(f'ttl={ttl} forgets by the plan of last use: it needs forget="lru".')
         if sketch_width < 1 or sketch_width & (sketch_width - 1):
             raise ValueError(f"sketch_width={sketch_width} must be a power of two.")
         self.rows = rows
         self.admit_after = admit_after
         self.forget = forget
+        self.ways = ways
+        self.ttl = ttl
         self.seed = seed
+        self.buckets = bucket_count(rows, ways)
+        self.salt = seed_word(seed)
+        self.sketch_salts = sketch_salts(seed)
         size = 16
         while size < 2 * rows:
             size *= 2
         self._keys = np.zeros(size, np.int64)
         self._slots = np.full(size, -1, np.int32)  # the row of each index entry
         self.id_of_row = np.zeros(rows, np.int64)
-        self.live = np.zeros(rows, bool)
-        self.key = np.zeros(rows, np.int64)  # the forgetting order: step or lookups
-        self._free = np.arange(rows - 1, -1, -1, dtype=np.int32)  # popped from the end
-        self._free_count = rows
-        self._heap = np.zeros(rows, np.int32)
-        self._heap_at = np.full(rows, -1, np.int32)  # -1: held (or free)
-        self._heap_size = np.zeros(1, np.int64)
-        width = sketch_width if admit_after > 1 else 1
-        self.sketch = np.zeros((_SKETCH_DEPTH, width), np.int32)
-        self._sketch_seeds = splitmix64(
-            np.arange(1, _SKETCH_DEPTH + 1, dtype=np.uint64) + np.uint64(seed)
+        self.last_use = np.full(rows, -1, np.int64)  # -1: no entry
+        self.counts = np.zeros(rows, np.int64)  # lookups since admitted
+        self._stamp = np.full(rows, -1, np.int64)  # rows the batch being admitted holds
+        self._token = 0
+        # Each bucket owns ``sketch_width / B`` columns of every sketch row.
+        columns = max(16, sketch_width // self.buckets) if admit_after > 1 else 0
+        self.sketch_columns = columns
+        self.sketch = np.zeros((SKETCH_DEPTH, columns * self.buckets), np.int32)
+        self.clock = (-1, -1)  # the (step, finished) of the latest admission
+
+    @classmethod
+    def of(cls, spec: DynamicVocabulary, rows: int) -> Vocabulary:
+        """The empty vocabulary of ``rows`` rows by the rules of ``spec``."""
+        return cls(
+            int(rows),
+            admit_after=int(spec.admit_after),
+            forget=spec.forget,
+            ways=int(spec.ways),
+            ttl=None if spec.ttl is None else int(spec.ttl),
+            sketch_width=int(spec.sketch_width),
+            seed=int(spec.seed),
         )
 
     # ------------------------------------------------------------------ reads
+    def bucket_of(self, ids: np.ndarray) -> np.ndarray:
+        """``int64``: each id's bucket."""
+        low, high = id_words(ids)
+        return (id_hash(low, high, self.salt) & np.uint32(self.buckets - 1)).astype(np.int64)
+
+    def ways_of(self, bucket: int) -> int:
+        """Rows of ``bucket`` (``ways``, or one fewer for the last buckets)."""
+        return len(range(int(bucket), self.rows, self.buckets))
+
+    def _expired(self, rows: np.ndarray, clock: tuple[int, int] | None = None) -> np.ndarray:
+        """Whether each row's entry (rows ``>= 0``) has expired at ``clock``
+        (``(step, finished)``, default the latest admission's)."""
+        step, finished = self.clock if clock is None else clock
+        if self.ttl is None:
+            return np.zeros(rows.shape, bool)
+        last = self.last_use[rows]
+        return (last >= 0) & (last < step - self.ttl) & (last <= finished)
+
+    def live_rows(self) -> np.ndarray:
+        """``int64``: the rows that hold a live id, in row order."""
+        rows = np.flatnonzero(self.last_use >= 0)
+        return rows[~self._expired(rows)]
+
     @property
     def size(self) -> int:
         """Live ids (rows in use)."""
-        return self.rows - self._free_count
-
-    @property
-    def released(self) -> int:
-        """Live rows the caller released (a new id may take them)."""
-        return int(self._heap_size[0])
+        return int(self.live_rows().size)
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """``int64``: each id's row, ``-1`` for an id without one. Changes nothing."""
+        rows = self._find(ids)
+        found = rows >= 0
+        rows[found] = np.where(self._expired(rows[found]), -1, rows[found])
+        return rows
+
+    def _find(self, ids: np.ndarray) -> np.ndarray:
+        """Each id's entry in the index (expired ones too), ``-1`` if none."""
         ids = np.ascontiguousarray(ids, np.int64).reshape(-1)
         out = np.empty(ids.size, np.int64)
         _find(self._keys, self._slots, ids, out)
@@ -263,20 +348,21 @@ class Vocabulary:
         """``int64``: the sketch's count of each id's lookups (an upper bound;
         zeros with ``admit_after == 1``, which keeps no sketch)."""
         ids = np.ascontiguousarray(ids, np.int64).reshape(-1)
-        if self.admit_after == 1:
+        if not self.sketch.size:
             return np.zeros(ids.size, np.int64)
-        return (
-            self.sketch[np.arange(_SKETCH_DEPTH)[:, None], self._cells(ids)].min(0).astype(np.int64)
-        )
+        depth = np.arange(SKETCH_DEPTH)[:, None]
+        return self.sketch[depth, self._cells(ids)].min(0).astype(np.int64)
 
     def _cells(self, ids: np.ndarray) -> np.ndarray:
-        """``[4, U]`` the sketch counter of each id in each of its rows: the
-        top bits of a hash of the id salted per row."""
-        bits = int(self.sketch.shape[1]).bit_length() - 1
-        if bits == 0:
-            return np.zeros((_SKETCH_DEPTH, ids.size), np.int64)
-        mixed = splitmix64(ids.view(np.uint64)[None, :] ^ self._sketch_seeds[:, None])
-        return (mixed >> np.uint64(64 - bits)).astype(np.int64)
+        """``[4, U]`` each id's counter in each row of the sketch: one of
+        its bucket's columns, by a hash salted per row."""
+        low, high = id_words(ids)
+        h = id_hash(low, high, self.salt)
+        bucket = (h & np.uint32(self.buckets - 1)).astype(np.int64)
+        column = fmix32(h[None, :] ^ self.sketch_salts[:, None]) & np.uint32(
+            self.sketch_columns - 1
+        )
+        return bucket[None, :] + self.buckets * column.astype(np.int64)
 
     # ----------------------------------------------------------------- writes
     def admit(
@@ -285,21 +371,25 @@ class Vocabulary:
         counts: np.ndarray,
         *,
         step: int,
+        finished: int | None = None,
         new: bool = True,
         distinct: bool = False,
     ) -> Admission:
-        """Rows for a batch's distinct ``ids`` (``counts``: their lookups).
+        """Rows for the distinct ``ids`` of plan ``step`` (``counts``: their lookups).
 
         Known ids keep their rows; an unknown id seen ``admit_after`` times
-        (this batch's lookups included) gets a free row, else the least
-        released row (its old id is forgotten). Every row returned is held
-        until ``release``. All or nothing. With ``new=False`` (a batch that
-        trains nothing) no id is admitted or counted. ``distinct=True``:
-        the caller vouches that ``ids`` are distinct (``distinct_ids``).
+        (this batch's lookups included) gets a way of its bucket (see the
+        module). Rows used by plans after ``finished`` (default ``step -
+        1``: none in flight) are held. All or nothing. With ``new=False`` (a
+        batch that trains nothing) no id is admitted or counted.
+        ``distinct=True``: the caller vouches that ``ids`` are distinct
+        (``distinct_ids``).
 
         Raises:
-          CapacityError: more ids to admit than free and released rows; the
-            vocabulary, sketch included, is as it was.
+          CapacityError: a bucket has more ids to admit than rows it can
+            free; the vocabulary, sketch included, is as it was.
+            ``fits_after`` is the plan whose release would make room, or
+            ``None`` when none would.
         """
         ids = np.ascontiguousarray(ids, np.int64).reshape(-1)
         counts = np.ascontiguousarray(counts, np.int64).reshape(-1)
@@ -307,56 +397,68 @@ class Vocabulary:
             raise ValueError(f"{ids.size} ids but {counts.size} counts; pass one count per id.")
         if not distinct and np.unique(ids).size != ids.size:
             raise ValueError("ids must be distinct: pass a batch's distinct ids and their lookups.")
-        rows = self.lookup(ids)
+        step = int(step)
+        finished = step - 1 if finished is None else min(int(finished), step - 1)
+        clock = (step, finished)
+        rows = self._find(ids)
+        returning = np.full(ids.size, -1, np.int64)
+        if self.ttl is not None:
+            found = np.flatnonzero(rows >= 0)
+            gone = found[self._expired(rows[found], clock)]
+            returning[gone] = rows[gone]
+            rows[gone] = -1
         unknown = np.flatnonzero(rows < 0)
         admitted = unknown if new else unknown[:0]
-        cells = None
-        if new and self.admit_after > 1 and unknown.size:
+        cells = added = None
+        if new and self.sketch.size and unknown.size:
             cells = self._cells(ids[unknown])
-            depth = np.arange(_SKETCH_DEPTH)[:, None]
-            _sketch_add(
-                self.sketch, cells, np.minimum(counts[unknown], _INT32_MAX).astype(np.int32)
-            )
-            seen = self.sketch[depth, cells].min(0)
+            added = np.minimum(counts[unknown], _INT32_MAX).astype(np.int32)
+            _sketch_add(self.sketch, cells, added)
+            seen = self.sketch[np.arange(SKETCH_DEPTH)[:, None], cells].min(0)
             admitted = unknown[seen >= self.admit_after]
         known = np.flatnonzero(rows >= 0)
-        # The batch's own released rows are held again, not taken.
-        available = self._free_count + self.released - int((self._heap_at[rows[known]] >= 0).sum())
-        if admitted.size > available:
-            if cells is not None:
-                _sketch_add(
-                    self.sketch, cells, -np.minimum(counts[unknown], _INT32_MAX).astype(np.int32)
-                )
-            error = CapacityError(
-                f"the batch has {admitted.size} new ids to admit but only {available} of the "
-                f"{self.rows} rows can take one ({self.rows - available} are held by batches "
-                "in flight); raise num_embeddings, use smaller batches or a shorter "
-                "look-ahead, or admit new ids later (admit_after)."
-            )
-            error.rows_needed, error.rows_available = int(admitted.size), int(available)
-            raise error
-        new_rows = np.empty(admitted.size, np.int64)
-        forgotten = np.empty(admitted.size, np.int64)
-        forgotten_keys = np.empty(admitted.size, np.int64)
-        key = counts if self.forget == "lfu" else np.full(ids.size, step, np.int64)
+        self._token += 1
+        token = self._token
+        self._stamp[rows[known]] = token
+        back = returning[admitted]  # an expired id admitted again takes its own way
+        self._stamp[back[back >= 0]] = token
+        others = admitted[back < 0]
+        buckets = self.bucket_of(ids[others])
+        order = np.argsort(buckets, kind="stable")
+        group_of, starts = np.unique(buckets[order], return_index=True)
+        starts = np.append(starts, order.size).astype(np.int64)
+        placed = np.empty(order.size, np.int64)
+        short = np.zeros((group_of.size, 3), np.int64)  # needed, available, fits after
+        key = self.counts if self.forget == "lfu" else self.last_use
+        failed = _allocate(
+            self.last_use, key, self._stamp, token, self.buckets, self.rows,
+            step, finished, -1 if self.ttl is None else self.ttl,
+            group_of.astype(np.int64), starts, placed, short,
+        )  # fmt: skip
+        if failed:
+            if cells is not None and added is not None:
+                _sketch_add(self.sketch, cells, -added)
+            raise self._refusal(group_of, short)
+        new_rows = np.where(back >= 0, back, 0)
+        new_rows[np.flatnonzero(back < 0)[order]] = placed
         known_rows = rows[known]
         undo = _Undo(
+            self.clock,
             known_rows,
-            self.key[known_rows],
-            self._heap_at[known_rows] >= 0,
-            min(admitted.size, self._free_count),
-            forgotten_keys,
+            self.last_use[known_rows],
+            self.counts[known_rows],
+            self.id_of_row[new_rows],
+            self.last_use[new_rows],
+            self.counts[new_rows],
             cells,
-            None if cells is None else np.minimum(counts[unknown], _INT32_MAX).astype(np.int32),
+            added,
         )
-        free_count = np.array([self._free_count], np.int64)
-        taken = _admit(
-            self._keys, self._slots, self.id_of_row, self.live, self.key, self._free,
-            free_count, self._heap, self._heap_at, self._heap_size,
-            ids, rows, key, known, admitted, self.forget == "lfu", new_rows, forgotten,
-            forgotten_keys,
+        forgotten = np.empty(admitted.size, np.int64)
+        taken = _commit(
+            self._keys, self._slots, self.id_of_row, self.last_use, self.counts,
+            ids, counts, known, known_rows, admitted, new_rows, step, forgotten,
         )  # fmt: skip
-        self._free_count = int(free_count[0])
+        self.clock = (max(step, self.clock[0]), max(finished, self.clock[1]))
         rows[admitted] = new_rows
         return Admission(
             rows,
@@ -365,70 +467,57 @@ class Vocabulary:
             forgotten[:taken],
             int(unknown.size - admitted.size),
             admitted.astype(np.int64),
-            undo._replace(forgotten_keys=forgotten_keys[:taken]),
+            undo,
         )
+
+    def _refusal(self, group_of: np.ndarray, short: np.ndarray) -> CapacityError:
+        """The error of an admission that some bucket cannot hold."""
+        failing = np.flatnonzero(short[:, 0] > short[:, 1])
+        worst = failing[np.argmax(short[failing, 0] - short[failing, 1])]
+        needed, available = int(short[worst, 0]), int(short[worst, 1])
+        bucket = int(group_of[worst])
+        ways = self.ways_of(bucket)
+        where = "" if self.buckets == 1 else f" of bucket {bucket} (of {self.buckets})"
+        error = CapacityError(
+            f"the batch has {needed} new ids to admit but only {available} of the {ways} "
+            f"rows{where} can take one ({ways - available} are held by batches in flight or "
+            "by the batch); raise num_embeddings, use smaller batches or a shorter "
+            "look-ahead, or admit new ids later (admit_after)."
+        )
+        error.rows_needed, error.rows_available = needed, available
+        after = short[failing, 2]
+        error.fits_after = None if (after < 0).any() else int(after.max())
+        return error
 
     def revert(self, admission: Admission) -> None:
         """Takes back the latest ``admit`` (its batch was refused later):
-        the vocabulary, sketch included, is as it was before it, up to the
-        layout of its arrays."""
+        the vocabulary, sketch included, is as it was before it."""
         undo = admission.undo
         if undo is None:
             raise ValueError("revert takes the Admission that admit returned.")
-        free_count = np.array([self._free_count], np.int64)
         _revert(
-            self._keys, self._slots, self.id_of_row, self.live, self.key, self._free,
-            free_count, self._heap, self._heap_at, self._heap_size,
-            admission.new_ids, admission.new_rows, undo.from_free,
-            admission.forgotten_ids, undo.forgotten_keys,
+            self._keys, self._slots, self.id_of_row, self.last_use, self.counts,
+            admission.new_ids, admission.new_rows, undo.old_ids, undo.old_last, undo.old_counts,
         )  # fmt: skip
-        self._free_count = int(free_count[0])
-        self.key[undo.known_rows] = undo.known_keys
-        _release(
-            self._heap,
-            self._heap_at,
-            self._heap_size,
-            self.key,
-            undo.known_rows[undo.known_released],
-        )
+        self.last_use[undo.known_rows] = undo.known_last
+        self.counts[undo.known_rows] = undo.known_counts
+        self.clock = undo.clock
         if undo.cells is not None and undo.added is not None:
             _sketch_add(self.sketch, undo.cells, -undo.added)
 
-    def expire(self, before: int) -> np.ndarray:
-        """Forgets the released ids last admitted or looked up before step
-        ``before`` (``forget="lru"``, whose keys are those steps): their rows
-        become free, the last expired taken first. Returns their ids."""
-        if self.forget != "lru":
-            raise ValueError('expire needs forget="lru": its keys are the steps of last use.')
-        out = np.empty(self.released, np.int64)
-        free_count = np.array([self._free_count], np.int64)
-        count = _expire(
-            self._keys, self._slots, self.id_of_row, self.live, self.key, self._free,
-            free_count, self._heap, self._heap_at, self._heap_size, int(before), out,
-        )  # fmt: skip
-        self._free_count = int(free_count[0])
-        return out[:count]
-
-    def release(self, rows: np.ndarray) -> None:
-        """The caller no longer holds ``rows`` (no batch in flight uses
-        them): a new id may take them, least first."""
-        rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
-        if rows.size and (rows.min() < 0 or rows.max() >= self.rows or not self.live[rows].all()):
-            raise ValueError("release takes live rows of this vocabulary (from admit).")
-        _release(self._heap, self._heap_at, self._heap_size, self.key, rows)
-
     # -------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """The vocabulary as arrays: live ids with their rows and keys, the
-        released rows, the free rows in the order they are taken, the sketch."""
-        live = np.flatnonzero(self.live)
+        """The vocabulary as arrays: every entry (expired ones too: such an
+        id admitted again takes its own way back) with its row, last use
+        and lookups, the sketch, and the clock ``(step, finished)``."""
+        rows = np.flatnonzero(self.last_use >= 0)
         return {
-            "ids": self.id_of_row[live].copy(),
-            "rows": live.astype(np.int64),
-            "keys": self.key[live].copy(),
-            "released": np.sort(self._heap[: self.released]).astype(np.int64),
-            "free": self._free[: self._free_count][::-1].astype(np.int64),
+            "ids": self.id_of_row[rows].copy(),
+            "rows": rows.astype(np.int64),
+            "last_use": self.last_use[rows].copy(),
+            "counts": self.counts[rows].copy(),
             "sketch": self.sketch.copy(),
+            "clock": np.array(self.clock, np.int64),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -439,31 +528,118 @@ class Vocabulary:
         if np.shape(state["sketch"]) != self.sketch.shape:
             raise ValueError(
                 f"the saved sketch is {np.shape(state['sketch'])}, this one {self.sketch.shape}: "
-                "build the vocabulary with the saved admit_after and sketch_width."
+                "build the vocabulary with the saved admit_after, ways and sketch_width."
             )
-        fresh = Vocabulary(
-            self.rows, admit_after=self.admit_after, forget=self.forget,
-            sketch_width=self.sketch.shape[1], seed=self.seed,
-        )  # fmt: skip
-        self.__dict__.update(fresh.__dict__)
-        self.sketch[:] = state["sketch"]
-        self.live[rows] = True
+        self._keys[:] = 0
+        self._slots[:] = -1
+        self.last_use[:] = -1
+        self.counts[:] = 0
+        self.id_of_row[:] = 0
         self.id_of_row[rows] = ids
-        self.key[rows] = state["keys"]
+        self.last_use[rows] = state["last_use"]
+        self.counts[rows] = state["counts"]
+        self.sketch[:] = state["sketch"]
+        step, finished = (int(v) for v in np.asarray(state["clock"]).tolist())
+        self.clock = (step, finished)
         _insert_all(self._keys, self._slots, ids, rows)
-        free = np.asarray(state["free"], np.int64)
-        self._free_count = free.size
-        self._free[: free.size] = free[::-1]
-        _release(
-            self._heap,
-            self._heap_at,
-            self._heap_size,
-            self.key,
-            np.asarray(state["released"], np.int64),
-        )
 
 
 # ------------------------------------------------------------------ kernels
+@kernel
+def _allocate(
+    last_use, key, stamp, token, buckets, rows, step, finished, ttl, group_of, starts, placed,
+    short,
+):  # fmt: skip
+    """Ways for the admitted ids of each bucket (``group_of[g]``'s are
+    ``starts[g]:starts[g + 1]``, in batch order): the bucket's free or
+    expired ways by way, then its stale ones by ``(key, way)``; rows the
+    batch holds are stamped ``token``. Fills ``placed``; for each bucket,
+    ``short[g] = (needed, available, plan whose release frees enough or
+    -1)``. Returns whether some bucket is short."""
+    failed = False
+    limit = buckets * ((rows + buckets - 1) // buckets)
+    free = np.empty(limit // buckets + 1, np.int64)
+    stale = np.empty(limit // buckets + 1, np.int64)
+    held = np.empty(limit // buckets + 1, np.int64)
+    for g in range(group_of.size):
+        b = group_of[g]
+        nf = 0
+        ns = 0
+        nh = 0
+        r = b
+        while r < rows:
+            last = last_use[r]
+            if stamp[r] != token:
+                if last < 0 or (ttl >= 0 and last < step - ttl and last <= finished):
+                    free[nf] = r
+                    nf += 1
+                elif last <= finished:
+                    stale[ns] = key[r] * rows + r  # unique: (key, way) order
+                    ns += 1
+                else:
+                    held[nh] = last
+                    nh += 1
+            r += buckets
+        needed = starts[g + 1] - starts[g]
+        short[g, 0] = needed
+        short[g, 1] = nf + ns
+        if needed > nf + ns:
+            failed = True
+            extra = needed - nf - ns
+            if extra <= nh:
+                plans = np.sort(held[:nh])
+                short[g, 2] = plans[extra - 1]
+            else:
+                short[g, 2] = -1
+            continue
+        order = np.sort(stale[:ns])
+        for k in range(needed):
+            placed[starts[g] + k] = free[k] if k < nf else order[k - nf] % rows
+    return failed
+
+
+@kernel
+def _commit(
+    keys, slots, id_of_row, last_use, counts, ids, lookups, known, known_rows, admitted,
+    new_rows, step, forgotten,
+):  # fmt: skip
+    """The batch's known rows used at ``step``, its new ids written into
+    their rows (the old entries' ids in ``forgotten``); returns how many
+    entries were replaced."""
+    for k in range(known.size):
+        r = known_rows[k]
+        last_use[r] = step
+        counts[r] = min(counts[r] + lookups[known[k]], 2147483647)
+    taken = 0
+    for k in range(admitted.size):
+        u = admitted[k]
+        r = new_rows[k]
+        if last_use[r] >= 0:
+            forgotten[taken] = id_of_row[r]
+            taken += 1
+            _delete(keys, slots, id_of_row[r])
+        _insert(keys, slots, ids[u], r)
+        id_of_row[r] = ids[u]
+        last_use[r] = step
+        counts[r] = min(lookups[u], 2147483647)
+    return taken
+
+
+@kernel
+def _revert(
+    keys, slots, id_of_row, last_use, counts, new_ids, new_rows, old_ids, old_last, old_counts
+):
+    """``_commit``'s new entries taken back, last first."""
+    for k in range(new_rows.size - 1, -1, -1):
+        r = new_rows[k]
+        _delete(keys, slots, new_ids[k])
+        if old_last[k] >= 0:
+            _insert(keys, slots, old_ids[k], r)
+        id_of_row[r] = old_ids[k]
+        last_use[r] = old_last[k]
+        counts[r] = old_counts[k]
+
+
 @kernel
 def _mix(i):
     z = np.uint64(i)
@@ -528,151 +704,6 @@ def _sketch_add(sketch, cells, counts):
         for u in range(cells.shape[1]):
             c = np.int64(sketch[d, cells[d, u]]) + counts[u]
             sketch[d, cells[d, u]] = min(max(c, 0), 2147483647)
-
-
-@kernel
-def _less(key, a, b):
-    return key[a] < key[b] or (key[a] == key[b] and a < b)
-
-
-@kernel
-def _sift_up(heap, at, key, k):
-    row = heap[k]
-    while k > 0:
-        parent = (k - 1) // 2
-        if not _less(key, row, heap[parent]):
-            break
-        heap[k] = heap[parent]
-        at[heap[k]] = k
-        k = parent
-    heap[k] = row
-    at[row] = k
-
-
-@kernel
-def _sift_down(heap, at, key, size, k):
-    row = heap[k]
-    while True:
-        child = 2 * k + 1
-        if child >= size:
-            break
-        if child + 1 < size and _less(key, heap[child + 1], heap[child]):
-            child += 1
-        if not _less(key, heap[child], row):
-            break
-        heap[k] = heap[child]
-        at[heap[k]] = k
-        k = child
-    heap[k] = row
-    at[row] = k
-
-
-@kernel
-def _heap_remove(heap, at, key, size, row):
-    """Removes ``row`` from the heap of ``size[0]`` entries."""
-    k = at[row]
-    last = size[0] - 1
-    size[0] = last
-    at[row] = -1
-    if k == last:
-        return
-    moved = heap[last]
-    heap[k] = moved
-    at[moved] = k
-    _sift_up(heap, at, key, k)
-    _sift_down(heap, at, key, last, at[moved])
-
-
-@kernel
-def _heap_push(heap, at, size, key, r):
-    """Puts ``r`` (not in the heap) into the heap of ``size[0]`` entries."""
-    k = size[0]
-    heap[k] = r
-    at[r] = k
-    size[0] = k + 1
-    _sift_up(heap, at, key, k)
-
-
-@kernel
-def _release(heap, at, size, key, rows):
-    """Puts ``rows`` not in the heap yet into it."""
-    for r in rows:
-        if at[r] < 0:
-            _heap_push(heap, at, size, key, r)
-
-
-@kernel
-def _admit(
-    keys, slots, id_of_row, live, key, free, free_count, heap, at, heap_size,
-    ids, rows, new_key, known, admitted, add, new_rows, forgotten, forgotten_keys,
-):  # fmt: skip
-    """Holds the known rows (their keys updated), then gives each admitted
-    id a free row or the heap's least; returns how many rows were taken
-    from other ids (their old ids in ``forgotten``)."""
-    for u in known:
-        r = rows[u]
-        if at[r] >= 0:
-            _heap_remove(heap, at, key, heap_size, r)
-        key[r] = key[r] + new_key[u] if add else new_key[u]
-    taken = 0
-    for k in range(admitted.size):
-        u = admitted[k]
-        if free_count[0] > 0:
-            free_count[0] -= 1
-            r = free[free_count[0]]
-        else:
-            r = heap[0]
-            _heap_remove(heap, at, key, heap_size, r)
-            forgotten[taken] = id_of_row[r]
-            forgotten_keys[taken] = key[r]
-            taken += 1
-            _delete(keys, slots, id_of_row[r])
-        _insert(keys, slots, ids[u], r)
-        id_of_row[r] = ids[u]
-        live[r] = True
-        key[r] = new_key[u]
-        new_rows[k] = r
-    return taken
-
-
-@kernel
-def _revert(
-    keys, slots, id_of_row, live, key, free, free_count, heap, at, heap_size,
-    new_ids, new_rows, from_free, forgotten, forgotten_keys,
-):  # fmt: skip
-    """``_admit``'s new rows given back, last first: to the free rows, or
-    to the ids they were taken from (released again)."""
-    for k in range(new_rows.size - 1, -1, -1):
-        r = new_rows[k]
-        _delete(keys, slots, new_ids[k])
-        if k < from_free:
-            free[free_count[0]] = r
-            free_count[0] += 1
-            live[r] = False
-        else:
-            j = k - from_free
-            _insert(keys, slots, forgotten[j], r)
-            id_of_row[r] = forgotten[j]
-            key[r] = forgotten_keys[j]
-            _heap_push(heap, at, heap_size, key, r)
-
-
-@kernel
-def _expire(
-    keys, slots, id_of_row, live, key, free, free_count, heap, at, heap_size, before, out,
-):  # fmt: skip
-    """``Vocabulary.expire``: the heap's least while its key is below ``before``."""
-    count = 0
-    while heap_size[0] > 0 and key[heap[0]] < before:
-        r = heap[0]
-        _heap_remove(heap, at, key, heap_size, r)
-        _delete(keys, slots, id_of_row[r])
-        live[r] = False
-        free[free_count[0]] = r
-        free_count[0] += 1
-        out[count] = id_of_row[r]
-        count += 1
-    return count
 
 
 @kernel

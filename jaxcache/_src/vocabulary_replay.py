@@ -2,10 +2,10 @@
 
 The rows a ``CacheConfig(vocabulary=DynamicVocabulary(...))`` table would give
 and take back over a trace of raw ids, with no model: each batch is admitted
-as a training step (``Vocabulary.admit``; its rows released at once, since
-nothing is in flight), and, with a ``capacity``, the rows are planned by the
-real ``Planner`` as the cache would plan them (a new row found resident is
-fetched again, as ``raw_ids`` does). ``jaxcache vocabulary`` on the command
+as a training step (``Vocabulary.admit``, with nothing in flight), and,
+with a ``capacity``, the rows are planned by the real ``Planner`` as the
+cache would plan them (a new row found resident is fetched again, as
+``raw_ids`` does). ``jaxcache vocabulary`` on the command
 line runs it.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 from jaxcache._src.config import CacheConfig, DynamicVocabulary
 from jaxcache._src.planner import CapacityError, Planner
 from jaxcache._src.replay import _ratio, _split
-from jaxcache._src.vocabulary import Vocabulary, distinct_ids
+from jaxcache._src.vocabulary import Vocabulary, distinct_ids, rows_to_hold
 
 __all__ = ["replay_vocabulary"]
 
@@ -51,8 +51,9 @@ def replay_vocabulary(
       ``distinct_ids`` (in the whole trace), ``new_ids`` (rows given),
       ``readmitted_ids`` (of those, ids that had a row before and were
       forgotten), ``forgotten_ids``, ``refused_lookups`` (ids not admitted
-      yet), ``live_ids`` at the end, ``rows_to_forget_nothing`` (distinct
-      ids ever admitted: a budget this large never forgets), and with
+      yet), ``live_ids`` at the end, ``rows_to_forget_nothing`` (the least
+      budget whose buckets hold every id ever admitted, ``rows_to_hold``:
+      one this large never forgets; ``None`` if none would), and with
       ``capacity``: ``capacity``, ``unique_hit_rate``, ``rows_fetched``.
 
     Raises:
@@ -75,13 +76,7 @@ def replay_vocabulary(
             f"trace must be a non-empty 1-D or 2-D [steps, ids] array, got shape {array.shape}."
         )
     batches = _split(array.astype(np.int64, copy=False), batch)
-    vocab = Vocabulary(
-        int(rows),
-        admit_after=int(spec.admit_after),
-        forget=spec.forget,
-        sketch_width=int(spec.sketch_width),
-        seed=int(spec.seed),
-    )
+    vocab = Vocabulary.of(spec, int(rows))
     planner = None
     if capacity is not None:
         config = CacheConfig(rows, 1, capacity, policy=policy, padding_id=-1)
@@ -93,8 +88,6 @@ def replay_vocabulary(
     distinct = hits = fetched = 0
     seen: list[np.ndarray] = []
     for step, ids in enumerate(batches):
-        if spec.ttl is not None:
-            counts["forgotten_ids"] += vocab.expire(step - int(spec.ttl)).size
         unique, inverse, lookups = distinct_ids(ids, padding_id)
         seen.append(unique)
         try:
@@ -115,14 +108,15 @@ def replay_vocabulary(
             distinct += plan.distinct
             hits += plan.hits - resident.size  # refetched: the device holds the old id's row
             fetched += plan.misses + resident.size
-        vocab.release(done.rows[done.rows >= 0])
     out: dict[str, Any] = {
         "rows": int(rows),
         "batches": len(batches),
         **counts,
         "distinct_ids": int(np.unique(np.concatenate(seen)).size),
         "live_ids": vocab.size,
-        "rows_to_forget_nothing": len(had_row),
+        "rows_to_forget_nothing": rows_to_hold(
+            np.fromiter(had_row, np.int64, len(had_row)), ways=int(spec.ways), seed=int(spec.seed)
+        ),
     }
     if planner is not None:
         out.update(
