@@ -19,10 +19,13 @@ that a change of load on the machine falls on all of them.
    the same with LFU, whose plans learn nothing on the host (the adaptive
    policy's shadow caches run on the host with either planner).
 3. ``host_cpu_raw_8x_ids_over_1x``: the same as 1. for raw int64 ids through
-   a dynamic vocabulary (``CacheConfig(vocabulary=...)``, planned on the
-   host for now), each batch bringing ``--misses`` new ids;
-   ``host_cpu_raw_over_rows``: raw ids over the same batches as rows, both
-   on the host planner, at 1x: what the translation to rows costs.
+   a dynamic vocabulary (``CacheConfig(vocabulary=...)``) planned on the
+   device, each batch bringing ``--misses`` new ids; ``..._less_copy``
+   without the copy of the ids the device planner makes (timed alone);
+   ``..._host_planner``: planned on the host, where every id passes through
+   the vocabulary's index; ``host_cpu_raw_over_rows``: raw ids over the
+   same batches as rows, both on the host planner, at 1x: what the
+   translation to rows costs there.
 
     python benchmarks/host_cpu.py            # a few minutes on 2 CPU cores
     python benchmarks/host_cpu.py --quick
@@ -106,27 +109,29 @@ def fixed_misses(args: argparse.Namespace) -> float:
     return float(np.median(seconds[8]) / np.median(seconds[1]))
 
 
-def raw_ids(args: argparse.Namespace) -> tuple[float, float]:
-    """``host_cpu_raw_8x_ids_over_1x`` and ``host_cpu_raw_over_rows``."""
+def raw_ids(args: argparse.Namespace) -> dict[str, float]:
+    """``host_cpu_raw_8x_ids_over_1x`` (the device planner, with and without
+    the copy of the ids), ``..._host_planner`` and ``host_cpu_raw_over_rows``."""
     hot, misses, base = 1 << 15, args.misses, args.ids
     total = hot + 8 * misses * (args.warmup + args.rounds * args.steps) + 64
     n = 1 << int(total - 1).bit_length()
     mix = np.uint64(0x9E3779B97F4A7C15)  # rows to raw ids: a bijection over int64
 
-    def cache(raw: bool) -> Loop:
+    def cache(planner: str, raw: bool) -> Loop:
         vocabulary = jaxcache.DynamicVocabulary() if raw else None
         cfg = jaxcache.CacheConfig(n, 16, capacity=n, policy="lru", vocabulary=vocabulary)
-        loop = Loop(jaxcache.EmbeddingCache(cfg, planner="host"))
+        loop = Loop(jaxcache.EmbeddingCache(cfg, planner=planner))
         warm = np.arange(hot, dtype=np.uint64).reshape(64, -1)
         loop.host_cpu_per_step([(warm * mix).view(np.int64) if raw else warm.astype(np.int64)])
         return loop
 
-    loops = {(raw, scale): cache(raw) for raw in (False, True) for scale in (1, 8)}
+    kinds = [("host", False), ("host", True), ("device", True)]
+    loops = {(*kind, scale): cache(*kind) for kind in kinds for scale in (1, 8)}
     fresh = {key: iter(range(hot, n)) for key in loops}
     rng = np.random.default_rng(0)
 
-    def batches(key: tuple[bool, int], count: int) -> list[np.ndarray]:
-        raw, scale = key
+    def batches(key: tuple[str, bool, int], count: int) -> list[np.ndarray]:
+        _, raw, scale = key
         out = []
         for _ in range(count):
             new = np.fromiter(fresh[key], np.int64, misses)
@@ -137,20 +142,39 @@ def raw_ids(args: argparse.Namespace) -> tuple[float, float]:
 
     for key, loop in loops.items():
         loop.host_cpu_per_step(batches(key, args.warmup))
-    seconds: dict[tuple[bool, int], list[float]] = {key: [] for key in loops}
+    seconds: dict[tuple[str, bool, int], list[float]] = {key: [] for key in loops}
     for _ in range(args.rounds):
         for key, loop in loops.items():
             seconds[key].append(loop.host_cpu_per_step(batches(key, args.steps)))
     print()
-    for (raw, scale), loop in loops.items():
+    for (planner, raw, scale), loop in loops.items():
         last = loop.cache.stats.last
         print(
-            f"host planner, {'raw ids' if raw else 'rows'}, {base * scale:>7} ids a step, "
-            f"{last.misses} misses: host CPU {1e3 * np.median(seconds[raw, scale]):.3f} ms a "
-            f"step ({_harness.ms_range(seconds[raw, scale], 3)})"
+            f"{planner} planner, {'raw ids' if raw else 'rows'}, {base * scale:>7} ids a step, "
+            f"{last.misses} misses: host CPU {1e3 * np.median(seconds[planner, raw, scale]):.3f} "
+            f"ms a step ({_harness.ms_range(seconds[planner, raw, scale], 3)})"
         )
+    # The device planner copies the batch's ids once, into a buffer the
+    # transfer may keep (``DevicePlanner.dispatch``): timed alone.
+    copies = {}
+    for scale in (1, 8):
+        ids = batches(("device", True, scale), 1)[0]
+        start = python_cpu()
+        for _ in range(20):
+            np.array(ids)
+        copies[scale] = (python_cpu() - start) / 20
+    print(
+        f"the copy of the raw ids: {1e3 * copies[1]:.3f} ms at 1x, {1e3 * copies[8]:.3f} ms at 8x"
+    )
     median = {key: float(np.median(values)) for key, values in seconds.items()}
-    return median[True, 8] / median[True, 1], median[True, 1] / median[False, 1]
+    device = median["device", True, 8], median["device", True, 1]
+    return {
+        "host_cpu_raw_8x_ids_over_1x": device[0] / device[1],
+        "host_cpu_raw_8x_ids_over_1x_less_copy": (device[0] - copies[8]) / (device[1] - copies[1]),
+        "host_cpu_raw_8x_ids_over_1x_host_planner": median["host", True, 8]
+        / median["host", True, 1],
+        "host_cpu_raw_over_rows": median["host", True, 1] / median["host", False, 1],
+    }
 
 
 def embedding_heavy(args: argparse.Namespace, policy: str) -> float:
@@ -196,7 +220,7 @@ def main() -> None:
     print(_harness.machine())
     start = time.perf_counter()
     ids_ratio = fixed_misses(args)
-    raw_ratio, raw_over_rows = raw_ids(args)
+    raw = raw_ids(args)
     planners = {policy: embedding_heavy(args, policy) for policy in ("adaptive", "lfu")}
     print(f"\n({time.perf_counter() - start:.0f} s)")
     _harness.print_results(
@@ -204,8 +228,7 @@ def main() -> None:
             "host_cpu_8x_ids_over_1x": ids_ratio,
             "host_cpu_device_over_host_planner": planners["adaptive"],
             "host_cpu_device_over_host_planner_lfu": planners["lfu"],
-            "host_cpu_raw_8x_ids_over_1x": raw_ratio,
-            "host_cpu_raw_over_rows": raw_over_rows,
+            **raw,
         }
     )
 

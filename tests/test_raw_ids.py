@@ -49,13 +49,21 @@ def config(rows, capacity, opt, **vocabulary):
 
 
 def run_both(
-    cfg, *, steps=14, lookahead=0, mesh=None, seed=0, reference_lookahead=None, table=None
+    cfg,
+    *,
+    steps=14,
+    lookahead=0,
+    mesh=None,
+    seed=0,
+    reference_lookahead=None,
+    table=None,
+    planner="host",
 ):
     batches = [{"ids": i, "y": y} for i, y in raw_batches(steps, seed=seed)]
     table = jaxcache.HostTable(cfg, seed=3) if table is None else table
     window = lookahead if reference_lookahead is None else reference_lookahead
     reference, ref_train, vocab = make_raw_reference(np.array(table.rows), cfg, F, lookahead=window)
-    cache = jaxcache.EmbeddingCache(cfg, table=table, mesh=mesh)
+    cache = jaxcache.EmbeddingCache(cfg, table=table, mesh=mesh, planner=planner)
     model, train = make_cached(cache, F)
     with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=lookahead) as pipeline:
         losses = [float(train.with_lookup(b["ids"], b["y"])) for b in pipeline]
@@ -78,12 +86,15 @@ def assert_same(cache, model, reference, vocab, losses, ref_losses):
     assert cache.vocabulary.size == len(vocab.row_of)
 
 
-@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
-def test_raw_ids_under_churn_match_the_dict_reference(opt_name):
+@pytest.mark.parametrize(
+    ("opt_name", "planned_by"),
+    [(name, "host") for name in sorted(OPTIMIZERS)] + [("adagrad", "device"), ("adam", "device")],
+)
+def test_raw_ids_under_churn_match_the_dict_reference(opt_name, planned_by):
     # 300 rows for ~1,000 distinct ids and 130 slots for ~100 a batch: the
     # budget forgets ids and the device cache evicts rows every step.
     cfg = config(300, 130, OPTIMIZERS[opt_name])
-    run = run_both(cfg)
+    run = run_both(cfg, planner=planned_by)
     cache = run[0]
     total = cache.stats.total
     assert total.forgotten_ids > 100 and total.rows_to_host > 100
@@ -99,10 +110,10 @@ def test_raw_ids_under_churn_match_the_dict_reference(opt_name):
         (2, 120, {"admit_after": 2, "init": "uniform", "scale": 0.5, "policy": "lfu", "ways": 128}),
     ],
 )
-def test_pipelined_raw_ids_match_the_dict_reference(lookahead, rows, vocabulary):
+def test_pipelined_raw_ids_match_the_dict_reference(lookahead, rows, vocabulary, planner):
     # Rows of the batches in flight are held: the budget leaves room for them.
     cfg = config(rows, min(rows, 130 * (lookahead + 1) + 10), OPTIMIZERS["adam"], **vocabulary)
-    run = run_both(cfg, lookahead=lookahead, steps=20)
+    run = run_both(cfg, lookahead=lookahead, steps=20, planner=planner)
     total = run[0].stats.total
     assert total.forgotten_ids > 30
     if vocabulary.get("admit_after", 1) > 1:
@@ -110,20 +121,20 @@ def test_pipelined_raw_ids_match_the_dict_reference(lookahead, rows, vocabulary)
     assert_same(*run)
 
 
-def test_ids_unused_for_ttl_steps_are_forgotten_as_in_the_dict_reference():
+def test_ids_unused_for_ttl_steps_are_forgotten_as_in_the_dict_reference(planner):
     # A budget with room to spare: only the time-to-live forgets ids, and
-    # their rows go to new ids first.
+    # their rows count as free.
     cfg = config(1500, 150, OPTIMIZERS["rowwise_adagrad"], policy="lfu", ttl=3)
-    run = run_both(cfg, lookahead=1)
+    run = run_both(cfg, lookahead=1, planner=planner)
     total = run[0].stats.total
     assert total.forgotten_ids > 100 and run[0].vocabulary.size < 600
     assert_same(*run)
 
 
-def test_raw_ids_over_eight_devices_match_the_dict_reference():
+def test_raw_ids_over_eight_devices_match_the_dict_reference(planner):
     mesh = Mesh(np.array(jax.devices()[:8]), ("rows",))
     cfg = config(320, 160, OPTIMIZERS["rowwise_adagrad"], forget="lfu")
-    run = run_both(cfg, lookahead=1, mesh=mesh, steps=12)
+    run = run_both(cfg, lookahead=1, mesh=mesh, steps=12, planner=planner)
     assert run[0].stats.total.forgotten_ids > 50
     assert_same(*run)
 
@@ -158,17 +169,18 @@ def _assert_unchanged(before, after):
     assert before[3] == after[3]
 
 
-def _after_one_batch(rows, capacity, ids):
+def _after_one_batch(rows, capacity, ids, planner):
     """A cache of ``rows`` rows and ``capacity`` slots after one batch, and a
     snapshot of its state as the next plan, refused or not, finds it."""
-    cache = jaxcache.EmbeddingCache(config(rows, capacity, jaxcache.sgd(0.1), policy="lru"))
+    cfg = config(rows, capacity, jaxcache.sgd(0.1), policy="lru")
+    cache = jaxcache.EmbeddingCache(cfg, planner=planner)
     state, _ = cache.prepare(cache.init_state(), np.array(ids))
     cache.lifecycle.release_all()
     return cache, state, _snapshot(cache)
 
 
-def test_a_batch_with_more_new_ids_than_rows_is_refused_with_nothing_changed():
-    cache, state, before = _after_one_batch(6, 6, [10, 11, 12, 13])
+def test_a_batch_with_more_new_ids_than_rows_is_refused_with_nothing_changed(planner):
+    cache, state, before = _after_one_batch(6, 6, [10, 11, 12, 13], planner)
     # 4 rows are released after the step, 2 free: 7 new ids do not fit.
     with pytest.raises(jaxcache.CapacityError, match="7 new ids to admit but only 6"):
         cache.prepare(state, np.arange(100, 107))
@@ -179,20 +191,20 @@ def test_a_batch_with_more_new_ids_than_rows_is_refused_with_nothing_changed():
     assert cache.vocabulary.lookup(np.array([10, 11, 12, 13])).tolist() == [-1] * 4
 
 
-def test_a_batch_the_device_cache_refuses_takes_its_admission_back():
+def test_a_batch_the_device_cache_refuses_takes_its_admission_back(planner):
     # The row budget admits 10 new ids, but 8 slots cannot hold them.
-    cache, state, before = _after_one_batch(100, 8, [1, 2, 3])
+    cache, state, before = _after_one_batch(100, 8, [1, 2, 3], planner)
     with pytest.raises(jaxcache.CapacityError, match="10 distinct ids but capacity is 8"):
         cache.prepare(state, np.arange(50, 60))
     _assert_unchanged(before, _snapshot(cache))
     assert cache.vocabulary.lookup(np.arange(50, 60)).tolist() == [-1] * 10
 
 
-def test_a_new_id_given_a_resident_row_starts_from_its_first_values():
+def test_a_new_id_given_a_resident_row_starts_from_its_first_values(planner):
     # The full table: every row is resident from the start, so each new id
     # takes a row whose slot holds another id's trained values.
     cfg = config(4, 4, jaxcache.adagrad(0.5), policy="lru", init="uniform", scale=1.0)
-    cache = jaxcache.EmbeddingCache.full_table(cfg)
+    cache = jaxcache.EmbeddingCache.full_table(cfg, planner=planner)
     model, train = make_cached(cache, 2)
     y = np.ones(2, np.float32)
     train(np.array([[10, 11], [12, 13]]), y)  # trains rows 0..3
@@ -209,15 +221,19 @@ def test_a_new_id_given_a_resident_row_starts_from_its_first_values():
     assert sorted(trained) == [10, 11, 20, 21]
 
 
-def test_checkpoint_restores_raw_ids_onto_another_layout(tmp_path):
+@pytest.mark.parametrize(("saved_by", "restored_by"), [("host", "device"), ("device", "host")])
+def test_checkpoint_restores_raw_ids_onto_another_layout_and_planner(
+    tmp_path, saved_by, restored_by
+):
     # Saved after 7 steps on one device; restored into 8 devices with
-    # another capacity; the 7 steps after equal an uninterrupted reference.
+    # another capacity and the other planner; the 7 steps after equal an
+    # uninterrupted reference.
     cfg = config(300, 128, jaxcache.adam(0.02), forget="lfu")
     batches = list(raw_batches(14, seed=5))
     table = jaxcache.HostTable(cfg, seed=3)
     reference, ref_train, _ = make_raw_reference(np.array(table.rows), cfg, F)
     ref_losses = [float(ref_train(ids, y)) for ids, y in batches]
-    cache = jaxcache.EmbeddingCache(cfg, table=table)
+    cache = jaxcache.EmbeddingCache(cfg, table=table, planner=saved_by)
     model, train = make_cached(cache, F)
     losses = [float(train(ids, y)) for ids, y in batches[:7]]
     ckpt = jaxcache.Checkpointer(tmp_path)
@@ -225,7 +241,9 @@ def test_checkpoint_restores_raw_ids_onto_another_layout(tmp_path):
     restored_cfg = ckpt.cache_config("embedding")
     assert restored_cfg.vocabulary == cfg.vocabulary
     mesh = Mesh(np.array(jax.devices()[:8]), ("rows",))
-    other = jaxcache.EmbeddingCache(dataclasses.replace(restored_cfg, capacity=160), mesh=mesh)
+    other = jaxcache.EmbeddingCache(
+        dataclasses.replace(restored_cfg, capacity=160), mesh=mesh, planner=restored_by
+    )
     model2, train2 = make_cached(other, F)
     ckpt.restore(7, model=model2, optimizer=train2.optimizer)
     assert other.vocabulary.size == cache.vocabulary.size
@@ -237,8 +255,15 @@ def test_checkpoint_restores_raw_ids_onto_another_layout(tmp_path):
 
 def test_unsupported_uses_are_refused_with_the_way_out():
     cfg = config(100, 8, jaxcache.sgd(0.1))
-    with pytest.raises(ValueError, match='planner="device"'):
-        jaxcache.EmbeddingCache(cfg, planner="device")
+    mesh = Mesh(np.array(jax.devices()[:8]), ("rows",))
+    # 100 rows in buckets of 64 ways are 2 buckets: too few for 8 devices.
+    with pytest.raises(ValueError, match=r"2 buckets.*over 8 devices.*ways=12"):
+        jaxcache.EmbeddingCache(cfg, planner="device", mesh=mesh)
+    jaxcache.EmbeddingCache(
+        dataclasses.replace(cfg, vocabulary=jaxcache.DynamicVocabulary(ways=12)),
+        planner="device",
+        mesh=mesh,
+    )
     with pytest.raises(ValueError, match="frequencies"):
         jaxcache.EmbeddingCache(cfg, frequencies=np.ones(100, np.int64))
     cache = jaxcache.EmbeddingCache(cfg)
@@ -250,9 +275,9 @@ def test_unsupported_uses_are_refused_with_the_way_out():
         jaxcache.EmbeddingCache(jaxcache.CacheConfig(10, 2, 4)).export_ids(None)
 
 
-def test_batches_that_do_not_train_admit_nothing_and_read_zeros_for_unknown_ids():
+def test_batches_that_do_not_train_admit_nothing_and_read_zeros_for_unknown_ids(planner):
     cfg = config(50, 16, jaxcache.sgd(0.1), init="uniform", scale=1.0)
-    cache = jaxcache.EmbeddingCache(cfg)
+    cache = jaxcache.EmbeddingCache(cfg, planner=planner)
     state, _ = cache.prepare(cache.init_state(), np.array([10, 11]))
     known = cache.vocabulary.state_dict()
     state, lookup = cache.prepare(state, np.array([10, 99, PAD]), train=False)
@@ -265,13 +290,13 @@ def test_batches_that_do_not_train_admit_nothing_and_read_zeros_for_unknown_ids(
     np.testing.assert_array_equal(cache.vocabulary.state_dict()["ids"], known["ids"])
 
 
-def test_a_pipeline_waits_when_its_batches_in_flight_hold_the_rows_new_ids_need():
+def test_a_pipeline_waits_when_its_batches_in_flight_hold_the_rows_new_ids_need(planner):
     # 150 rows hold about one batch's ids: with two batches staged ahead a
     # new batch waits until the loop releases the ones before it, instead
     # of failing. The least recently used ids go first, and those of the
     # batches in flight are the most recent, so forgetting follows the
     # unpipelined rules.
-    cfg = config(150, 150, OPTIMIZERS["adagrad"], policy="lru")
-    run = run_both(cfg, lookahead=2, steps=10, reference_lookahead=0)
+    cfg = config(150, 150, OPTIMIZERS["adagrad"], policy="lru", ways=256)
+    run = run_both(cfg, lookahead=2, steps=10, reference_lookahead=0, planner=planner)
     assert run[0].stats.total.forgotten_ids > 200
     assert_same(*run)

@@ -69,8 +69,11 @@ class DynamicVocabulary:
       ... )
       >>> cache = jaxcache.EmbeddingCache(cfg)
       >>> state, lookup = cache.prepare(cache.init_state(), np.array([10**15, -7]))
-      >>> cache.vocabulary.lookup(np.array([10**15, -7, 3])).tolist()  # in order of first sight
-      [0, 1, -1]
+      >>> vocabulary = cache.vocabulary  # 16 buckets: row r is in bucket r % 16
+      >>> vocabulary.buckets, vocabulary.lookup(np.array([10**15, -7, 3])).tolist()
+      (16, [15, 0, -1])
+      >>> vocabulary.bucket_of(np.array([10**15, -7])).tolist()
+      [15, 0]
     """
 
     admit_after: int = 1

@@ -59,11 +59,15 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxcache._src import device_vocabulary
+from jaxcache._src.device_vocabulary import VocabSpec, VocabState
+
 __all__ = [
     "BAD_ID",
     "NO_ROOM",
     "SKIPPED",
     "TOO_MANY",
+    "VOCABULARY_FULL",
     "PlanSpec",
     "PlanState",
     "log2_fixed",
@@ -79,6 +83,7 @@ BAD_ID = 1  # an id outside [0, N) that is not padding
 TOO_MANY = 2  # a partition's distinct ids exceed its slots
 NO_ROOM = 4  # too few slots free of in-flight batches
 SKIPPED = 8  # an earlier plan failed: this one did nothing
+VOCABULARY_FULL = 16  # a vocabulary bucket has more new ids than rows it can free
 
 # Columns of ``PlanOut.info`` (one row per device).
 INFO = (
@@ -99,6 +104,9 @@ INFO = (
     "need_v",  # the most distinct ids of a device
     "need_p",  # the most misses of a device
     "need_r",  # the most real ids of a device's slice
+    "new_ids",  # raw ids given rows now (a dynamic vocabulary)
+    "forgotten_ids",  # ids whose rows they took
+    "refused_lookups",  # lookups of ids not admitted
 )
 COLUMN = {name: i for i, name in enumerate(INFO)}
 
@@ -147,6 +155,10 @@ class PlanSpec:
       wide: ids arrive as two 32-bit words (low, high) in a last axis of 2.
       slice_ids: ``m``, ids of one device's slice of the batch.
       key_span: ``KEY_SPAN`` (smaller in tests, to cross many rebases).
+      vocabulary: raw ids through a dynamic vocabulary
+        (``device_vocabulary``): the ids are two words each, homed by
+        bucket, and the directory holds the rows the vocabulary gives them;
+        ``None``: ids are rows.
     """
 
     devices: int
@@ -161,10 +173,16 @@ class PlanSpec:
     wide: bool
     slice_ids: int
     key_span: int = KEY_SPAN
+    vocabulary: VocabSpec | None = None
 
     @property
     def per_destination(self) -> int:
-        """``K``: the most distinct ids one source can send one owner."""
+        """``K``: the most distinct ids one source can send one owner (raw
+        ids not admitted take no slot, so with an admission threshold a
+        source may send all of its slice)."""
+        vocabulary = self.vocabulary
+        if vocabulary is not None and vocabulary.admit_after > 1:
+            return max(1, self.slice_ids)
         return max(1, min(self.slice_ids, self.local_capacity))
 
     @property
@@ -176,6 +194,12 @@ class PlanSpec:
     def misses(self) -> int:
         """``P``: the most misses (and evictions) of an owner."""
         return min(self.received, self.local_capacity)
+
+    @property
+    def lists(self) -> int:
+        """Entries of a device's packed lists (``PlanOut.lists``)."""
+        new = 3 * self.misses if self.vocabulary is not None else 0
+        return 2 * self.misses + 2 * self.sample + new
 
     @property
     def sample(self) -> int:
@@ -207,6 +231,8 @@ class PlanState(NamedTuple):
       scalars: ``int32 [n 5]``: per device ``(epoch, failed, bonus, offset,
         base)``: the plans' epoch, whether a plan of it failed, and the
         adaptive policy's bonus, key offset and base plan (``KEY_SPAN``).
+      vocabulary: raw ids' ``VocabState`` (``PlanSpec.vocabulary``), or
+        ``None``; the local ids above are then its rows.
     """
 
     slot_of_id: jax.Array
@@ -218,6 +244,7 @@ class PlanState(NamedTuple):
     keys: jax.Array | None
     slot_prior: jax.Array | None
     scalars: jax.Array
+    vocabulary: VocabState | None = None
 
 
 class PlanOut(NamedTuple):
@@ -230,13 +257,15 @@ class PlanOut(NamedTuple):
       inverse: ``int32``, the ids' shape: ``Lookup.inverse``.
       owner_slots: ``int32 [n, V]``: ``Lookup.owner_slots``.
       owner_inverse: ``int32 [n, V]``: ``Lookup.owner_inverse``.
-      lists: ``int32 [n (2 P + 2 S)]``: what the host reads of a plan, each
-        device's packed at the front of its block so that one prefix holds
-        it: its missed local ids (``misses`` of them, in the order of their
-        slots in ``fetch_slots``), the local ids of its dirty evicted rows
-        (``written``, in the order of ``evict_slots``), then the adaptive
-        policy's sampled local ids and their lookups so far (``sampled``
-        each; ``S = 0`` for the other policies).
+      lists: ``int32 [n (2 P + 2 S + 3 P)]``: what the host reads of a
+        plan, each device's packed at the front of its block so that one
+        prefix holds it: its missed local ids (``misses`` of them, in the
+        order of their slots in ``fetch_slots``), the local ids of its dirty
+        evicted rows (``written``, in the order of ``evict_slots``), then the
+        adaptive policy's sampled local ids and their lookups so far
+        (``sampled`` each; ``S = 0`` for the other policies), then with a
+        vocabulary the rows given to raw ids now and those ids' low and
+        high words (``new_ids`` each; none without one).
       fetch_slots: ``int32 [n P]``: the slots of the misses, padded with ``C_l``.
       evict_slots: ``int32 [n P]``: the slots of the dirty evicted rows,
         padded with ``C_l``.
@@ -379,11 +408,14 @@ def home_device(ids: jax.Array, devices: int, processes: int) -> jax.Array:
 
 # ------------------------------------------------------------------ the plan
 def _source(spec: PlanSpec, ids: jax.Array, axis: str):
-    """Step 1 on one device: its slice's distinct ids, sent home.
+    """Step 1 on one device: its slice's distinct ids, sent home (local ids;
+    raw ids as their two words, homed by bucket).
 
-    Returns ``(bad, bad_at, real, route, k_need, received, received_counts)``.
+    Returns ``(bad, bad_at, real, route, k_need, received, received_counts)``,
+    ``received`` a tuple of ``[n K]`` arrays (the local ids, or the words).
     """
     n, k = spec.devices, spec.per_destination
+    vocabulary = spec.vocabulary
     if spec.wide:
         words = ids.reshape(-1, 2)
         low, high = words[:, 0], words[:, 1]
@@ -402,35 +434,50 @@ def _source(spec: PlanSpec, ids: jax.Array, axis: str):
         padding = flat == spec.pad
     else:  # int32 ids never hold it
         padding = jnp.zeros(m, bool)
-    valid = fits & (flat >= 0) & (flat < spec.num_embeddings)
+    if vocabulary is not None:  # any int64 is a raw id
+        valid = ~padding
+    else:
+        valid = fits & (flat >= 0) & (flat < spec.num_embeddings)
     bad = ~valid & ~padding
     positions = lax.iota(jnp.int32, m)
     bad_at = jnp.min(jnp.where(bad, positions, m))
-    distinct, inverse, count, lookups = dedupe(flat, valid, jnp.ones(m, jnp.int32))
+    ones = jnp.ones(m, jnp.int32)
+    if vocabulary is not None:
+        d_low, d_high, inverse, count, lookups = device_vocabulary.dedupe_wide(
+            low, high, valid, ones
+        )
+        values: tuple[jax.Array, ...] = (d_low, d_high)
+        homed = device_vocabulary.bucket_of(vocabulary, d_low, d_high)
+    else:
+        distinct, inverse, count, lookups = dedupe(flat, valid, ones)
+        values = (distinct // n,)  # local ids; -1 stays -1
+        homed = distinct
     live = lax.iota(jnp.int32, m) < count
     if n == 1:
         home = jnp.where(live, 0, 1)
         rank = lax.iota(jnp.int32, m)
         k_need = count
     else:
-        home = jnp.where(live, home_device(distinct, n, spec.processes), n)
+        home = jnp.where(live, home_device(homed, n, spec.processes), n)
         by_home, order = lax.sort((home, lax.iota(jnp.int32, m)), num_keys=1, is_stable=True)
         per_home = jnp.zeros(n, jnp.int32).at[home].add(1, mode="drop")
         start = jnp.cumsum(per_home) - per_home
         ranked = lax.iota(jnp.int32, m) - start[jnp.minimum(by_home, n - 1)]
         rank = jnp.zeros(m, jnp.int32).at[order].set(ranked, unique_indices=True)
         k_need = jnp.max(per_home)
-    local = distinct // n
     send_home = jnp.where(live & (rank < k), home, n)
-    send = jnp.full((n, k), -1, jnp.int32).at[send_home, rank].set(local, mode="drop")
+    # Unsent places: -1 (no local id); raw ids are told apart by a count of 0.
+    sends = [
+        jnp.full((n, k), -1, jnp.int32).at[send_home, rank].set(x, mode="drop") for x in values
+    ]
     send_counts = jnp.zeros((n, k), jnp.int32).at[send_home, rank].set(lookups, mode="drop")
     row = jnp.maximum(inverse, 0)
     route = jnp.where(inverse >= 0, home[row] * k + rank[row], n * k)
     if n > 1:
-        send = lax.all_to_all(send, axis, 0, 0, tiled=True)
+        sends = [lax.all_to_all(x, axis, 0, 0, tiled=True) for x in sends]
         send_counts = lax.all_to_all(send_counts, axis, 0, 0, tiled=True)
     real = jnp.sum(valid, dtype=jnp.int32)
-    return jnp.any(bad), bad_at, real, route, k_need, send, send_counts
+    return jnp.any(bad), bad_at, real, route, k_need, tuple(sends), send_counts
 
 
 def _room(spec: PlanSpec, state: PlanState, hits, t, finished, count):
@@ -463,7 +510,7 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
     n, k, cl, p = spec.devices, spec.per_destination, spec.local_capacity, spec.misses
     nl = spec.local_rows
     v = spec.received
-    t, finished, train, epoch = (args[i] for i in range(4))
+    t, finished, train, epoch, admit_finished = (args[i] for i in range(5))
     scalars = state.scalars
     fresh = epoch > scalars[0]
     skipped = (scalars[1] != 0) & ~fresh
@@ -472,27 +519,66 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
     bad, bad_at, real, route, k_need, received, received_counts = _source(spec, ids, axis)
 
     # 2. owner: distinct ids over every source, looked up
-    entries = received.reshape(-1)
-    if n == 1:  # the source's distinct ids are the owner's
-        uniq, lookups = entries, received_counts.reshape(-1)
-        owner_inverse = jnp.where(entries >= 0, lax.iota(jnp.int32, v), -1)
-        distinct = jnp.sum(entries >= 0, dtype=jnp.int32)
+    counts_in = received_counts.reshape(-1)
+    if spec.vocabulary is None:
+        entries = received[0].reshape(-1)
+        sent = entries >= 0
     else:
-        uniq, owner_inverse, distinct, lookups = dedupe(
-            entries, entries >= 0, received_counts.reshape(-1)
+        entries_low, entries_high = (x.reshape(-1) for x in received)
+        sent = counts_in > 0
+    if n == 1:  # the source's distinct ids are the owner's
+        owner_inverse = jnp.where(sent, lax.iota(jnp.int32, v), -1)
+        distinct = jnp.sum(sent, dtype=jnp.int32)
+        lookups = counts_in
+        if spec.vocabulary is None:
+            uniq = entries
+        else:
+            uniq_low, uniq_high = entries_low, entries_high
+    elif spec.vocabulary is None:
+        uniq, owner_inverse, distinct, lookups = dedupe(entries, sent, counts_in)
+    else:
+        uniq_low, uniq_high, owner_inverse, distinct, lookups = device_vocabulary.dedupe_wide(
+            entries_low, entries_high, sent, counts_in
         )
     live = lax.iota(jnp.int32, v) < distinct
+    new = jnp.zeros(v, bool)
+    full = jnp.zeros((), bool)
+    admitted = None
+    if spec.vocabulary is not None:
+        # Raw ids to the rows of their buckets: ids not admitted have none
+        # and read zeros, like padding.
+        assert state.vocabulary is not None
+        admitted = device_vocabulary.admit(
+            spec.vocabulary,
+            state.vocabulary,
+            uniq_low,
+            uniq_high,
+            lookups,
+            live,
+            t,
+            admit_finished,
+            train,
+        )
+        uniq = admitted.rows
+        live = live & (uniq >= 0)
+        new, full = admitted.new & live, admitted.full
+        distinct = jnp.sum(live, dtype=jnp.int32)
+        lookups = jnp.where(live, lookups, 0)
     slot = state.slot_of_id.at[jnp.where(live, uniq, nl)].get(mode="fill", fill_value=-1)
-    hit = live & (slot >= 0)
+    # A row given to a new id now may be resident with its old id's values:
+    # it is fetched again into its own slot.
+    again = live & new & (slot >= 0)
+    hit = live & (slot >= 0) & ~again
     miss = live & (slot < 0)
     hits = jnp.sum(hit, dtype=jnp.int32)
     misses = jnp.sum(miss, dtype=jnp.int32)
+    refetched = jnp.sum(again, dtype=jnp.int32)
     victims, available = lax.cond(
         misses > 0,
         functools.partial(_room, spec),
         lambda *_: (jnp.full(p, cl, jnp.int32), jnp.int32(cl)),
         state,
-        jnp.where(hit, slot, cl),
+        jnp.where(hit | again, slot, cl),
         t,
         finished,
         misses,
@@ -509,12 +595,15 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
     # ranks past ``K`` were not sent) fails the batch as its owner would.
     too_many = (distinct > cl) | (k_need > k)
     no_room = ~too_many & (misses > available)
-    needs = jnp.stack([k_need, distinct, misses, real])
-    flags = jnp.stack([bad, too_many, no_room]).astype(jnp.int32)
+    fetches = misses + refetched
+    needs = jnp.stack([k_need, distinct, fetches, real])
+    flags = jnp.stack([bad, too_many, no_room, full]).astype(jnp.int32)
     if n > 1:
         flags = lax.pmax(flags, axis)
         needs = lax.pmax(needs, axis)
-    status = (flags[0] * BAD_ID + flags[1] * TOO_MANY + flags[2] * NO_ROOM).astype(jnp.int32)
+    status = (
+        flags[0] * BAD_ID + flags[1] * TOO_MANY + flags[2] * NO_ROOM + flags[3] * VOCABULARY_FULL
+    ).astype(jnp.int32)
     status = jnp.where(skipped, SKIPPED, status)
     ok = status == 0
 
@@ -522,7 +611,11 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
     victims = jnp.where(ok, victims, cl)
     miss_rank = jnp.cumsum(miss.astype(jnp.int32)) - 1
     placed = victims.at[jnp.where(miss, miss_rank, p)].get(mode="fill", fill_value=cl)
-    unique_slots = jnp.where(hit, slot, jnp.where(miss, placed, cl))
+    unique_slots = jnp.where(hit | again, slot, jnp.where(miss, placed, cl))
+    # The swap's fetches: the misses into their victims, then the rows
+    # fetched again into their own slots.
+    again_at = misses + jnp.cumsum(again.astype(jnp.int32)) - 1
+    fetch_slots = victims.at[jnp.where(again & ok, again_at, p)].set(slot, mode="drop")
     fetch_ids = jnp.full(p, -1, jnp.int32).at[jnp.where(miss, miss_rank, p)].set(uniq, mode="drop")
     fetch_ids = jnp.where(victims < cl, fetch_ids, -1)
     old = state.id_of_slot.at[victims].get(mode="fill", fill_value=-1)
@@ -546,7 +639,9 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
     counts = jnp.zeros(v, jnp.int32)
     if spec.counting:
         assert per_id is not None
-        counts = _saturating_add(per_id.at[counted].get(mode="fill", fill_value=0), lookups)
+        # A row given to a new id counts that id's lookups only.
+        before = jnp.where(new, 0, per_id.at[counted].get(mode="fill", fill_value=0))
+        counts = _saturating_add(before, lookups)
         per_id = per_id.at[counted].set(counts, mode="drop")
     if spec.policy == "lfu":
         assert keys is not None
@@ -571,16 +666,29 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
         keys = jnp.maximum(keys - shift, KEY_FLOOR)
         base = jnp.where(rebase, base + spec.key_span, base)
 
-    # The host's lists, packed: misses, dirty evictions, sample, its counts.
+    # The host's lists, packed: fetches, dirty evictions, sample, its
+    # counts, and the rows given to raw ids now with those ids' words.
     written = jnp.sum(dirty_out, dtype=jnp.int32)
-    size = 2 * p + 2 * spec.sample
+    size = spec.lists
     lists = jnp.zeros(size, jnp.int32)
     lists = lists.at[jnp.where(miss, miss_rank, size)].set(uniq, mode="drop")
-    lists = lists.at[jnp.where(dirty_out, misses + out_rank, size)].set(old, mode="drop")
+    lists = lists.at[jnp.where(again, again_at, size)].set(uniq, mode="drop")
+    lists = lists.at[jnp.where(dirty_out, fetches + out_rank, size)].set(old, mode="drop")
     sample_rank = jnp.cumsum(sample.astype(jnp.int32)) - 1
-    at = jnp.where(sample, misses + written + sample_rank, size)
+    at = jnp.where(sample, fetches + written + sample_rank, size)
     lists = lists.at[at].set(uniq, mode="drop")
     lists = lists.at[jnp.where(sample, at + sample_count, size)].set(counts, mode="drop")
+    new_count = jnp.sum(new, dtype=jnp.int32)
+    vocabulary = state.vocabulary
+    forgotten = refused = jnp.int32(0)
+    if admitted is not None:
+        new_at = jnp.where(new, fetches + written + 2 * sample_count + jnp.cumsum(new) - 1, size)
+        lists = lists.at[new_at].set(uniq, mode="drop")
+        lists = lists.at[jnp.where(new, new_at + new_count, size)].set(uniq_low, mode="drop")
+        lists = lists.at[jnp.where(new, new_at + 2 * new_count, size)].set(uniq_high, mode="drop")
+        assert vocabulary is not None
+        vocabulary = admitted.commit(vocabulary, ok)
+        forgotten, refused = admitted.forgotten, admitted.refused
 
     new_scalars = jnp.stack(
         [
@@ -592,7 +700,16 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
         ]
     )
     new_state = PlanState(
-        slot_of_id, id_of_slot, last_use, dirty, per_id, state.prior, keys, slot_prior, new_scalars
+        slot_of_id,
+        id_of_slot,
+        last_use,
+        dirty,
+        per_id,
+        state.prior,
+        keys,
+        slot_prior,
+        new_scalars,
+        vocabulary,
     )
 
     # The route: what each source asks this owner for, and where each
@@ -606,7 +723,7 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
             k_need,
             distinct,
             hits,
-            misses,
+            fetches,
             jnp.sum(lookups),
             access_hits,
             jnp.sum(evicted, dtype=jnp.int32),
@@ -619,6 +736,9 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
             needs[1],
             needs[2],
             needs[3],
+            new_count,
+            forgotten,
+            refused,
         ]
     ).astype(jnp.int32)
     out = PlanOut(
@@ -628,7 +748,7 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
         unique_slots[None],
         owner_route[None],
         lists,
-        victims,
+        fetch_slots,
         evict_slots,
         jnp.where(live, slot, -1)[None],
     )
@@ -641,9 +761,11 @@ def make_plan(spec: PlanSpec, mesh: Mesh, axis: str):
 
     ``plan(state, ids, args) -> (state, PlanOut)``: ``state`` is donated;
     ``ids`` are the batch's ids split over ``axis`` (int32, or two words
-    each when ``spec.wide``); ``args`` is ``int32 [4]``, replicated:
-    ``(plan index, finished, train, epoch)``: plans up to ``finished`` no
-    longer protect their rows; ``epoch`` above the state's clears a failure.
+    each when ``spec.wide``); ``args`` is ``int32 [5]``, replicated:
+    ``(plan index, finished, train, epoch, admit_finished)``: plans up to
+    ``finished`` no longer protect their slots, and those up to
+    ``admit_finished`` their vocabulary rows; ``epoch`` above the state's
+    clears a failure.
     """
     rows = PartitionSpec(axis)
     body = functools.partial(_plan_device, spec, axis)

@@ -30,6 +30,7 @@ per device, ``N_l`` local ids per device.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -43,12 +44,14 @@ from jaxcache._src.agreement import Agreement
 from jaxcache._src.blocks import _LISTING, Blocks, local_data
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.device_plan import COLUMN, PlanOut, PlanSpec, PlanState
+from jaxcache._src.device_vocabulary import VocabSpec, VocabState
 from jaxcache._src.partitions import Partitions
 from jaxcache._src.placement import Layout
 from jaxcache._src.planner import CapacityError
 from jaxcache._src.policies import AdaptivePolicy
 from jaxcache._src.stager import bucket_size
 from jaxcache._src.stats import StepStats
+from jaxcache._src.vocabulary import Vocabulary, distinct_ids
 
 __all__ = ["DevicePlanner", "DeviceStep", "Dispatched", "PlanSkipped"]
 
@@ -101,6 +104,10 @@ class DeviceStep(NamedTuple):
       evict_at: each one's row in the swap's read-out ``[L P]``.
       stats: the batch's counts on this process's devices.
       moves_rows: whether any device (of any process) moves a row.
+      new_rows: ``int64``: with raw ids, the rows (global) of this process's
+        devices given to ids now: their first values are due before the
+        gather.
+      new_ids: ``int64``: those ids.
     """
 
     index: int  # type: ignore[assignment]  # the field shadows tuple.index
@@ -112,6 +119,8 @@ class DeviceStep(NamedTuple):
     evict_at: np.ndarray
     stats: StepStats
     moves_rows: bool
+    new_rows: np.ndarray = np.zeros(0, np.int64)
+    new_ids: np.ndarray = np.zeros(0, np.int64)
 
     @property
     def misses(self) -> int:
@@ -162,6 +171,14 @@ class DevicePlanner:
             )
         n = layout.devices
         self.config = config
+        # With raw ids the directory holds the vocabulary's rows, and -1 pads.
+        self.rows_config = config
+        self.vocabulary_spec: VocabSpec | None = None
+        if config.vocabulary is not None:
+            self.rows_config = dataclasses.replace(config, padding_id=-1, vocabulary=None)
+            self.vocabulary_spec = _vocabulary_spec(
+                Vocabulary.of(config.vocabulary, config.num_embeddings), layout
+            )
         self.layout = layout
         self.mesh = mesh
         self.axis = axis
@@ -189,10 +206,13 @@ class DevicePlanner:
         self._learned = -1  # the last plan the adaptive policy learned from
         self._dispatched: dict[int, Dispatched] = {}  # not yet learned from (adaptive)
         self._learning = threading.Lock()
+        self._admit_finished = -1  # the vocabulary's bound at the latest plan
         mirror = self._new_mirror()
         self.state: PlanState
         self.learners: list[AdaptivePolicy] = []
         self.load_mirror(mirror)
+        if config.vocabulary is not None:
+            self.load_vocabulary(Vocabulary.of(config.vocabulary, config.num_embeddings))
 
     # ---------------------------------------------------------------- status
     @property
@@ -315,7 +335,38 @@ class DevicePlanner:
 
     # ----------------------------------------------------------- host mirror
     def _new_mirror(self) -> Partitions:
-        return Partitions(self.config, self.layout, frequencies=self._frequencies)
+        return Partitions(self.rows_config, self.layout, frequencies=self._frequencies)
+
+    # ------------------------------------------------------------ vocabulary
+    def vocabulary(self) -> Vocabulary:
+        """A host copy of the raw ids' vocabulary: the entries of this
+        process's devices (all of them with one process). Take it between
+        steps."""
+        spec, cfg = self.vocabulary_spec, self.config
+        assert spec is not None and cfg.vocabulary is not None
+        with self._lock:
+            vocab = Vocabulary.of(cfg.vocabulary, cfg.num_embeddings)
+            state = self.state.vocabulary
+            assert state is not None
+            blocks = {
+                name: None if value is None else self._local(value, value.size // spec.devices)
+                for name, value in state._asdict().items()
+            }
+            residues = [self.layout.residue(d) for d in self.layout.own]
+            _vocabulary_from_blocks(vocab, spec, residues, blocks)
+            vocab.clock = (self.next_index - 1, self._admit_finished)
+        return vocab
+
+    def load_vocabulary(self, vocab: Vocabulary) -> None:
+        """Puts a host ``Vocabulary``'s entries and sketch onto this process's
+        devices (its buckets' share)."""
+        spec = self.vocabulary_spec
+        assert spec is not None
+        residues = [self.layout.residue(d) for d in self.layout.own]
+        host = _vocabulary_blocks(vocab, spec, residues)
+        with self._lock:
+            self.state = self.state._replace(vocabulary=self.blocks.put(host, self._rows))
+            self._admit_finished = vocab.clock[1]
 
     def host_mirror(self) -> Partitions:
         """A host ``Partitions`` holding this planner's state (a copy): for
@@ -422,7 +473,10 @@ class DevicePlanner:
                 "slot_prior": slot_prior,
                 "scalars": scalars.reshape(-1),
             }
+            vocabulary = getattr(self, "state", None)
             self.state = self.blocks.put(PlanState(**host), self._rows)
+            if vocabulary is not None:
+                self.state = self.state._replace(vocabulary=vocabulary.vocabulary)
             self.learners = learners
             self.next_index = mirror.next_index
             self.released = mirror.released
@@ -478,10 +532,16 @@ class DevicePlanner:
             wide=wide,
             slice_ids=slice_ids,
             key_span=self.key_span,
+            vocabulary=self.vocabulary_spec,
         )
 
     def dispatch(
-        self, ids: np.ndarray, *, train: bool = True, released: int | None = None
+        self,
+        ids: np.ndarray,
+        *,
+        train: bool = True,
+        released: int | None = None,
+        admit_released: int | None = None,
     ) -> Dispatched:
         """Dispatches the plan of a batch (asynchronous; ``collect`` reads it).
 
@@ -491,8 +551,13 @@ class DevicePlanner:
           train: the batch will update its rows.
           released: plan as if only the plans up to this index were finished
             (at most ``self.released``; default: all released).
+          admit_released: with raw ids, the vocabulary's own bound of
+            finished plans (default: ``released``; see
+            ``EmbeddingCache.stage_host``).
         """
         array = validation.check_id_type(ids, "ids")
+        if self.vocabulary_spec is not None and array.dtype != np.int64:
+            array = array.astype(np.int64)  # raw ids travel as two words
         words, wide = _id_words(array)
         n = self.layout.devices
         share = array.shape[0] // n
@@ -504,8 +569,9 @@ class DevicePlanner:
             index = self.next_index
             finished = self.released if released is None else min(int(released), self.released)
             self._finished = max(self._finished, finished)
+            admit = finished if admit_released is None else min(int(admit_released), self.released)
             program = device_plan.make_plan(self._spec(wide, array.size // n), self.mesh, self.axis)
-            args = np.array([index, self._finished, int(train), self.epoch], np.int32)
+            args = np.array([index, self._finished, int(train), self.epoch, admit], np.int32)
             # A fresh copy: a transfer may alias host memory (the CPU backend),
             # and the caller may reuse its batch's buffer before the plan runs.
             # On one CPU device the program takes the host arrays as they are.
@@ -513,7 +579,7 @@ class DevicePlanner:
             args_device = self.blocks.transfer(args, self.blocks.replicated)
             self.state, out = program(self.state, ids_device, args_device)
             self.next_index = index + 1
-            dispatched = Dispatched(index, array, out, train, self.epoch, {})
+            dispatched = Dispatched(index, array, out, train, self.epoch, {"admit": admit})
             if self.learners:
                 self._dispatched[index] = dispatched
         if not self.blocks.host_is_device:
@@ -537,6 +603,7 @@ class DevicePlanner:
         if self.learners:
             self._learn_until(dispatched.index)
         with self._lock:
+            self._admit_finished = max(self._admit_finished, dispatched.read["admit"])
             minimum = max(1, self.config.min_bucket // self.layout.devices)
             needs = [int(info[0, COLUMN[f"need_{x}"]]) for x in "kvpr"]
             k, v, p, r = (
@@ -558,13 +625,18 @@ class DevicePlanner:
         written = info[:, COLUMN["written"]]
         lists = self._lists(dispatched)
         fetch_ids, fetch_at, evict_ids, evict_at = [], [], [], []
+        new_rows, new_ids = [], []
+        n = self.layout.devices
         for b, device in enumerate(self.layout.own):
             residue = self.layout.residue(device)
-            fetched, evicted, _, _ = lists[b]
-            fetch_ids.append(fetched.astype(np.int64) * self.layout.devices + residue)
+            fetched, evicted, _, _, given, low, high = lists[b]
+            fetch_ids.append(fetched.astype(np.int64) * n + residue)
             fetch_at.append(b * p + np.arange(misses[b]))
-            evict_ids.append(evicted.astype(np.int64) * self.layout.devices + residue)
+            evict_ids.append(evicted.astype(np.int64) * n + residue)
             evict_at.append(b * p + np.arange(written[b]))
+            new_rows.append(given.astype(np.int64) * n + residue)
+            words = np.stack([low, high], axis=1) if np.little_endian else np.stack([high, low], 1)
+            new_ids.append(np.ascontiguousarray(words, np.int32).view(np.int64).reshape(-1))
         total = info.sum(0)
         stats = StepStats(
             lookups=int(total[COLUMN["lookups"]]),
@@ -575,6 +647,9 @@ class DevicePlanner:
             evictions=int(total[COLUMN["evictions"]]),
             rows_to_device=int(total[COLUMN["misses"]]),
             rows_to_host=int(total[COLUMN["written"]]),
+            new_ids=int(total[COLUMN["new_ids"]]),
+            forgotten_ids=int(total[COLUMN["forgotten_ids"]]),
+            refused_lookups=int(total[COLUMN["refused_lookups"]]),
         )
         return DeviceStep(
             dispatched.index,
@@ -586,6 +661,8 @@ class DevicePlanner:
             np.concatenate(evict_at),
             stats,
             bool(info[0, COLUMN["need_p"]]),
+            np.concatenate(new_rows),
+            np.concatenate(new_ids),
         )
 
     def _info(self, dispatched: Dispatched) -> np.ndarray:
@@ -597,16 +674,18 @@ class DevicePlanner:
         return read["info"]
 
     def _lists(self, dispatched: Dispatched) -> list[list[np.ndarray]]:
-        """Each own device's lists (``PlanOut.lists``): its missed local ids,
+        """Each own device's lists (``PlanOut.lists``): its fetched local ids,
         the local ids of its dirty evictions, the adaptive sample and the
-        sample's lookups; one read from each device."""
+        sample's lookups, the rows given to raw ids now and those ids' low
+        and high words; one read from each device."""
         read = dispatched.read
         if "lists" not in read:
             info = self._info(dispatched)
-            m, w, s = (info[:, COLUMN[c]] for c in ("misses", "written", "sampled"))
-            heads = _heads(dispatched.out.lists, m + w + 2 * s)
+            m, w, s, a = (info[:, COLUMN[c]] for c in ("misses", "written", "sampled", "new_ids"))
+            heads = _heads(dispatched.out.lists, m + w + 2 * s + 3 * a)
             read["lists"] = [
-                np.split(head, np.cumsum([m[b], w[b], s[b]])) for b, head in enumerate(heads)
+                np.split(head, np.cumsum([m[b], w[b], s[b], s[b], a[b], a[b]]))
+                for b, head in enumerate(heads)
             ]
         return read["lists"]
 
@@ -627,6 +706,13 @@ class DevicePlanner:
             raise PlanSkipped(index)
         if status & device_plan.BAD_ID:
             self._raise_bad_ids(dispatched.ids)
+        if self.vocabulary_spec is not None and status & (
+            device_plan.VOCABULARY_FULL | device_plan.TOO_MANY
+        ):
+            # The vocabulary's refusal first, as on the host, where it admits
+            # a batch's ids before the planners see their rows (ids beyond a
+            # source's sending room never reached it here).
+            self._vocabulary_full(dispatched, status)
         own = self.layout.own
         if status & device_plan.TOO_MANY:
             distinct = np.maximum(info[:, COLUMN["distinct"]], info[:, COLUMN["k_need"]])
@@ -645,6 +731,39 @@ class DevicePlanner:
             error.distinct = count
             raise error
         raise self._no_room(dispatched, info)
+
+    def _vocabulary_full(self, dispatched: Dispatched, status: int) -> None:
+        """Raises the error of a batch a vocabulary bucket cannot take: the
+        host copy of the vocabulary (as it was: the plan failed) admits the
+        batch by the same rules and says which bucket and why. ``O(R)``, on
+        this path only. Returns if the vocabulary takes the batch."""
+        cfg = self.config
+        unique, _, counts = distinct_ids(dispatched.ids, cfg.padding_id)
+        vocab = self.vocabulary()
+        error: CapacityError | None = None
+        try:
+            vocab.admit(
+                unique,
+                counts,
+                step=dispatched.index,
+                finished=dispatched.read["admit"],
+                new=dispatched.train,
+                distinct=True,
+            )
+        except CapacityError as refused:
+            error = refused
+        never = 1 << 62  # the agreed value of "no release makes room"
+        after = -1 if error is None else never if error.fits_after is None else error.fits_after
+        after = int(self.agreement.max(dispatched.index, np.array([after]))[0])
+        if error is None:
+            if not status & device_plan.VOCABULARY_FULL:
+                return
+            assert after >= 0, "the device vocabulary refused a batch its host copy takes"
+            # A bucket of another process's devices.
+            error = CapacityError("a vocabulary bucket of another process is full for the batch.")
+            error.rows_needed = error.rows_available = 0
+        error.fits_after = None if after >= never else after
+        raise error
 
     def _raise_bad_ids(self, ids: np.ndarray) -> None:
         cfg = self.config
@@ -700,7 +819,7 @@ class DevicePlanner:
                 lists = self._lists(dispatched)
                 choices = []
                 for b, learner in enumerate(self.learners):
-                    _, _, sample, counts = lists[b]
+                    sample, counts = lists[b][2:4]
                     sample = sample.astype(np.int64)
                     learner.counts[sample] = counts
                     if learner.bits > bits:  # a smaller sample than the plan's
@@ -764,3 +883,110 @@ def _id_words(array: np.ndarray) -> tuple[np.ndarray, bool]:
         array = array.astype(np.int64)
     words = np.ascontiguousarray(array).view(np.int32).reshape(*array.shape, 2)
     return (words if np.little_endian else words[..., ::-1]), True
+
+
+def _vocabulary_spec(vocab: Vocabulary, layout: Layout) -> VocabSpec:
+    """The device vocabulary of ``vocab``'s rules over ``layout``'s devices."""
+    n = layout.devices
+    if vocab.buckets % n:
+        raise ValueError(
+            f"a dynamic vocabulary of {vocab.rows} rows in buckets of {vocab.ways} ways has "
+            f"{vocab.buckets} buckets, which the device planner cannot split over {n} "
+            f"devices; use DynamicVocabulary(ways={max(1, vocab.rows // n)}) or fewer, or "
+            'planner="host".'
+        )
+    return VocabSpec(
+        rows=vocab.rows,
+        buckets=vocab.buckets,
+        ways=-(-vocab.rows // vocab.buckets),
+        devices=n,
+        admit_after=vocab.admit_after,
+        lfu=vocab.forget == "lfu",
+        ttl=vocab.ttl,
+        columns=vocab.sketch_columns,
+        salt=int(vocab.salt),
+        salts=tuple(int(x) for x in vocab.sketch_salts),
+    )
+
+
+def _entries(spec: VocabSpec, residue: int) -> np.ndarray:
+    """``int64 [B_l W]``: the host row of each entry of a device of
+    ``residue`` (bucket ``j n + r``, way ``w``: row ``b + B w``), or ``-1``
+    for ways past its bucket's rows."""
+    local = np.arange(spec.local_buckets, dtype=np.int64)[:, None]
+    ways = np.arange(spec.ways, dtype=np.int64)[None, :]
+    rows = local * spec.devices + residue + spec.buckets * ways
+    return np.where(rows < spec.rows, rows, -1).reshape(-1)
+
+
+def _cells(spec: VocabSpec, residue: int) -> np.ndarray:
+    """``int64 [B_l S]``: the host sketch column of each local cell of a
+    device of ``residue`` (local cell ``j + B_l c``: column ``b + B c``)."""
+    columns = np.arange(spec.columns, dtype=np.int64)[:, None]
+    local = np.arange(spec.local_buckets, dtype=np.int64)[None, :]
+    return (local * spec.devices + residue + spec.buckets * columns).reshape(-1)
+
+
+def _vocabulary_blocks(vocab: Vocabulary, spec: VocabSpec, residues: list[int]) -> VocabState:
+    """The device blocks (NumPy, one after another) of ``vocab`` for the
+    devices of ``residues``."""
+    low, high, last, uses, sketch = [], [], [], [], []
+    for residue in residues:
+        rows = _entries(spec, residue)
+        held = np.where(rows >= 0, vocab.last_use[np.maximum(rows, 0)], -1)
+        held[rows < 0] = -1
+        ids = np.where(held >= 0, vocab.id_of_row[np.maximum(rows, 0)], 0)
+        words = np.ascontiguousarray(ids, np.int64).view(np.int32).reshape(-1, 2)
+        if not np.little_endian:
+            words = words[:, ::-1]
+        low.append(words[:, 0])
+        high.append(words[:, 1])
+        last.append(_int32(held))
+        uses.append(_int32(np.where(held >= 0, vocab.counts[np.maximum(rows, 0)], 0)))
+        if spec.columns:
+            sketch.append(vocab.sketch[:, _cells(spec, residue)].reshape(-1))
+    join = np.concatenate
+    blocks: dict[str, Any] = {
+        "key_lo": join(low),
+        "key_hi": join(high),
+        "last": join(last),
+        "uses": join(uses) if spec.lfu else None,
+        "sketch": join(sketch).astype(np.int32) if spec.columns else None,
+    }
+    return VocabState(**blocks)
+
+
+def _vocabulary_from_blocks(
+    vocab: Vocabulary, spec: VocabSpec, residues: list[int], blocks: dict[str, Any]
+) -> None:
+    """Fills an empty host ``vocab`` from the device blocks ``[L, ...]`` of
+    the devices of ``residues``."""
+    ids, rows, last_use, counts = [], [], [], []
+    for b, residue in enumerate(residues):
+        entry = _entries(spec, residue)
+        last = blocks["last"][b].astype(np.int64)
+        live = (entry >= 0) & (last >= 0)
+        words = np.stack([blocks["key_lo"][b], blocks["key_hi"][b]], axis=1)
+        if not np.little_endian:
+            words = words[:, ::-1]
+        ids.append(np.ascontiguousarray(words, np.int32).view(np.int64).reshape(-1)[live])
+        rows.append(entry[live])
+        last_use.append(last[live])
+        if blocks["uses"] is not None:
+            counts.append(blocks["uses"][b][live].astype(np.int64))
+        else:
+            counts.append(np.zeros(int(live.sum()), np.int64))
+        if spec.columns:
+            cells = blocks["sketch"][b].reshape(vocab.sketch.shape[0], -1)
+            vocab.sketch[:, _cells(spec, residue)] = cells
+    sketch = vocab.sketch.copy()
+    vocab.load_state_dict(
+        {
+            "ids": np.concatenate(ids),
+            "rows": np.concatenate(rows),
+            "last_use": np.concatenate(last_use),
+            "counts": np.concatenate(counts),
+            "sketch": sketch,
+            "clock": np.array(vocab.clock, np.int64),
+        }
+    )

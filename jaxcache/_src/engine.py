@@ -238,10 +238,9 @@ class EmbeddingCache:
             )
         self.layout = layout
         platform = mesh.devices.flat[0].platform
-        if config.vocabulary is not None:
-            _check_dynamic(config, planner, frequencies, warm)
-            planner = "host"
         planner = _planner(planner, platform)
+        if config.vocabulary is not None:
+            _check_dynamic(config, frequencies, warm, planner, processes)
         if planner == "device" and config.route_capacity is not None:
             raise ValueError(
                 f"route_capacity={config.route_capacity} sizes the host planner's routes; the "
@@ -255,7 +254,7 @@ class EmbeddingCache:
         self.config = config
         # With raw ids the planners see host rows, and row -1 for padding and
         # for ids not admitted (``raw_ids``).
-        self.raw = None if config.vocabulary is None else RawIds(config)
+        self.raw = None if config.vocabulary is None else RawIds(config, self.shard)
         rows_config = config
         if self.raw is not None:
             rows_config = dataclasses.replace(config, padding_id=ROW_PAD, vocabulary=None)
@@ -356,8 +355,14 @@ class EmbeddingCache:
     @property
     def vocabulary(self) -> Vocabulary | None:
         """The raw ids' ``Vocabulary`` (id -> row) with
-        ``CacheConfig(vocabulary=...)``; ``None`` when ids are rows."""
-        return None if self.raw is None else self.raw.vocabulary
+        ``CacheConfig(vocabulary=...)``; ``None`` when ids are rows. With
+        the device planner it lives on the devices, and this is a host copy
+        of this process's share, taken between steps."""
+        if self.raw is None:
+            return None
+        if isinstance(self.planner, DevicePlanner):
+            return self.planner.vocabulary()
+        return self.raw.vocabulary
 
     def _check_not_raw(self, form: str) -> None:
         if self.raw is not None:
@@ -492,7 +497,12 @@ class EmbeddingCache:
 
     # ------------------------------------------------- the device planner's step
     def dispatch(
-        self, ids: np.ndarray, *, train: bool = True, released: int | None = None
+        self,
+        ids: np.ndarray,
+        *,
+        train: bool = True,
+        released: int | None = None,
+        admit_released: int | None = None,
     ) -> Dispatched:
         """Dispatches the device plan of a batch (the device planner; the
         thread that dispatches the training steps, in batch order).
@@ -505,6 +515,8 @@ class EmbeddingCache:
           ids: integer ids ``[B, ...]``.
           train: the step will update these rows.
           released: plan as if only plans up to this index were finished.
+          admit_released: with raw ids, the vocabulary's bound (as for
+            ``stage_host``).
         """
         if not isinstance(self.planner, DevicePlanner):
             raise RuntimeError(
@@ -513,7 +525,9 @@ class EmbeddingCache:
             )
         self.stager.check_batch(np.shape(ids))
         with self.stats.timers.time("plan"):
-            return self.planner.dispatch(ids, train=train, released=released)
+            return self.planner.dispatch(
+                ids, train=train, released=released, admit_released=admit_released
+            )
 
     def gather(self, planned: DeviceStep | Dispatched, *, defer: bool = False) -> DeviceStaged:
         """The host phases of a step planned on the device: the plan's lists
@@ -533,6 +547,10 @@ class EmbeddingCache:
             with timers.time("collect"):
                 step = self.planner.collect(planned)
         wanted, at = step.fetch_ids, step.fetch_at
+        if step.new_rows.size:  # raw ids given rows now: their first values
+            assert self.raw is not None
+            with timers.time("write_back"):
+                self.raw.first_values(step.new_rows, step.new_ids, self.table, ledger)
         with timers.time("write_back"):
             keep = None
             deferred = None
@@ -594,7 +612,9 @@ class EmbeddingCache:
         if isinstance(self.planner, DevicePlanner):
             if size is not None:
                 self.callbacks.check()  # refuses: the callback form plans on the host
-            dispatched = self.dispatch(ids, train=train, released=released)
+            dispatched = self.dispatch(
+                ids, train=train, released=released, admit_released=admit_released
+            )
             try:
                 return self.gather(dispatched, defer=defer)  # type: ignore[return-value]
             except (ValueError, CapacityError):
@@ -838,14 +858,16 @@ class EmbeddingCache:
             raise ValueError(
                 "export_ids lists raw ids, but this cache's ids are rows; use export()."
             )
-        saved = self.raw.vocabulary.state_dict()
+        vocabulary = self.vocabulary
+        assert vocabulary is not None
+        live = vocabulary.live_rows()
+        ids = vocabulary.id_of_row[live]
         if self.shard[1] > 1:
             table, state_arrays = self.export(state)
-            live = saved["rows"]
-            return saved["ids"], table[live], {k: v[live] for k, v in state_arrays.items()}
+            return ids, table[live], {k: v[live] for k, v in state_arrays.items()}
         self.flush(state)
-        rows, opt = self.table.gather(saved["rows"])
-        return saved["ids"], rows, opt
+        rows, opt = self.table.gather(live)
+        return ids, rows, opt
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -872,7 +894,7 @@ class EmbeddingCache:
             "stats": self.stats.state_dict(),
         }
         if self.raw is not None:
-            state["vocabulary"] = self.raw.state_arrays()
+            state["vocabulary"] = self.raw.state_arrays(self.vocabulary)
         return state
 
     def state_arrays(self) -> dict[str, np.ndarray]:
@@ -882,7 +904,7 @@ class EmbeddingCache:
         self.lifecycle.check_idle("saving or restoring the cache")
         arrays = self.planner.state_arrays()
         if self.raw is not None:
-            arrays.update(self.raw.state_arrays())
+            arrays.update(self.raw.state_arrays(self.vocabulary))
         return arrays
 
     def state_meta(self) -> dict[str, Any]:
@@ -922,7 +944,7 @@ class EmbeddingCache:
         exactly when this cache takes raw ids, one that fits it."""
         saved = any(key.startswith("vocabulary.") for part in parts for key in part)
         if self.raw is not None:
-            self.raw.check_state_arrays(dict(parts[0]) if parts else {})
+            self.raw.check_state_arrays(parts)
         elif saved:
             raise ValueError(
                 "the saved state holds a dynamic vocabulary (raw ids) but this cache takes "
@@ -955,7 +977,7 @@ class EmbeddingCache:
         self._check_vocabulary(parts)  # the planners check their part as they load
         self.planner.load_state_arrays(parts, meta)
         if self.raw is not None:
-            self.raw.load_state_arrays(dict(parts[0]))
+            self._load_vocabulary(parts)
         self._restored(meta if exact else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -986,11 +1008,19 @@ class EmbeddingCache:
                 "with the saved CacheConfig(vocabulary=...)."
             )
         if self.raw is not None:
-            self.raw.check_state_arrays(state["vocabulary"])
+            self.raw.check_state_arrays([state["vocabulary"]])
         self.planner.load_state_dict(state["planner"])
         if self.raw is not None:
-            self.raw.load_state_arrays(state["vocabulary"])
+            self._load_vocabulary([state["vocabulary"]])
         self._restored(state)
+
+    def _load_vocabulary(self, parts: Sequence[Mapping[str, np.ndarray]]) -> None:
+        """Restores the raw ids' vocabulary from every process's share: on
+        the host, or with the device planner onto the devices."""
+        assert self.raw is not None
+        vocabulary = self.raw.load_state_arrays(parts)
+        if isinstance(self.planner, DevicePlanner):
+            self.planner.load_vocabulary(vocabulary)
 
     def _restored(self, state: Mapping[str, Any]) -> None:
         """After the planners were restored: the rows come back on the device,
@@ -1021,21 +1051,23 @@ def _planner(planner: str | None, platform: str) -> str:
 
 def _check_dynamic(
     config: CacheConfig,
-    planner: str | None,
     frequencies: np.ndarray | None,
     warm: bool | None,
+    planner: str,
+    processes: int,
 ) -> None:
-    """Refuses what a dynamic vocabulary does not support yet."""
-    refusal = None
-    if planner == "device":
-        refusal = 'planner="device": raw ids are planned on the host for now; leave planner unset'
-    elif config.policy == "frequency" or frequencies is not None or warm:
-        refusal = (
-            "frequencies, warm or policy='frequency': dataset counts are per row, and rows are "
-            "given to raw ids as they come; use the adaptive, lfu or lru policy without them"
+    """Refuses what a dynamic vocabulary does not support."""
+    if config.policy == "frequency" or frequencies is not None or warm:
+        raise ValueError(
+            "CacheConfig(vocabulary=...) does not support frequencies, warm or "
+            "policy='frequency': dataset counts are per row, and rows are given to raw ids as "
+            "they come; use the adaptive, lfu or lru policy without them."
         )
-    if refusal is not None:
-        raise ValueError(f"CacheConfig(vocabulary=...) does not support {refusal}.")
+    if planner == "device" and processes > 1:
+        raise ValueError(
+            'CacheConfig(vocabulary=...) with planner="device" runs in one process for now, '
+            f'and this mesh spans {processes}; use planner="host" there.'
+        )
 
 
 def _write_back(

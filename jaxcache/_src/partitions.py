@@ -267,6 +267,24 @@ class Partitions:
         """Marks every plan made so far finished."""
         self.release(self.next_index - 1)
 
+    def swap_counts(self, ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Sets the policies' per-id lookup counts of ``ids`` (those of this
+        process's partitions) to ``values`` and returns what they were:
+        a row a dynamic vocabulary gives to a new id counts that id's
+        lookups only (``raw_ids``), and a refused batch puts them back."""
+        ids = np.asarray(ids, np.int64)
+        values = np.asarray(values, np.int64)
+        old = np.zeros(ids.size, np.int64)
+        part_of, local = self.layout.part_of(ids), self.layout.part_local_ids(ids)
+        for part, planner in zip(self.parts, self.planners, strict=True):
+            counts = getattr(planner.policy, "counts", None)
+            mine = np.flatnonzero(part_of == part)
+            if counts is None or not mine.size:
+                continue
+            old[mine] = counts[local[mine]]
+            counts[local[mine]] = values[mine]
+        return old
+
     def _blocks(self, values: list[np.ndarray], fill: Any, dtype: Any) -> np.ndarray:
         """Per-partition slot arrays, each padded to ``C_l / q``, one after
         another (a device's ``C_l`` slots are its partitions')."""

@@ -507,10 +507,14 @@ class Prefetcher(Iterator[dict[str, Any]]):
         for later, batch in self._planned:
             if later < index:
                 continue
-            finished = cache.planner.next_index - 1 - self.lookahead
+            finished = admit = cache.planner.next_index - 1 - self.lookahead
             if later == index:
                 finished = max(finished, int(error.fits_after))
-            dispatched = cache.dispatch(_ids(batch, key), train=self.train, released=finished)
+                if error.rows_needed is not None:  # the vocabulary's rows, not the slots
+                    admit = max(admit, int(error.fits_after))
+            dispatched = cache.dispatch(
+                _ids(batch, key), train=self.train, released=finished, admit_released=admit
+            )
             self._work.put(_Work(later, batch, {key: dispatched}, merge=True))
         return None
 

@@ -25,6 +25,7 @@ through a cache equals the same vocabulary over the whole table on device.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -65,13 +66,16 @@ class RawIds:
 
     Args:
       config: the table's configuration (``config.vocabulary`` set).
+      shard: ``(process, processes)``: this process's share of the host
+        rows (``process_shard``).
     """
 
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, shard: tuple[int, int] = (0, 1)) -> None:
         spec = config.vocabulary
         assert spec is not None, "RawIds serves a dynamic vocabulary"
         self.spec = spec
         self.config = config
+        self.shard = shard
         self.vocabulary = Vocabulary.of(spec, config.num_embeddings)
 
     # ----------------------------------------------------------------- steps
@@ -97,11 +101,15 @@ class RawIds:
         translated = self.translate(
             ids, index=partitions.next_index, finished=finished, train=train
         )
+        # A row given to a new id counts that id's lookups only.
+        new_rows = translated.admission.new_rows
+        counts = partitions.swap_counts(new_rows, np.zeros(new_rows.size, np.int64))
         try:
             step = partitions.plan(
                 translated.rows, train=train, released=released, max_distinct=max_distinct
             )
         except BaseException:
+            partitions.swap_counts(new_rows, counts)
             self.revert(translated)
             raise
         step = self.renew(step, translated, partitions, table, ledger)
@@ -150,25 +158,30 @@ class RawIds:
         rows = admission.new_rows
         if rows.size == 0:
             return step
-        # The old ids' values must never land over the new ones.
-        ledger.cancel(rows)
-        cfg, spec, layout = self.config, self.spec, partitions.layout
         # Every process keeps the whole vocabulary (the same batches make the
         # same choices everywhere) and writes the rows it stores.
+        layout = partitions.layout
         mine = rows % layout.processes == layout.process
+        self.first_values(rows[mine], admission.new_ids[mine], table, ledger)
+        return _refetch_resident(step, partitions, rows, translated.new_counts)
+
+    def first_values(
+        self, rows: np.ndarray, ids: np.ndarray, table: HostTable, ledger: WriteBacks
+    ) -> None:
+        """Writes the first values of ``rows`` (of this process), given to
+        raw ``ids`` now, and fresh optimizer state into the host table; an
+        unlanded write-back of their old ids is dropped first, so that it
+        never lands over them."""
+        ledger.cancel(rows)
+        cfg, spec = self.config, self.spec
         first = hashed_rows(
-            admission.new_ids[mine],
-            cfg.features,
-            seed=int(spec.seed),
-            init=spec.init,
-            scale=spec.scale,
+            ids, cfg.features, seed=int(spec.seed), init=spec.init, scale=spec.scale
         )
         state = {
             name: np.full((first.shape[0], *s.shape), s.init, s.dtype)
             for name, s in cfg.optimizer.state_spec(cfg.features).items()
         }
-        table.scatter(rows[mine], first, state)
-        return _refetch_resident(step, partitions, rows, translated.new_counts)
+        table.scatter(rows, first, state)
 
     def record(self, translated: Translated) -> dict[str, int]:
         """The statistics of a translated batch (``StepStats`` fields)."""
@@ -180,14 +193,28 @@ class RawIds:
         }
 
     # ------------------------------------------------------------ checkpoint
-    def state_arrays(self) -> dict[str, np.ndarray]:
-        """The vocabulary as flat arrays (``Vocabulary.state_dict``): each
-        entry's last use holds its row while a plan in flight uses it, so a
-        pipeline resumed after a checkpoint forgets as one that ran on."""
-        return {f"vocabulary.{k}": v for k, v in self.vocabulary.state_dict().items()}
+    def state_arrays(self, vocabulary: Vocabulary | None = None) -> dict[str, np.ndarray]:
+        """A vocabulary (default: this one) as flat arrays
+        (``Vocabulary.state_dict``), this process's share: the entries of
+        the rows it stores and the sketch counters of the same residues
+        (the rest zero), so that the shares of all processes join into the
+        whole. Each entry's last use holds its row while a plan in flight
+        uses it, so a pipeline resumed after a checkpoint forgets as one
+        that ran on."""
+        state = (self.vocabulary if vocabulary is None else vocabulary).state_dict()
+        process, processes = self.shard
+        if processes > 1:
+            mine = state["rows"] % processes == process
+            for key in ("ids", "rows", "last_use", "counts"):
+                state[key] = state[key][mine]
+            cells = np.arange(state["sketch"].shape[1]) % processes == process
+            state["sketch"] = np.where(cells[None, :], state["sketch"], 0)
+        return {f"vocabulary.{k}": v for k, v in state.items()}
 
-    def check_state_arrays(self, arrays: dict[str, Any]) -> None:
-        """Raises ``ValueError`` unless ``load_state_arrays`` takes ``arrays``."""
+    def check_state_arrays(self, parts: Sequence[Mapping[str, Any]]) -> None:
+        """Raises ``ValueError`` unless ``load_state_arrays`` takes ``parts``
+        (every saving process's ``state_arrays``)."""
+        arrays = parts[0] if parts else {}
         missing = [k for k in _STATE_KEYS if f"vocabulary.{k}" not in arrays]
         if missing:
             raise ValueError(
@@ -195,7 +222,7 @@ class RawIds:
                 "without a dynamic vocabulary (restore it into one built with vocabulary=None), "
                 "or by an older jaxcache whose vocabulary this one cannot read."
             )
-        rows = np.asarray(arrays["vocabulary.rows"])
+        rows = np.concatenate([np.asarray(part["vocabulary.rows"]) for part in parts])
         if rows.size and (rows.min() < 0 or rows.max() >= self.config.num_embeddings):
             raise ValueError(
                 f"the saved vocabulary has rows past this budget of {self.config.num_embeddings}; "
@@ -209,11 +236,17 @@ class RawIds:
                 "and sketch_width."
             )
 
-    def load_state_arrays(self, arrays: dict[str, Any]) -> None:
-        """Restores ``state_arrays`` (checked by ``check_state_arrays``)."""
-        self.vocabulary.load_state_dict(
-            {k: np.asarray(arrays[f"vocabulary.{k}"]) for k in _STATE_KEYS}
-        )
+    def load_state_arrays(self, parts: Sequence[Mapping[str, Any]]) -> Vocabulary:
+        """Restores the ``state_arrays`` of every saving process (checked by
+        ``check_state_arrays``), joined, into this vocabulary; returns it."""
+        joined: dict[str, Any] = {
+            k: np.concatenate([np.asarray(part[f"vocabulary.{k}"]) for part in parts])
+            for k in ("ids", "rows", "last_use", "counts")
+        }
+        joined["sketch"] = sum(np.asarray(part["vocabulary.sketch"]) for part in parts)
+        joined["clock"] = np.max([np.asarray(part["vocabulary.clock"]) for part in parts], axis=0)
+        self.vocabulary.load_state_dict(joined)
+        return self.vocabulary
 
 
 def _refetch_resident(

@@ -279,7 +279,7 @@ class Vocabulary:
         self._slots = np.full(size, -1, np.int32)  # the row of each index entry
         self.id_of_row = np.zeros(rows, np.int64)
         self.last_use = np.full(rows, -1, np.int64)  # -1: no entry
-        self.counts = np.zeros(rows, np.int64)  # lookups since admitted
+        self.counts = np.zeros(rows, np.int64)  # lookups since admitted (lfu)
         self._stamp = np.full(rows, -1, np.int64)  # rows the batch being admitted holds
         self._token = 0
         # Each bucket owns ``sketch_width / B`` columns of every sketch row.
@@ -454,9 +454,12 @@ class Vocabulary:
             added,
         )
         forgotten = np.empty(admitted.size, np.int64)
+        # Lookups are counted for forgetting by them only (the device
+        # planner keeps no counts for LRU).
+        uses = counts if self.forget == "lfu" else np.zeros_like(counts)
         taken = _commit(
             self._keys, self._slots, self.id_of_row, self.last_use, self.counts,
-            ids, counts, known, known_rows, admitted, new_rows, step, forgotten,
+            ids, uses, known, known_rows, admitted, new_rows, step, forgotten,
         )  # fmt: skip
         self.clock = (max(step, self.clock[0]), max(finished, self.clock[1]))
         rows[admitted] = new_rows
