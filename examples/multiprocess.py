@@ -28,7 +28,8 @@ saved them) and saves one at the end; run it again to continue training::
 
 With ``--raw-ids ROWS`` the ids become raw int64 values (a bijective mix of
 the synthetic ids) and the table a dynamic vocabulary of ``ROWS`` rows
-(``jaxcache.DynamicVocabulary``); every process keeps the whole vocabulary.
+(``jaxcache.DynamicVocabulary``): the host planner keeps the whole
+vocabulary in every process, the device planner each device its buckets.
 
 The last line of stdout is one JSON object (from process 0, or from the
 launcher: the processes' results and whether they agree).
@@ -163,6 +164,10 @@ def run(args: argparse.Namespace) -> dict:
     rows, _ = model.embed.export()  # every process calls it: a collective
     if args.save and jax.process_index() == 0:
         np.save(args.save, rows)
+    live = None
+    if vocabulary is not None:  # a collective too: every process gets every live id
+        ids, _, _ = cache.export_ids(model.embed.get_state())
+        live = [int(ids.size), int(np.bitwise_xor.reduce(ids, initial=0))]
     return {
         "process": jax.process_index(),
         "global_devices": jax.device_count(),
@@ -181,6 +186,7 @@ def run(args: argparse.Namespace) -> dict:
         if vocabulary is None
         else None,
         "forgotten_ids": cache.stats.total.forgotten_ids,
+        "live_ids": live,  # with raw ids: how many, and their xor
         "planner_bytes": cache.planner.nbytes,
     }
 

@@ -99,11 +99,10 @@ def test_split_tables_checkpoint_and_resume_on_any_process_count(single, tmp_pat
         np.testing.assert_allclose(np.load(rows), one_rows, atol=1e-5)
 
 
-@pytest.mark.host_planner
 def test_raw_ids_on_two_processes_match_one_and_resume_on_one(tmp_path):
     # Raw ids through a vocabulary of 800 rows (the batches hold 1,338
-    # distinct ids): every process keeps the whole vocabulary and stores
-    # its half of the rows.
+    # distinct ids): each process stores its half of the rows (and with the
+    # device planner its devices hold their buckets of the vocabulary).
     raw = ["--raw-ids", "800", "--cache-fraction", "0.9"]
     single = _run(*ONE, *raw, "--steps", "8", "--save", str(tmp_path / "one.npy"))
     assert single["forgotten_ids"] > 100
@@ -111,6 +110,9 @@ def test_raw_ids_on_two_processes_match_one_and_resume_on_one(tmp_path):
     two = _run(*TWO, *raw, "--steps", "4", "--checkpoint", str(saved))
     assert two["agree"] and sorted(p["host_rows"] for p in two["processes"]) == [400, 400]
     np.testing.assert_allclose(two["processes"][0]["losses"], single["losses"][:4], atol=1e-5)
+    # Every process exports every live id, whichever process's devices hold it.
+    first, second = (p["live_ids"] for p in two["processes"])
+    assert first == second and 0 < first[0] <= 800
     # Saved by two processes, resumed by one: it ends where eight steps in one end.
     resumed = _run(
         *ONE, *raw, "--steps", "4", "--checkpoint", str(saved), "--save", str(tmp_path / "r.npy")
@@ -119,3 +121,4 @@ def test_raw_ids_on_two_processes_match_one_and_resume_on_one(tmp_path):
     np.testing.assert_allclose(
         np.load(tmp_path / "r.npy"), np.load(tmp_path / "one.npy"), atol=1e-5
     )
+    assert resumed["live_ids"] == single["live_ids"]

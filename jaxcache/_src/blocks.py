@@ -116,3 +116,32 @@ def gather_shards(
         out[key] = whole
     rows = out.pop("rows")
     return rows, {k.removeprefix("state."): v for k, v in out.items()}
+
+
+def gather_entries(
+    ids: np.ndarray, rows: np.ndarray, shard: tuple[int, int], num_rows: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every process's ``(ids, rows)`` of a split vocabulary (each process
+    holds the entries of the rows it stores, ``row % count == index``),
+    joined in row order (a collective)."""
+    from jax.experimental import multihost_utils
+
+    index, count = shard
+    longest = len(range(0, num_rows, count))
+    local = np.asarray(rows, np.int64) // count
+    share_ids = np.zeros(longest, np.int64)
+    share_live = np.zeros(longest, bool)
+    share_ids[local], share_live[local] = ids, True
+    gathered = multihost_utils.process_allgather(
+        {"index": np.int32(index), "ids": share_ids, "live": share_live}
+    )
+    whole_ids = np.zeros(num_rows, np.int64)
+    whole_live = np.zeros(num_rows, bool)
+    for process, part_ids, part_live in zip(
+        gathered["index"], gathered["ids"], gathered["live"], strict=True
+    ):
+        size = len(range(int(process), num_rows, count))
+        whole_ids[int(process) :: count] = part_ids[:size]
+        whole_live[int(process) :: count] = part_live[:size]
+    joined = np.flatnonzero(whole_live)
+    return whole_ids[joined], joined

@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from jaxcache._src import device_ops, kernels, routing
 from jaxcache._src.agreement import agreement
-from jaxcache._src.blocks import Blocks, gather_shards, local_data
+from jaxcache._src.blocks import Blocks, gather_entries, gather_shards, local_data
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.device_ops import CacheState, Lookup
 from jaxcache._src.device_planner import DevicePlanner, DeviceStep, Dispatched
@@ -240,7 +240,7 @@ class EmbeddingCache:
         platform = mesh.devices.flat[0].platform
         planner = _planner(planner, platform)
         if config.vocabulary is not None:
-            _check_dynamic(config, frequencies, warm, planner, processes)
+            _check_dynamic(config, frequencies, warm)
         if planner == "device" and config.route_capacity is not None:
             raise ValueError(
                 f"route_capacity={config.route_capacity} sizes the host planner's routes; the "
@@ -864,6 +864,8 @@ class EmbeddingCache:
         ids = vocabulary.id_of_row[live]
         if self.shard[1] > 1:
             table, state_arrays = self.export(state)
+            if isinstance(self.planner, DevicePlanner):  # each process holds its share
+                ids, live = gather_entries(ids, live, self.shard, self.config.num_embeddings)
             return ids, table[live], {k: v[live] for k, v in state_arrays.items()}
         self.flush(state)
         rows, opt = self.table.gather(live)
@@ -1049,24 +1051,13 @@ def _planner(planner: str | None, platform: str) -> str:
     return planner
 
 
-def _check_dynamic(
-    config: CacheConfig,
-    frequencies: np.ndarray | None,
-    warm: bool | None,
-    planner: str,
-    processes: int,
-) -> None:
+def _check_dynamic(config: CacheConfig, frequencies: np.ndarray | None, warm: bool | None) -> None:
     """Refuses what a dynamic vocabulary does not support."""
     if config.policy == "frequency" or frequencies is not None or warm:
         raise ValueError(
             "CacheConfig(vocabulary=...) does not support frequencies, warm or "
             "policy='frequency': dataset counts are per row, and rows are given to raw ids as "
             "they come; use the adaptive, lfu or lru policy without them."
-        )
-    if planner == "device" and processes > 1:
-        raise ValueError(
-            'CacheConfig(vocabulary=...) with planner="device" runs in one process for now, '
-            f'and this mesh spans {processes}; use planner="host" there.'
         )
 
 
