@@ -253,11 +253,6 @@ def admit(
             key = state.uses.reshape(nb, w)[local]
         else:
             key = last
-        rank_class = jnp.where(free, 0, jnp.where(stale, 1, 2))
-        ways = jnp.broadcast_to(lax.iota(jnp.int32, w), (v, w))
-        _, _, order = lax.sort(
-            (rank_class, jnp.where(stale, key, 0), ways), dimension=1, num_keys=3
-        )
         available = jnp.sum(free | stale, axis=1, dtype=jnp.int32)
         # Each id's rank among the batch's ids to admit into its bucket.
         by_bucket, at = lax.sort(
@@ -268,7 +263,32 @@ def admit(
         head = jnp.concatenate([jnp.ones(1, bool), by_bucket[1:] != by_bucket[:-1]])
         start = lax.cummax(jnp.where(head, lax.iota(jnp.int32, v), 0))
         rank = jnp.zeros(v, jnp.int32).at[at].set(lax.iota(jnp.int32, v) - start)
-        chosen = jnp.take_along_axis(order, jnp.minimum(rank, w - 1)[:, None], axis=1)[:, 0]
+        rank = jnp.where(alloc, rank, -1)
+        # The id of rank j takes its bucket's j-th way in the order (free
+        # first, by way; then stale, by key and way): j rounds, each taking
+        # every id's best way left. Buckets are many and a batch's new ids
+        # few, so j stays small, where a sort of every id's W ways would not.
+        stale_key = jnp.where(stale, key, _INT32_MAX)
+
+        def best(candidates):
+            free_left = free & candidates
+            least = jnp.min(jnp.where(candidates, stale_key, _INT32_MAX), axis=1)
+            stalest = candidates & (stale_key == least[:, None])
+            pick = jnp.where(jnp.any(free_left, axis=1)[:, None], free_left, stalest)
+            return jnp.argmax(pick, axis=1).astype(jnp.int32)
+
+        def take(carry):
+            round_, candidates, chosen = carry
+            way = best(candidates)
+            chosen = jnp.where(rank == round_, way, chosen)
+            taken = lax.iota(jnp.int32, w)[None, :] == way[:, None]
+            return round_ + 1, candidates & ~taken, chosen
+
+        _, _, chosen = lax.while_loop(
+            lambda carry: carry[0] <= jnp.max(rank),
+            take,
+            (jnp.int32(0), free | stale, jnp.zeros(v, jnp.int32)),
+        )
         return chosen, jnp.any(alloc & (rank >= available))
 
     chosen, full = lax.cond(
