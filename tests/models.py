@@ -136,16 +136,27 @@ def make_reference(
         embed = model.embed
         table = embed.table[...]
         state = embed.opt_state.get_value()
+
+        def take(x):
+            return x.at[touched].get(mode="fill", fill_value=0)
+
         new_rows, new_state = embed.optimizer.update(
-            table[touched], table_grad[touched], {k: v[touched] for k, v in state.items()}
+            take(table), take(table_grad), {k: take(v) for k, v in state.items()}
         )
-        embed.table.set_value(table.at[touched].set(new_rows))
-        embed.opt_state.set_value({k: v.at[touched].set(new_state[k]) for k, v in state.items()})
+        # Padding (one past the last row) updates nothing.
+        embed.table.set_value(table.at[touched].set(new_rows, mode="drop"))
+        embed.opt_state.set_value(
+            {k: v.at[touched].set(new_state[k], mode="drop") for k, v in state.items()}
+        )
         return loss
 
     def train(ids, labels, weights=None):
+        # The touched rows padded to the batch's size, so that the step
+        # compiles once per batch shape, not once per count of distinct ids.
         touched = np.unique(ids[ids >= 0])
-        return step(model, optimizer, jnp.asarray(ids), jnp.asarray(touched), labels, weights)
+        padded = np.full(ids.size, rows.shape[0], np.int64)
+        padded[: touched.size] = touched
+        return step(model, optimizer, jnp.asarray(ids), jnp.asarray(padded), labels, weights)
 
     return model, train
 
