@@ -9,7 +9,8 @@
 #   3. benchmarks/throughput_dcnv2.py on a table of 12.8M rows x 128 (6.5 GB;
 #      batches of 1,024 samples x 214 ids), one round: the plain table
 #      against the 2% cache at MLPerf DCNv2's shape, with each planner;
-#   4. benchmarks/plan_share.py: the device plan's share of the DCNv2 step;
+#   4. benchmarks/plan_share.py: the device plan's share of the DCNv2 step,
+#      and what a dynamic vocabulary of raw ids adds to it;
 #   5. training through the cache against the whole table on the GPU, heavy
 #      churn, planned on the device (tests/test_exactness.py);
 #   6. with XLA's deterministic GPU scatters, pipelined against unpipelined,

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxcache
-from jaxcache._src import device_planner, device_vocabulary
+from jaxcache._src import device_plan, device_planner, device_vocabulary
 from jaxcache._src.hashing import id_words
 from jaxcache._src.placement import Layout
 from jaxcache._src.vocabulary import Vocabulary
@@ -130,7 +130,7 @@ def test_raw_words_dedupe_in_order_of_first_appearance():
     ids = np.array([5, -1, 5, 2**40, -1, 7, 2**40 + 5, 5], np.int64)
     valid = ids != 7
     low, high = (w.view(np.int32) for w in id_words(ids))
-    d_low, d_high, inverse, count, lookups = device_vocabulary.dedupe_wide(
+    d_low, d_high, inverse, count, lookups = device_plan.dedupe_wide(
         jnp.asarray(low), jnp.asarray(high), jnp.asarray(valid), jnp.ones(ids.size, jnp.int32)
     )
     words = np.stack([np.asarray(d_low), np.asarray(d_high)], 1)[: int(count)]

@@ -374,29 +374,73 @@ def dedupe(values: jax.Array, valid: jax.Array, weights: jax.Array):
     # sort on GPUs (CUB); a third operand or a second key would make it a
     # comparison sort. The weights follow by a gather.
     sorted_keys, positions = lax.sort((keys, lax.iota(jnp.int32, m)), num_keys=1, is_stable=True)
-    sorted_weights = weights[positions]
-    real = sorted_keys != _INT32_MAX
-    head = real & jnp.concatenate([jnp.ones(1, bool), sorted_keys[1:] != sorted_keys[:-1]])
-    # A stable sort puts each value's first position at its run's head: the
-    # heads, counted in position order, number the values by appearance.
+    new_run = jnp.concatenate([jnp.ones(1, bool), sorted_keys[1:] != sorted_keys[:-1]])
+    at, inverse, count, lookups = _by_appearance(
+        positions, new_run, sorted_keys != _INT32_MAX, weights
+    )
+    distinct = jnp.full(m, -1, jnp.int32).at[at].set(sorted_keys, mode="drop", unique_indices=True)
+    return distinct, inverse, count, lookups
+
+
+def dedupe_wide(low: jax.Array, high: jax.Array, valid: jax.Array, weights: jax.Array):
+    """``dedupe`` of 64-bit values given as two int32 words (raw ids), by two
+    stable sorts of two operands each: low word, then high word, so that XLA
+    radix-sorts both on GPUs.
+
+    Returns:
+      ``(low, high, inverse, count, lookups)``: the distinct values' words
+      (``[m]``, valid up to ``count``), each entry's index into them
+      (``-1`` where not ``valid``), their number and summed ``weights``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> lo = jnp.array([7, 3, 7, 7, 3], jnp.int32)
+      >>> hi = jnp.array([1, 0, 1, 2, 0], jnp.int32)
+      >>> d_lo, d_hi, inv, count, w = dedupe_wide(lo, hi, lo != 0, jnp.ones(5, jnp.int32))
+      >>> d_lo[:3].tolist(), d_hi[:3].tolist(), inv.tolist(), int(count), w[:3].tolist()
+      ([7, 3, 7], [1, 0, 2], [0, 1, 0, 2, 1], 3, [2, 2, 1])
+    """
+    m = low.shape[0]
+    _, first = lax.sort((low, lax.iota(jnp.int32, m)), num_keys=1, is_stable=True)
+    _, positions = lax.sort((high[first], first), num_keys=1, is_stable=True)
+    s_low, s_high, real = low[positions], high[positions], valid[positions]
+    # Invalid entries sort among the values (any int64 is a raw id), so a
+    # run starts at every change of value or of validity.
+    changed = (s_low[1:] != s_low[:-1]) | (s_high[1:] != s_high[:-1]) | (real[1:] != real[:-1])
+    new_run = jnp.concatenate([jnp.ones(1, bool), changed])
+    at, inverse, count, lookups = _by_appearance(positions, new_run, real, weights)
+    d_low = jnp.zeros(m, jnp.int32).at[at].set(s_low, mode="drop", unique_indices=True)
+    d_high = jnp.zeros(m, jnp.int32).at[at].set(s_high, mode="drop", unique_indices=True)
+    return d_low, d_high, inverse, count, lookups
+
+
+def _by_appearance(positions, new_run, real, weights):
+    """The dedupe of values a stable sort put in order (``positions``: each
+    sorted entry's place; ``new_run``: where a run of equal values starts;
+    ``real``: sorted entries to count). A stable sort puts each value's
+    first place at its run's head, so the heads, counted in place order,
+    number the values by appearance.
+
+    Returns ``(at, inverse, count, lookups)``: each sorted entry's distinct
+    index where it heads a run (``m`` elsewhere), each entry's distinct
+    index (``-1`` if not real), the count, and ``weights`` summed per value."""
+    m = positions.shape[0]
+    head = real & new_run
     first = jnp.zeros(m, jnp.int32).at[positions].set(head.astype(jnp.int32), unique_indices=True)
     appearance = jnp.cumsum(first) - 1
-    run = jnp.cumsum(head.astype(jnp.int32)) - 1
+    run = jnp.cumsum(new_run.astype(jnp.int32)) - 1
     run_rank = (
         jnp.zeros(m, jnp.int32)
         .at[jnp.where(head, run, m)]
         .set(appearance[positions], mode="drop", unique_indices=True)
     )
-    rank = jnp.where(real, run_rank[jnp.maximum(run, 0)], -1)
+    rank = jnp.where(real, run_rank[run], -1)
     inverse = jnp.zeros(m, jnp.int32).at[positions].set(rank, unique_indices=True)
     drop = jnp.where(real, rank, m)
-    distinct = (
-        jnp.full(m, -1, jnp.int32)
-        .at[jnp.where(head, rank, m)]
-        .set(sorted_keys, mode="drop", unique_indices=True)
+    lookups = (
+        jnp.zeros(m, jnp.int32).at[drop].add(jnp.where(real, weights[positions], 0), mode="drop")
     )
-    lookups = jnp.zeros(m, jnp.int32).at[drop].add(jnp.where(real, sorted_weights, 0), mode="drop")
-    return distinct, inverse, jnp.sum(head, dtype=jnp.int32), lookups
+    return jnp.where(head, rank, m), inverse, jnp.sum(head, dtype=jnp.int32), lookups
 
 
 def home_device(ids: jax.Array, devices: int, processes: int) -> jax.Array:
@@ -443,9 +487,7 @@ def _source(spec: PlanSpec, ids: jax.Array, axis: str):
     bad_at = jnp.min(jnp.where(bad, positions, m))
     ones = jnp.ones(m, jnp.int32)
     if vocabulary is not None:
-        d_low, d_high, inverse, count, lookups = device_vocabulary.dedupe_wide(
-            low, high, valid, ones
-        )
+        d_low, d_high, inverse, count, lookups = dedupe_wide(low, high, valid, ones)
         values: tuple[jax.Array, ...] = (d_low, d_high)
         homed = device_vocabulary.bucket_of(vocabulary, d_low, d_high)
     else:
@@ -537,7 +579,7 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
     elif spec.vocabulary is None:
         uniq, owner_inverse, distinct, lookups = dedupe(entries, sent, counts_in)
     else:
-        uniq_low, uniq_high, owner_inverse, distinct, lookups = device_vocabulary.dedupe_wide(
+        uniq_low, uniq_high, owner_inverse, distinct, lookups = dedupe_wide(
             entries_low, entries_high, sent, counts_in
         )
     live = lax.iota(jnp.int32, v) < distinct

@@ -28,7 +28,7 @@ from jax import lax
 
 from jaxcache._src.hashing import SKETCH_DEPTH, fmix32, id_hash
 
-__all__ = ["Admitted", "VocabSpec", "VocabState", "admit", "dedupe_wide"]
+__all__ = ["Admitted", "VocabSpec", "VocabState", "admit", "bucket_of"]
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -117,56 +117,6 @@ class Admitted(NamedTuple):
     refused: jax.Array
     full: jax.Array
     commit: Callable[[VocabState, jax.Array], VocabState]
-
-
-def dedupe_wide(low: jax.Array, high: jax.Array, valid: jax.Array, weights: jax.Array):
-    """Distinct 64-bit values (two int32 words) in order of first appearance:
-    ``device_plan.dedupe`` for raw ids, by two stable sorts of two operands
-    each (low word, then high word: XLA radix-sorts both on GPUs).
-
-    Returns:
-      ``(low, high, inverse, count, lookups)``: the distinct values' words
-      (``[m]``, valid up to ``count``), each entry's index into them
-      (``-1`` where not ``valid``), their number and summed ``weights``.
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> lo = jnp.array([7, 3, 7, 7, 3], jnp.int32)
-      >>> hi = jnp.array([1, 0, 1, 2, 0], jnp.int32)
-      >>> d_lo, d_hi, inv, count, w = dedupe_wide(lo, hi, lo != 0, jnp.ones(5, jnp.int32))
-      >>> d_lo[:3].tolist(), d_hi[:3].tolist(), inv.tolist(), int(count), w[:3].tolist()
-      ([7, 3, 7], [1, 0, 2], [0, 1, 0, 2, 1], 3, [2, 2, 1])
-    """
-    m = low.shape[0]
-    iota = lax.iota(jnp.int32, m)
-    _, first = lax.sort((low, iota), num_keys=1, is_stable=True)
-    _, positions = lax.sort((high[first], first), num_keys=1, is_stable=True)
-    s_lo, s_hi, real = low[positions], high[positions], valid[positions]
-    new_run = jnp.concatenate(
-        [jnp.ones(1, bool), (s_lo[1:] != s_lo[:-1]) | (s_hi[1:] != s_hi[:-1])]
-    )
-    # Invalid entries sort among the values (any int64 is a raw id), so a
-    # run starts at every change of value or of validity.
-    new_run = new_run | jnp.concatenate([jnp.ones(1, bool), real[1:] != real[:-1]])
-    head = real & new_run
-    first_at = jnp.zeros(m, jnp.int32).at[positions].set(head.astype(jnp.int32))
-    appearance = jnp.cumsum(first_at) - 1
-    run = jnp.cumsum(new_run.astype(jnp.int32)) - 1
-    run_rank = (
-        jnp.zeros(m, jnp.int32)
-        .at[jnp.where(head, run, m)]
-        .set(appearance[positions], mode="drop", unique_indices=True)
-    )
-    rank = jnp.where(real, run_rank[run], -1)
-    inverse = jnp.zeros(m, jnp.int32).at[positions].set(rank, unique_indices=True)
-    at = jnp.where(head, rank, m)
-    d_lo = jnp.zeros(m, jnp.int32).at[at].set(s_lo, mode="drop", unique_indices=True)
-    d_hi = jnp.zeros(m, jnp.int32).at[at].set(s_hi, mode="drop", unique_indices=True)
-    drop = jnp.where(real, rank, m)
-    lookups = (
-        jnp.zeros(m, jnp.int32).at[drop].add(jnp.where(real, weights[positions], 0), mode="drop")
-    )
-    return d_lo, d_hi, inverse, jnp.sum(head, dtype=jnp.int32), lookups
 
 
 def bucket_of(spec: VocabSpec, low: jax.Array, high: jax.Array) -> jax.Array:
