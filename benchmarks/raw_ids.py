@@ -8,19 +8,20 @@ a fraction of the stream's id space):
 
 - **modulo**: the raw ids reduced modulo ``R``, as a fixed table forces;
   unrelated ids share rows;
-- **dynamic**: ``CacheConfig(vocabulary=DynamicVocabulary(forget="lfu"))``
-  with a budget of ``R`` rows: an id gets a row of its own, and the least
-  often used ids give theirs back when the budget is full.
+- **dynamic**: ``CacheConfig(vocabulary=DynamicVocabulary(forget=...))``
+  with a budget of ``R`` rows: an id gets a row of its own, and stale ids
+  give theirs back when their bucket is full, by each rule of ``--forget``
+  (the least recently used, the least often, or both: ``"lrfu"``).
 
-Printed: ``modulo_loss`` and ``dynamic_loss`` (the mean training loss over
-the second half of the steps, each batch scored before the model trains on
-it), ``dynamic_over_modulo_loss``, ``modulo_auc`` and ``dynamic_auc`` (ROC
-AUC on held-out batches, scored with ``train=False``: the dynamic
-vocabulary's unknown ids read zeros), ``modulo_shared_ids`` (share of the
-stream's distinct ids whose row another id also uses) and
-``dynamic_forgotten_ids``.
+Printed: ``modulo_loss`` and, per rule, ``dynamic_<rule>_loss`` (the mean
+training loss over the second half of the steps, each batch scored before
+the model trains on it) and ``dynamic_<rule>_over_modulo_loss``;
+``modulo_auc`` and ``dynamic_<rule>_auc`` (ROC AUC on held-out batches,
+scored with ``train=False``: the dynamic vocabulary's unknown ids read
+zeros); ``modulo_shared_ids`` (share of the stream's distinct ids whose row
+another id also uses) and ``dynamic_<rule>_forgotten_ids``.
 
-    python benchmarks/raw_ids.py          # about 2 minutes on 2 CPU cores
+    python benchmarks/raw_ids.py          # about 4 minutes on 2 CPU cores
     python benchmarks/raw_ids.py --quick
 """
 
@@ -36,14 +37,18 @@ from flax import nnx
 import jaxcache
 
 MIX = np.uint64(0x9E3779B97F4A7C15)  # ids to raw ids: a bijection over int64
+RULES = ("lru", "lfu", "lrfu")  # DynamicVocabulary(forget=...)
 
 
 def raw(ids: np.ndarray) -> np.ndarray:
     return (ids.astype(np.uint64) * MIX).view(np.int64)
 
 
-def train(args, data, rows: int, dynamic: bool) -> tuple[float, float, jaxcache.EmbeddingCache]:
-    vocabulary = jaxcache.DynamicVocabulary(forget="lfu") if dynamic else None
+def train(
+    args, data, rows: int, forget: str | None
+) -> tuple[float, float, jaxcache.EmbeddingCache]:
+    dynamic = forget is not None
+    vocabulary = jaxcache.DynamicVocabulary(forget=forget) if dynamic else None
     cfg = jaxcache.CacheConfig(
         rows,
         16,
@@ -83,6 +88,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--eval-steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--forget", nargs="+", choices=RULES, default=RULES)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -98,25 +104,22 @@ def main() -> None:
         f"R = {rows} rows, {args.capacity:.0%} of them on the device"
     )
     start = time.perf_counter()
-    modulo_loss, modulo_auc, _ = train(args, data, rows, dynamic=False)
-    dynamic_loss, dynamic_auc, cache = train(args, data, rows, dynamic=True)
-    total = cache.stats.total
-    print(
-        f"dynamic: {total.new_ids} rows given, {total.forgotten_ids} taken back "
-        f"({time.perf_counter() - start:.0f} s)"
-    )
-    _harness.print_results(
-        {
-            "modulo_loss": modulo_loss,
-            "dynamic_loss": dynamic_loss,
-            "dynamic_over_modulo_loss": dynamic_loss / modulo_loss,
-            "modulo_auc": modulo_auc,
-            "dynamic_auc": dynamic_auc,
-            "modulo_shared_ids": shared,
-            "dynamic_forgotten_ids": total.forgotten_ids,
-        },
-        digits=4,
-    )
+    modulo_loss, modulo_auc, _ = train(args, data, rows, forget=None)
+    results = {"modulo_loss": modulo_loss, "modulo_auc": modulo_auc, "modulo_shared_ids": shared}
+    for forget in args.forget:
+        loss, auc, cache = train(args, data, rows, forget=forget)
+        total = cache.stats.total
+        print(
+            f"dynamic, forget={forget!r}: {total.new_ids} rows given, {total.forgotten_ids} "
+            f"taken back ({time.perf_counter() - start:.0f} s)"
+        )
+        results |= {
+            f"dynamic_{forget}_loss": loss,
+            f"dynamic_{forget}_over_modulo_loss": loss / modulo_loss,
+            f"dynamic_{forget}_auc": auc,
+            f"dynamic_{forget}_forgotten_ids": total.forgotten_ids,
+        }
+    _harness.print_results(results, digits=4)
 
 
 if __name__ == "__main__":

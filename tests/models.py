@@ -8,6 +8,8 @@ no planning, slot or swap code with the cache, so agreement is evidence.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,8 +186,9 @@ class VocabularyModel:
     row)`` among ids no plan after ``finished`` and not this batch uses;
     admission by exact counts."""
 
-    def __init__(self, rows, admit_after, forget, *, ways=64, ttl=None, seed=0) -> None:
+    def __init__(self, rows, admit_after, forget, *, bonus=8, ways=64, ttl=None, seed=0) -> None:
         self.rows, self.admit_after, self.forget, self.ttl = rows, admit_after, forget, ttl
+        self.bonus = bonus
         self.buckets = 1
         while self.buckets * ways < rows:
             self.buckets *= 2
@@ -202,6 +205,20 @@ class VocabularyModel:
     def expired(self, row, step, finished) -> bool:
         last = self.entry[row][1]
         return self.ttl is not None and last < step - self.ttl and last <= finished
+
+    def key(self, row, step) -> int:
+        """The stalest leaves first: the plan of last use (lru), the lookups
+        (lfu), or 256 x the age (at most 2^22 plans) plus ``bonus`` x the
+        lookups' log2 in 1/256ths, 8 bits of mantissa rounded down (lrfu)."""
+        _, last, lookups = self.entry[row]
+        if self.forget == "lru":
+            return last
+        if self.forget == "lfu":
+            return lookups
+        lookups = max(lookups, 1)
+        e = lookups.bit_length() - 1
+        log2 = 256 * e + math.floor(256 * math.log2(((lookups << 8) >> e) / 256))
+        return 256 * max(last - step, -(1 << 22)) + self.bonus * log2
 
     @property
     def row_of(self) -> dict[int, int]:
@@ -228,7 +245,7 @@ class VocabularyModel:
             free = [r for r in ways if r not in self.entry or self.expired(r, step, finished)]
             stale = sorted(
                 (r for r in ways if r not in free and self.entry[r][1] <= finished),
-                key=lambda r: (self.entry[r][2 if self.forget == "lfu" else 1], r),
+                key=lambda r: (self.key(r, step), r),
             )
             if len(mine) > len(free) + len(stale):
                 raise jaxcache.CapacityError("full")
@@ -258,8 +275,8 @@ def make_raw_reference(rows, config: jaxcache.CacheConfig, num_features: int, *,
     trains the rows. Returns ``(model, train, vocabulary)``."""
     spec = config.vocabulary
     vocab = VocabularyModel(
-        config.num_embeddings, spec.admit_after, spec.forget, ways=spec.ways, ttl=spec.ttl,
-        seed=spec.seed,
+        config.num_embeddings, spec.admit_after, spec.forget, bonus=spec.bonus, ways=spec.ways,
+        ttl=spec.ttl, seed=spec.seed,
     )  # fmt: skip
     model, ref_train = make_reference(rows, config.optimizer, num_features)
     step = [0]

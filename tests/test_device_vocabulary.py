@@ -65,6 +65,7 @@ def _device_admit(vocab, spec, layout, ids, counts, step, finished, new):
         vocab.rows,
         admit_after=vocab.admit_after,
         forget=vocab.forget,
+        bonus=vocab.bonus,
         ways=vocab.ways,
         ttl=vocab.ttl,
         sketch_width=vocab.sketch.shape[1] if vocab.sketch.size else 1 << 10,
@@ -84,17 +85,18 @@ def _device_admit(vocab, spec, layout, ids, counts, step, finished, new):
     ways=st.sampled_from([4, 64]),
     devices=st.sampled_from([1, 2, 4]),
     admit_after=st.sampled_from([1, 1, 2, 3]),
-    forget=st.sampled_from(["lru", "lfu"]),
+    forget=st.sampled_from(["lru", "lfu", "lrfu"]),
+    bonus=st.sampled_from([0, 2, 64]),
     ttl=st.sampled_from([None, 2, 5]),
     seed=st.integers(0, 2**16),
 )
 def test_the_device_admits_and_forgets_as_the_host_does(
-    rows, ways, devices, admit_after, forget, ttl, seed
+    rows, ways, devices, admit_after, forget, bonus, ttl, seed
 ):
     ttl = ttl if forget == "lru" else None
     host = Vocabulary(
-        rows, admit_after=admit_after, forget=forget, ways=ways, ttl=ttl, sketch_width=1 << 10,
-        seed=seed,
+        rows, admit_after=admit_after, forget=forget, bonus=bonus, ways=ways, ttl=ttl,
+        sketch_width=1 << 10, seed=seed,
     )  # fmt: skip
     if host.buckets % devices:
         devices = 1
@@ -124,6 +126,21 @@ def test_the_device_admits_and_forgets_as_the_host_does(
         for key in ("ids", "rows", "last_use", "counts", "sketch"):
             np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
         step += 1
+
+
+def test_lrfu_ranks_ids_past_the_age_floor_by_lookups_alike():
+    # Ids unused for more than 2^22 plans are equally old to "lrfu" (the
+    # device's int32 keys would overflow otherwise): their lookups decide.
+    host = Vocabulary(2, forget="lrfu", bonus=1, ways=2)
+    host.admit(np.array([10]), np.array([2]), step=0)
+    host.admit(np.array([11]), np.array([1]), step=2)
+    spec = device_planner._vocabulary_spec(host, Layout(devices=1))
+    t = (1 << 23) + 5
+    new = np.array([12])
+    rows_d, *_ = _device_admit(host, spec, Layout(devices=1), new, np.array([1]), t, t - 1, True)
+    done = host.admit(new, np.array([1]), step=t, finished=t - 1)
+    assert done.forgotten_ids.tolist() == [11]  # unclamped ages would forget 10
+    assert rows_d.tolist() == done.rows.tolist()
 
 
 def test_raw_words_dedupe_in_order_of_first_appearance():

@@ -105,7 +105,7 @@ def test_raw_ids_under_churn_match_the_dict_reference(opt_name, planned_by):
 @pytest.mark.parametrize(
     ("lookahead", "rows", "vocabulary"),
     [
-        (1, 320, {"forget": "lfu", "policy": "lru"}),
+        (1, 320, {"forget": "lrfu", "bonus": 4, "policy": "lru"}),
         # One bucket of 120 rows: as tight as the batches in flight allow.
         (2, 120, {"admit_after": 2, "init": "uniform", "scale": 0.5, "policy": "lfu", "ways": 128}),
     ],

@@ -438,3 +438,12 @@ def test_vocabulary_replay_predicts_what_training_with_raw_ids_does(tmp_path, ca
     args += ["--policy", "lru", "--padding-id", str(PAD)]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out) == out
+
+
+def test_vocabulary_replay_refuses_a_bonus_out_of_range(tmp_path, capsys):
+    path = tmp_path / "raw.npy"
+    np.save(path, np.arange(40, dtype=np.int64).reshape(4, 10))
+    with pytest.raises(SystemExit) as exit_:
+        main(["vocabulary", str(path), "--rows", "30", "--forget", "lrfu", "--bonus", "99"])
+    assert exit_.value.code == 2
+    assert "argument --bonus: bonus=99 must be an integer in [0, 64]" in capsys.readouterr().err

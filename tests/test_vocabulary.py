@@ -17,21 +17,24 @@ from tests.models import VocabularyModel
     rows=st.sampled_from([1, 3, 12, 40]),
     ways=st.sampled_from([4, 64]),
     admit_after=st.sampled_from([1, 1, 2, 3]),
-    forget=st.sampled_from(["lru", "lfu"]),
+    forget=st.sampled_from(["lru", "lfu", "lrfu"]),
+    bonus=st.sampled_from([0, 2, 64]),
     ttl=st.sampled_from([None, None, 2, 5]),
     seed=st.integers(0, 2**16),
 )
 def test_admits_and_forgets_by_the_rules_of_a_dict_model(
-    rows, ways, admit_after, forget, ttl, seed
+    rows, ways, admit_after, forget, bonus, ttl, seed
 ):
     ttl = ttl if forget == "lru" else None
     rng = np.random.default_rng(seed)
     # Raw ids anywhere in int64, a few dozen of them, many sharing index probes.
     universe = rng.integers(-(1 << 62), 1 << 62, 60)
     universe[:5] = [0, -1, 1 << 40, (1 << 63) - 1, -(1 << 63)]
-    settings_ = dict(admit_after=admit_after, forget=forget, ways=ways, ttl=ttl, seed=seed)
+    settings_ = dict(
+        admit_after=admit_after, forget=forget, bonus=bonus, ways=ways, ttl=ttl, seed=seed
+    )
     vocab = Vocabulary(rows, sketch_width=1 << 16, **settings_)
-    model = VocabularyModel(rows, admit_after, forget, ways=ways, ttl=ttl, seed=seed)
+    model = VocabularyModel(rows, admit_after, forget, bonus=bonus, ways=ways, ttl=ttl, seed=seed)
     assert vocab.buckets == model.buckets
     assert vocab.bucket_of(universe).tolist() == [model.bucket(int(i)) for i in universe]
     step = 0
@@ -146,6 +149,7 @@ def test_a_batch_too_large_for_the_budget_is_refused_with_nothing_changed():
         ({"rows": 4, "sketch_width": 1000}, "power of two"),
         ({"rows": 4, "ways": 0}, "ways=0"),
         ({"rows": 4, "forget": "lfu", "ttl": 3}, "ttl=3"),
+        ({"rows": 4, "forget": "lrfu", "bonus": 65}, "bonus=65"),
     ],
 )
 def test_bad_settings_are_refused(kwargs, message):

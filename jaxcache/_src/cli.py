@@ -142,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     vocabulary_parser.add_argument("--forget", choices=FORGET, default="lru")
     vocabulary_parser.add_argument(
+        "--bonus", type=int, default=8, help='steps per doubling of lookups, of --forget "lrfu"'
+    )
+    vocabulary_parser.add_argument(
         "--padding-id", type=int, default=None, help="a raw id that marks padding, skipped"
     )
     vocabulary_parser.add_argument(
@@ -153,12 +156,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         _replay(replay_parser, args)
     else:
         trace = _load(vocabulary_parser, "trace", args.trace)
+        with _blame(vocabulary_parser, "--bonus", (ValueError,)):
+            vocabulary = DynamicVocabulary(
+                admit_after=args.admit_after, forget=args.forget, bonus=args.bonus
+            )
         with _blame(vocabulary_parser, "trace"):
             result = replay_vocabulary(
                 trace,
                 rows=args.rows,
                 batch=args.batch,
-                vocabulary=DynamicVocabulary(admit_after=args.admit_after, forget=args.forget),
+                vocabulary=vocabulary,
                 capacity=args.capacity,
                 policy=args.policy,
                 padding_id=args.padding_id,

@@ -14,7 +14,7 @@ __all__ = ["FORGET", "INITS", "POLICIES", "CacheConfig", "DynamicVocabulary"]
 #: Names of the eviction policies ``CacheConfig(policy=...)`` accepts.
 POLICIES = ("adaptive", "frequency", "lfu", "lru")
 #: Which row a dynamic vocabulary takes back when its budget is full.
-FORGET = ("lru", "lfu")
+FORGET = ("lru", "lfu", "lrfu")
 #: First values of a dynamic vocabulary's new rows.
 INITS = ("normal", "uniform", "zeros")
 
@@ -43,9 +43,15 @@ class DynamicVocabulary:
         and gets no update, like padding. 1: on first sight. Batches that
         do not train (``train=False``, ``jaxcache.Server``) admit no id and
         count nothing: unknown ids read zeros.
-      forget: which row a new id takes once its bucket has none free: the
-        bucket's id looked up longest ago (``"lru"``) or with the fewest
-        lookups (``"lfu"``), among ids no batch in flight uses.
+      forget: which row a new id takes once its bucket has none free,
+        among the bucket's ids no batch in flight uses: the one looked up
+        longest ago (``"lru"``), with the fewest lookups (``"lfu"``), or of
+        least ``256 * (last use - now) + bonus * log2(lookups)`` (in 1/256ths
+        of a step; ``"lrfu"``): the adaptive cache policy's key at a fixed
+        ``bonus``, where each doubling of an id's lookups keeps it ``bonus``
+        steps longer, so ids seen once leave before those that came back.
+      bonus: of ``"lrfu"``, in steps per doubling of the lookups (``0``:
+        LRU); an integer in ``[0, 64]``.
       ways: the most rows of a bucket: ``B``, the least power of two with
         ``B * ways >= num_embeddings``, buckets share the rows. More ways
         forget more like a global LRU or LFU and refuse fewer batches; the
@@ -77,6 +83,7 @@ class DynamicVocabulary:
     """
 
     admit_after: int = 1
+    bonus: int = 8
     forget: str = "lru"
     init: str = "normal"
     scale: float = 0.01
@@ -94,6 +101,16 @@ class DynamicVocabulary:
             )
         if self.forget not in FORGET:
             raise ValueError(f"forget={self.forget!r} is not one of {', '.join(FORGET)}.")
+        bonus = self.bonus
+        if (
+            isinstance(bonus, bool)
+            or not isinstance(bonus, (int, np.integer))
+            or not 0 <= bonus <= 64
+        ):
+            raise ValueError(
+                f"bonus={bonus!r} must be an integer in [0, 64]: the steps an id of forget="
+                '"lrfu" stays for each doubling of its lookups.'
+            )
         if self.init not in INITS:
             raise ValueError(f"init={self.init!r} is not one of {', '.join(INITS)}.")
         if not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale)):

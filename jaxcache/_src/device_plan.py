@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -61,6 +60,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxcache._src import device_vocabulary
 from jaxcache._src.device_vocabulary import VocabSpec, VocabState
+from jaxcache._src.hashing import log2_fixed
 
 __all__ = [
     "BAD_ID",
@@ -70,7 +70,6 @@ __all__ = [
     "VOCABULARY_FULL",
     "PlanSpec",
     "PlanState",
-    "log2_fixed",
     "make_clean",
     "make_compact",
     "make_plan",
@@ -128,9 +127,6 @@ KEY_CEIL = 1 << 30
 # log2 < 2^26`` above it, less the ``256 KEY_SPAN`` the rows re-keyed at least
 # had).
 _KEY_TOP = 1 << 28
-# floor(256 * log2(1 + i / 256)): the mantissa part of ``log2_fixed`` (as
-# ``policies._LOG2_TABLE``).
-_LOG2_TABLE = np.array([math.floor(256 * math.log2(1 + i / 256)) for i in range(256)], np.int32)
 # The Fibonacci hash of the adaptive policy's sample (``kernels._sampled``),
 # as two 32-bit words of 0x9E3779B97F4A7C15.
 _GOLDEN_HI = np.uint32(0x9E3779B9)
@@ -285,21 +281,6 @@ class PlanOut(NamedTuple):
 
 
 # ------------------------------------------------------------------ helpers
-def log2_fixed(count: jax.Array) -> jax.Array:
-    """``log2(count)`` in 1/256ths for int32 ``count >= 1``, as the host
-    planner's ``kernels.log2_fixed``: ``256 e + table[f]`` with ``2^e <=
-    count < 2^(e + 1)`` and ``f`` the 8 bits after the leading one.
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> log2_fixed(jnp.array([1, 2, 3, 1024], jnp.int32)).tolist()
-      [0, 256, 405, 2560]
-    """
-    e = 31 - lax.clz(count)
-    f = jnp.where(e >= 8, count >> jnp.maximum(e - 8, 0), count << jnp.maximum(8 - e, 0))
-    return 256 * e + jnp.asarray(_LOG2_TABLE)[f - 256]
-
-
 def _mulhi_u32(a: jax.Array, b: np.uint32) -> jax.Array:
     """The high 32 bits of the 64-bit product of uint32 ``a`` and ``b``."""
     b0, b1 = np.uint32(b & 0xFFFF), np.uint32(b >> 16)

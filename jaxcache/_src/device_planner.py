@@ -901,7 +901,8 @@ def _vocabulary_spec(vocab: Vocabulary, layout: Layout) -> VocabSpec:
         ways=-(-vocab.rows // vocab.buckets),
         devices=n,
         admit_after=vocab.admit_after,
-        lfu=vocab.forget == "lfu",
+        forget=vocab.forget,
+        bonus=vocab.bonus,
         ttl=vocab.ttl,
         columns=vocab.sketch_columns,
         salt=int(vocab.salt),
@@ -950,7 +951,7 @@ def _vocabulary_blocks(vocab: Vocabulary, spec: VocabSpec, residues: list[int]) 
         "key_lo": join(low),
         "key_hi": join(high),
         "last": join(last),
-        "uses": join(uses) if spec.lfu else None,
+        "uses": join(uses) if spec.counts_uses else None,
         "sketch": join(sketch).astype(np.int32) if spec.columns else None,
     }
     return VocabState(**blocks)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcache._src.hashing import SKETCH_DEPTH, fmix32, id_hash
+from jaxcache._src.hashing import LRFU_AGE_FLOOR, SKETCH_DEPTH, fmix32, id_hash, log2_fixed
 
 __all__ = ["Admitted", "VocabSpec", "VocabState", "admit", "bucket_of"]
 
@@ -43,7 +43,8 @@ class VocabSpec:
       ways: ``W``, the most rows of a bucket.
       devices: ``n``, devices of the rows axis.
       admit_after: lookups before an id is admitted.
-      lfu: forget by lookups (else by last use).
+      forget: ``"lru"``, ``"lfu"`` or ``"lrfu"`` (``DynamicVocabulary``).
+      bonus: of ``"lrfu"``.
       ttl: plans without a lookup before an id expires, or ``None``.
       columns: sketch columns per bucket (``0``: no sketch).
       salt: the hashes' seed word.
@@ -55,11 +56,17 @@ class VocabSpec:
     ways: int
     devices: int
     admit_after: int
-    lfu: bool
+    forget: str
+    bonus: int
     ttl: int | None
     columns: int
     salt: int
     salts: tuple[int, ...]
+
+    @property
+    def counts_uses(self) -> bool:
+        """Whether forgetting reads the ids' lookups (``VocabState.uses``)."""
+        return self.forget != "lru"
 
     @property
     def local_buckets(self) -> int:
@@ -85,7 +92,8 @@ class VocabState(NamedTuple):
       key_lo: ``int32 [n B_l W]``: each entry's id, low word.
       key_hi: ``int32 [n B_l W]``: high word.
       last: ``int32 [n B_l W]``: the plan of its last lookup; ``-1``: no entry.
-      uses: ``int32 [n B_l W]``: its lookups since admitted (``lfu``), or ``None``.
+      uses: ``int32 [n B_l W]``: its lookups since admitted (``lfu``,
+        ``lrfu``), or ``None``.
       sketch: ``int32 [n 4 B_l S]``: the admission sketch's counters of the
         device's buckets (local cell ``j + B_l c``), or ``None``.
     """
@@ -198,11 +206,16 @@ def admit(
         )
         free = valid & ~held & ((last < 0) | _expired(spec, last, t, finished))
         stale = valid & ~held & ~free & (last <= finished)
-        if spec.lfu:
-            assert state.uses is not None
-            key = state.uses.reshape(nb, w)[local]
-        else:
+        if spec.forget == "lru":
             key = last
+        else:
+            assert state.uses is not None
+            uses = state.uses.reshape(nb, w)[local]
+            if spec.forget == "lfu":
+                key = uses
+            else:  # as the host's, less a constant: int32 in a run of any length
+                age = jnp.maximum(last - t, LRFU_AGE_FLOOR)
+                key = 256 * age + spec.bonus * log2_fixed(jnp.maximum(uses, 1))
         available = jnp.sum(free | stale, axis=1, dtype=jnp.int32)
         # Each id's rank among the batch's ids to admit into its bucket.
         by_bucket, at = lax.sort(

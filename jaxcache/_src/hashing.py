@@ -1,4 +1,5 @@
-"""Hashes of raw ids, the same on the host (NumPy) and on the devices (JAX).
+"""Hashes of raw ids and fixed-point logs, the same on the host (NumPy,
+Numba) and on the devices (JAX).
 
 A dynamic vocabulary finds an id's bucket, and its admission counters, from
 a 32-bit hash of the id's two 32-bit words (``id_hash``): JAX runs without
@@ -6,26 +7,42 @@ a 32-bit hash of the id's two 32-bit words (``id_hash``): JAX runs without
 functions here take NumPy or JAX ``uint32`` arrays alike and wrap as 32-bit
 arithmetic does, so host and devices agree bit for bit. ``splitmix64``
 (64-bit, host only) seeds them and draws new rows' first values.
+``log2_fixed`` is the adaptive policy's weight, in integers, so the host
+and device planners rank rows alike.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 __all__ = [
+    "LOG2_TABLE",
+    "LRFU_AGE_FLOOR",
     "SKETCH_DEPTH",
     "bucket_count",
     "fmix32",
     "id_hash",
     "id_words",
+    "log2_fixed",
     "seed_word",
     "sketch_salts",
     "splitmix64",
 ]
 
 SKETCH_DEPTH = 4  # rows of a vocabulary's admission sketch
+#: floor(256 * log2(1 + i / 256)): the mantissa part of ``log2_fixed`` (and
+#: of the host's ``kernels.log2_fixed``).
+LOG2_TABLE = np.array([math.floor(256 * math.log2(1 + i / 256)) for i in range(256)], np.int32)
+#: The oldest age, in plans, that ``forget="lrfu"`` keys tell apart: with it
+#: ``256 * age + bonus * log2_fixed(lookups)`` stays within int32 on the
+#: devices (``bonus <= 64``) in a run of any length.
+LRFU_AGE_FLOOR = -(1 << 22)
 _GOLDEN32 = 0x9E3779B9
 
 
@@ -108,3 +125,18 @@ def id_words(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if not np.little_endian:
         words = words[:, ::-1]
     return words[:, 0], words[:, 1]
+
+
+def log2_fixed(count: jax.Array) -> jax.Array:
+    """``log2(count)`` in 1/256ths for int32 ``count >= 1``, as the host
+    planner's ``kernels.log2_fixed``: ``256 e + table[f]`` with ``2^e <=
+    count < 2^(e + 1)`` and ``f`` the 8 bits after the leading one.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> log2_fixed(jnp.array([1, 2, 3, 1024], jnp.int32)).tolist()
+      [0, 256, 405, 2560]
+    """
+    e = 31 - lax.clz(count)
+    f = jnp.where(e >= 8, count >> jnp.maximum(e - 8, 0), count << jnp.maximum(8 - e, 0))
+    return 256 * e + jnp.asarray(LOG2_TABLE)[f - 256]

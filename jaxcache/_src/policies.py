@@ -8,7 +8,6 @@ sorting every slot on every step.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -17,6 +16,7 @@ import numpy as np
 from jaxcache._src import kernels, validation
 from jaxcache._src.config import POLICIES
 from jaxcache._src.frequency import hottest
+from jaxcache._src.hashing import LOG2_TABLE
 
 
 class Planner(Protocol):
@@ -153,8 +153,7 @@ class LFUPolicy(_CountPolicy):
     counts_lookups = True  # all LFU learns from a batch
 
 
-# floor(256 * log2(1 + i / 256)): the mantissa part of kernels.log2_fixed.
-_LOG2_TABLE = np.array([math.floor(256 * math.log2(1 + i / 256)) for i in range(256)], np.int64)
+_LOG2_TABLE = LOG2_TABLE.astype(np.int64)  # the mantissas of kernels.log2_fixed
 # The rules of ``AdaptivePolicy``: indices into ``rules[1:]`` and ``rule_scores``.
 _QUICK, _STEADY = 0, 1
 

@@ -22,8 +22,9 @@ a stale id when its bucket is full, so that no two live ids share a row.
   over-counts only when other ids of the bucket share all four counters).
 - **Forgetting**: an id admitted into a bucket takes the bucket's lowest
   free way, else the way of least ``(key, way)`` among the ids that no batch
-  in flight uses: key the plan of last use (``"lru"``) or the lookups so far
-  (``"lfu"``). Held rows (used by a plan after ``finished``, or by the
+  in flight uses: key the plan of last use (``"lru"``), the lookups so far
+  (``"lfu"``), or ``256 * max(last use - plan, LRFU_AGE_FLOOR) + bonus *
+  log2_fixed(lookups)`` (``"lrfu"``). Held rows (used by a plan after ``finished``, or by the
   batch itself) are never taken.
 - **Expiry** (``ttl``): an id no plan looked up in the last ``ttl`` plans
   and no batch in flight uses has expired: it has no row, and its way
@@ -47,8 +48,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxcache._src.compiled import kernel
-from jaxcache._src.config import DynamicVocabulary
+from jaxcache._src.config import FORGET, DynamicVocabulary
 from jaxcache._src.hashing import (
+    LOG2_TABLE,
+    LRFU_AGE_FLOOR,
     SKETCH_DEPTH,
     bucket_count,
     fmix32,
@@ -58,11 +61,12 @@ from jaxcache._src.hashing import (
     sketch_salts,
     splitmix64,
 )
+from jaxcache._src.kernels import log2_fixed
 from jaxcache._src.planner import CapacityError
 
 __all__ = ["Admission", "Vocabulary", "distinct_ids", "hashed_rows", "rows_to_hold"]
 
-FORGET = ("lru", "lfu")
+_LOG2_TABLE = LOG2_TABLE.astype(np.int64)
 _INT32_MAX = np.iinfo(np.int32).max
 
 
@@ -220,7 +224,9 @@ class Vocabulary:
       rows: the row budget ``R`` (the host table's ``num_embeddings``).
       admit_after: an id gets a row once seen this many times (1: at once).
       forget: which way of its bucket a new id takes when none is free:
-        ``"lru"`` (looked up longest ago) or ``"lfu"`` (fewest lookups).
+        ``"lru"`` (looked up longest ago), ``"lfu"`` (fewest lookups) or
+        ``"lrfu"`` (both, by ``bonus``: see the module).
+      bonus: of ``"lrfu"``: plans an id stays per doubling of its lookups.
       ways: the most rows of one bucket.
       ttl: with ``forget="lru"``, ids unused for more than this many plans
         expire (``None``: never).
@@ -243,6 +249,7 @@ class Vocabulary:
         *,
         admit_after: int = 1,
         forget: str = "lru",
+        bonus: int = 8,
         ways: int = 64,
         ttl: int | None = None,
         sketch_width: int = 1 << 20,
@@ -259,6 +266,8 @@ class Vocabulary:
             raise ValueError(f"forget={forget!r} is not one of {FORGET}.")
         if isinstance(ways, bool) or not isinstance(ways, int) or ways < 1:
             raise ValueError(f"ways={ways!r} must be a positive integer, such as 64.")
+        if isinstance(bonus, bool) or not isinstance(bonus, int) or not 0 <= bonus <= 64:
+            raise ValueError(f"bonus={bonus!r} must be an integer in [0, 64].")
         if ttl is not None and forget != "lru":
             raise ValueError(f'ttl={ttl} forgets by the plan of last use: it needs forget="lru".')
         if sketch_width < 1 or sketch_width & (sketch_width - 1):
@@ -266,6 +275,7 @@ class Vocabulary:
         self.rows = rows
         self.admit_after = admit_after
         self.forget = forget
+        self.bonus = bonus
         self.ways = ways
         self.ttl = ttl
         self.seed = seed
@@ -279,7 +289,7 @@ class Vocabulary:
         self._slots = np.full(size, -1, np.int32)  # the row of each index entry
         self.id_of_row = np.zeros(rows, np.int64)
         self.last_use = np.full(rows, -1, np.int64)  # -1: no entry
-        self.counts = np.zeros(rows, np.int64)  # lookups since admitted (lfu)
+        self.counts = np.zeros(rows, np.int64)  # lookups since admitted (lfu, lrfu)
         self._stamp = np.full(rows, -1, np.int64)  # rows the batch being admitted holds
         self._token = 0
         # Each bucket owns ``sketch_width / B`` columns of every sketch row.
@@ -295,6 +305,7 @@ class Vocabulary:
             int(rows),
             admit_after=int(spec.admit_after),
             forget=spec.forget,
+            bonus=int(spec.bonus),
             ways=int(spec.ways),
             ttl=None if spec.ttl is None else int(spec.ttl),
             sketch_width=int(spec.sketch_width),
@@ -429,11 +440,11 @@ class Vocabulary:
         starts = np.append(starts, order.size).astype(np.int64)
         placed = np.empty(order.size, np.int64)
         short = np.zeros((group_of.size, 3), np.int64)  # needed, available, fits after
-        key = self.counts if self.forget == "lfu" else self.last_use
         failed = _allocate(
-            self.last_use, key, self._stamp, token, self.buckets, self.rows,
-            step, finished, -1 if self.ttl is None else self.ttl,
-            group_of.astype(np.int64), starts, placed, short,
+            self.last_use, self.counts, FORGET.index(self.forget), self.bonus, _LOG2_TABLE,
+            self._stamp, token, self.buckets, self.rows, step, finished,
+            -1 if self.ttl is None else self.ttl, group_of.astype(np.int64), starts, placed,
+            short,
         )  # fmt: skip
         if failed:
             if cells is not None and added is not None:
@@ -456,7 +467,7 @@ class Vocabulary:
         forgotten = np.empty(admitted.size, np.int64)
         # Lookups are counted for forgetting by them only (the device
         # planner keeps no counts for LRU).
-        uses = counts if self.forget == "lfu" else np.zeros_like(counts)
+        uses = np.zeros_like(counts) if self.forget == "lru" else counts
         taken = _commit(
             self._keys, self._slots, self.id_of_row, self.last_use, self.counts,
             ids, uses, known, known_rows, admitted, new_rows, step, forgotten,
@@ -550,13 +561,14 @@ class Vocabulary:
 # ------------------------------------------------------------------ kernels
 @kernel
 def _allocate(
-    last_use, key, stamp, token, buckets, rows, step, finished, ttl, group_of, starts, placed,
-    short,
+    last_use, counts, forget, bonus, table, stamp, token, buckets, rows, step, finished, ttl,
+    group_of, starts, placed, short,
 ):  # fmt: skip
     """Ways for the admitted ids of each bucket (``group_of[g]``'s are
     ``starts[g]:starts[g + 1]``, in batch order): the bucket's free or
-    expired ways by way, then its stale ones by ``(key, way)``; rows the
-    batch holds are stamped ``token``. Fills ``placed``; for each bucket,
+    expired ways by way, then its stale ones by ``(key, way)`` (``forget``:
+    an index into ``FORGET``); rows the batch holds are stamped ``token``.
+    Fills ``placed``; for each bucket,
     ``short[g] = (needed, available, plan whose release frees enough or
     -1)``. Returns whether some bucket is short."""
     failed = False
@@ -577,7 +589,14 @@ def _allocate(
                     free[nf] = r
                     nf += 1
                 elif last <= finished:
-                    stale[ns] = key[r] * rows + r  # unique: (key, way) order
+                    if forget == 0:
+                        key = last
+                    elif forget == 1:
+                        key = counts[r]
+                    else:  # lrfu, made non-negative as the others are
+                        age = max(last - step, LRFU_AGE_FLOOR) - LRFU_AGE_FLOOR
+                        key = 256 * age + bonus * log2_fixed(max(counts[r], 1), table)
+                    stale[ns] = key * rows + r  # unique: (key, way) order
                     ns += 1
                 else:
                     held[nh] = last
