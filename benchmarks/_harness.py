@@ -169,10 +169,10 @@ def threads() -> list[int]:
         return []
 
 
-def _thread_seconds() -> dict[int, float]:
-    """CPU seconds of each live thread of this process, by native id."""
+def _thread_seconds(tids: list[int] | None = None) -> dict[int, float]:
+    """CPU seconds of each live thread of this process (or of ``tids``), by native id."""
     seconds = {}
-    for tid in threads():
+    for tid in threads() if tids is None else tids:
         try:  # a thread's CPU clock id (Linux: MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED))
             seconds[tid] = time.clock_gettime((~tid << 3) | 6)
         except OSError:  # it ended meanwhile

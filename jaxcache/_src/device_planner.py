@@ -902,7 +902,7 @@ def _vocabulary_spec(vocab: Vocabulary, layout: Layout) -> VocabSpec:
         devices=n,
         admit_after=vocab.admit_after,
         forget=vocab.forget,
-        bonus=vocab.bonus,
+        bonus=vocab.bonus if vocab.forget == "lrfu" else 0,  # one program for the others
         ttl=vocab.ttl,
         columns=vocab.sketch_columns,
         salt=int(vocab.salt),
