@@ -93,7 +93,6 @@ def _device_admit(vocab, spec, layout, ids, counts, step, finished, new):
 def test_the_device_admits_and_forgets_as_the_host_does(
     rows, ways, devices, admit_after, forget, bonus, ttl, seed
 ):
-    ttl = ttl if forget == "lru" else None
     host = Vocabulary(
         rows, admit_after=admit_after, forget=forget, bonus=bonus, ways=ways, ttl=ttl,
         sketch_width=1 << 10, seed=seed,

@@ -124,7 +124,7 @@ def test_pipelined_raw_ids_match_the_dict_reference(lookahead, rows, vocabulary,
 def test_ids_unused_for_ttl_steps_are_forgotten_as_in_the_dict_reference(planner):
     # A budget with room to spare: only the time-to-live forgets ids, and
     # their rows count as free.
-    cfg = config(1500, 150, OPTIMIZERS["rowwise_adagrad"], policy="lfu", ttl=3)
+    cfg = config(1500, 150, OPTIMIZERS["rowwise_adagrad"], policy="lfu", forget="lrfu", ttl=3)
     run = run_both(cfg, lookahead=1, planner=planner)
     total = run[0].stats.total
     assert total.forgotten_ids > 100 and run[0].vocabulary.size < 600

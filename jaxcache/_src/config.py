@@ -61,9 +61,9 @@ class DynamicVocabulary:
       init: the first values of a new row: ``"normal"`` (standard deviation
         ``scale``), ``"uniform"`` (in ``[-scale, scale)``) or ``"zeros"``.
       scale: of ``init``.
-      ttl: with ``forget="lru"``, also forget the ids no batch looked up in
-        the last ``ttl`` steps, even while rows are free (their rows count
-        as free); ``None``: only when a bucket is full.
+      ttl: also forget the ids no batch looked up in the last ``ttl``
+        steps, even while rows are free (their rows count as free), under
+        any ``forget`` rule; ``None``: only when a bucket is full.
       seed: of the first values and of the sketch's hashes.
       sketch_width: counters per row of the admission sketch (a power of
         two; used with ``admit_after > 1``).
@@ -120,11 +120,6 @@ class DynamicVocabulary:
             isinstance(ttl, bool) or not isinstance(ttl, (int, np.integer)) or ttl < 1
         ):
             raise ValueError(f"ttl={ttl!r} must be a positive number of steps, or None.")
-        if ttl is not None and self.forget != "lru":
-            raise ValueError(
-                f'ttl={ttl} forgets by the step of last use: it needs forget="lru", not '
-                f"{self.forget!r}."
-            )
         ways = self.ways
         if isinstance(ways, bool) or not isinstance(ways, (int, np.integer)) or ways < 1:
             raise ValueError(f"ways={ways!r} must be a positive integer, such as 64.")

@@ -228,8 +228,8 @@ class Vocabulary:
         ``"lrfu"`` (both, by ``bonus``: see the module).
       bonus: of ``"lrfu"``: plans an id stays per doubling of its lookups.
       ways: the most rows of one bucket.
-      ttl: with ``forget="lru"``, ids unused for more than this many plans
-        expire (``None``: never).
+      ttl: ids unused for more than this many plans expire, whatever the
+        ``forget`` rule (``None``: never).
       sketch_width: counters per row of the admission sketch over all
         buckets (a power of two; with ``admit_after > 1``).
       seed: of the hashes.
@@ -268,8 +268,8 @@ class Vocabulary:
             raise ValueError(f"ways={ways!r} must be a positive integer, such as 64.")
         if isinstance(bonus, bool) or not isinstance(bonus, int) or not 0 <= bonus <= 64:
             raise ValueError(f"bonus={bonus!r} must be an integer in [0, 64].")
-        if ttl is not None and forget != "lru":
-            raise ValueError(f'ttl={ttl} forgets by the plan of last use: it needs forget="lru".')
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
+            raise ValueError(f"ttl={ttl!r} must be a positive number of plans, or None.")
         if sketch_width < 1 or sketch_width & (sketch_width - 1):
             raise ValueError(f"sketch_width={sketch_width} must be a power of two.")
         self.rows = rows
