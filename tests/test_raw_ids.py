@@ -139,13 +139,13 @@ def test_raw_ids_over_eight_devices_match_the_dict_reference(planner):
     assert_same(*run)
 
 
-def test_raw_ids_over_a_tiered_table_match_the_dict_reference(tmp_path):
+def test_raw_ids_over_a_tiered_table_match_the_dict_reference(tmp_path, planner):
     # The row budget on disk behind a DRAM tier of 64 rows: new rows are
     # written through it, and rows forgotten in DRAM come back from disk.
     cfg = config(300, 130, OPTIMIZERS["adam"], policy="lru")
     row_bytes = cfg.row_bytes
     table = jaxcache.TieredTable(cfg, tmp_path, dram_budget=64 * row_bytes, seed=3)
-    run = run_both(cfg, table=table)
+    run = run_both(cfg, table=table, planner=planner)
     assert run[0].stats.total.forgotten_ids > 100
     assert table.stats().disk.rows_read > 0
     assert_same(*run)

@@ -124,11 +124,11 @@ def test_serve_example_runs_with_no_arguments():
     assert 0 < result["hit_rate"] < 1 and result["p50_ms"] <= result["p99_ms"]
 
 
-def test_serving_raw_ids_scores_like_the_trained_model(tmp_path):
+def test_serving_raw_ids_scores_like_the_trained_model(tmp_path, planner):
     # Raw ids through a vocabulary of 1,200 rows for the stream's 1,708 ids:
-    # the server restores
-    # the vocabulary, admits nothing, and unknown ids read zeros, as they do
-    # in the trained model's evaluation.
+    # the server restores the vocabulary, admits nothing, and unknown ids
+    # read zeros, as they do in the trained model's evaluation. With either
+    # planner (the device planner is the default on accelerators).
     def raw(batch):
         sparse = (batch["sparse"].astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)).view(np.int64)
         return {**batch, "sparse": sparse}
