@@ -447,3 +447,24 @@ def test_vocabulary_replay_refuses_a_bonus_out_of_range(tmp_path, capsys):
         main(["vocabulary", str(path), "--rows", "30", "--forget", "lrfu", "--bonus", "99"])
     assert exit_.value.code == 2
     assert "argument --bonus: bonus=99 must be an integer in [0, 64]" in capsys.readouterr().err
+
+
+def test_vocabulary_command_takes_every_forgetting_rule(tmp_path, capsys):
+    # --forget, --bonus, --ttl and --ways reach the vocabulary the command
+    # replays: it prints what the Python API says for the same rules.
+    from tests.test_raw_ids import PAD, raw_batches
+
+    trace = np.stack([ids.reshape(-1) for ids, _ in raw_batches(12, seed=4)])
+    path = tmp_path / "raw.npy"
+    np.save(path, trace)
+    vocabulary = jaxcache.DynamicVocabulary(forget="lrfu", bonus=2, ttl=3, ways=16)
+    expected = jaxcache.sizing.replay_vocabulary(
+        trace, rows=600, vocabulary=vocabulary, padding_id=PAD
+    )
+    assert expected["forgotten_ids"] > 0
+    args = ["vocabulary", str(path), "--rows", "600", "--padding-id", str(PAD)]
+    args += ["--forget", "lrfu", "--bonus", "2", "--ttl", "3", "--ways", "16"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out) == expected
+    assert main([*args[:6], "--forget", "lru"]) == 0  # another rule, another count
+    assert json.loads(capsys.readouterr().out) != expected

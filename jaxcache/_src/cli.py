@@ -145,6 +145,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--bonus", type=int, default=8, help='steps per doubling of lookups, of --forget "lrfu"'
     )
     vocabulary_parser.add_argument(
+        "--ttl", type=_positive_int, help="steps after which an unused id is forgotten"
+    )
+    vocabulary_parser.add_argument(
+        "--ways", type=_positive_int, default=64, help="the most rows of a bucket"
+    )
+    vocabulary_parser.add_argument(
         "--padding-id", type=int, default=None, help="a raw id that marks padding, skipped"
     )
     vocabulary_parser.add_argument(
@@ -158,7 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace = _load(vocabulary_parser, "trace", args.trace)
         with _blame(vocabulary_parser, "--bonus", (ValueError,)):
             vocabulary = DynamicVocabulary(
-                admit_after=args.admit_after, forget=args.forget, bonus=args.bonus
+                admit_after=args.admit_after,
+                forget=args.forget,
+                bonus=args.bonus,
+                ttl=args.ttl,
+                ways=args.ways,
             )
         with _blame(vocabulary_parser, "trace"):
             result = replay_vocabulary(
