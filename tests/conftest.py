@@ -64,12 +64,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # ... but for tests (or cases) of the host planner's own machinery,
     # marked ``host_planner``: partitions per device, host threads, fixed
-    # route sizes, the host-callback form.
+    # route sizes, the host-callback form; and for tests that build no
+    # planner at all (``no_planner``: a table, a read of device arrays).
     keep, drop = [], []
     for item in items:
         params = getattr(item, "callspec", None)
         device = params is not None and params.params.get("planner") == "device"
-        (drop if device and item.get_closest_marker("host_planner") else keep).append(item)
+        once = item.get_closest_marker("host_planner") or item.get_closest_marker("no_planner")
+        (drop if device and once else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

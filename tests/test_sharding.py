@@ -291,6 +291,7 @@ def test_capacity_rounds_up_to_the_partitions_and_a_bad_split_is_refused():
         )
 
 
+@pytest.mark.host_planner  # the host planner's routes
 @pytest.mark.parametrize("k, split", [(1, 1), (2, 1), (8, 1), (1, 2), (8, 5)])
 def test_routed_gather_and_update_against_numpy(k, split):
     from jax.sharding import PartitionSpec as P
@@ -420,6 +421,7 @@ def _read_on_two_threads(array):
     return out
 
 
+@pytest.mark.no_planner
 def test_arrays_read_on_two_threads_at_once_are_read_whole():
     # A fresh JAX array lists its per-device buffers on first use; two
     # threads doing it at once could each see part of the list (and keep
@@ -441,6 +443,7 @@ def test_arrays_read_on_two_threads_at_once_are_read_whole():
             np.testing.assert_array_equal(read, expected)
 
 
+@pytest.mark.no_planner
 def test_an_array_listing_part_of_its_buffers_is_refused():
     whole = jax.device_put(
         np.zeros((8, 2), np.float32), NamedSharding(_mesh(4), PartitionSpec("rows"))

@@ -46,6 +46,7 @@ def _random_rows(rng, table, n):
 
 
 # ------------------------------------------------------------- the table alone
+@pytest.mark.no_planner
 @pytest.mark.parametrize("shard", [None, (1, 3)])
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
 def test_random_reads_and_writes_match_the_host_table(tmp_path, opt_name, shard):
@@ -81,6 +82,7 @@ def test_random_reads_and_writes_match_the_host_table(tmp_path, opt_name, shard)
     assert 1.0 < stats.disk.write_amplification <= 2.0
 
 
+@pytest.mark.no_planner
 def test_initial_rows_are_the_host_tables(tmp_path):
     cfg = jaxcache.CacheConfig(70001, 3, 100, optimizer=jaxcache.adagrad(0.1))
     whole = jaxcache.HostTable(cfg, seed=5)
@@ -97,6 +99,7 @@ def test_initial_rows_are_the_host_tables(tmp_path):
     assert not (tmp_path / "drawn2" / name).exists()
 
 
+@pytest.mark.no_planner
 def test_bfloat16_rows_pack_with_float32_state(tmp_path):
     # Records of 2-byte rows (6 of them, 12 bytes) and a 4-byte-wide state.
     cfg = jaxcache.CacheConfig(2000, 6, 10, dtype="bfloat16", optimizer=OPTIMIZERS["adagrad"])
@@ -115,6 +118,7 @@ def test_bfloat16_rows_pack_with_float32_state(tmp_path):
     assert state["accumulator"].tobytes() == reference.state["accumulator"].tobytes()
 
 
+@pytest.mark.no_planner
 def test_columns_index_and_assign_like_arrays(tmp_path):
     cfg = jaxcache.CacheConfig(500, 4, 10, optimizer=jaxcache.adam(0.1))
     reference = jaxcache.HostTable(cfg, seed=1)
@@ -137,6 +141,7 @@ def test_columns_index_and_assign_like_arrays(tmp_path):
         table.rows[[500]]
 
 
+@pytest.mark.no_planner
 def test_budget_is_checked_and_defaults_to_a_share_of_memory(tmp_path):
     cfg = jaxcache.CacheConfig(10_000, 4, 10)
     small = jaxcache.TieredTable(cfg, tmp_path / "a")  # the default fits the whole table
@@ -153,6 +158,7 @@ def test_budget_is_checked_and_defaults_to_a_share_of_memory(tmp_path):
         small.gather_into([1], np.zeros((1, 4)), {}, [0])
 
 
+@pytest.mark.no_planner
 def test_threads_on_disjoint_rows_see_their_own_writes(tmp_path):
     # Eight threads, each owning the rows r % 8 == t, write and read back
     # through a DRAM tier of 64 rows over 4 shards (evictions and garbage
