@@ -153,7 +153,6 @@ class LFUPolicy(_CountPolicy):
     counts_lookups = True  # all LFU learns from a batch
 
 
-_LOG2_TABLE = LOG2_TABLE.astype(np.int64)  # the mantissas of kernels.log2_fixed
 # The rules of ``AdaptivePolicy``: indices into ``rules[1:]`` and ``rule_scores``.
 _QUICK, _STEADY = 0, 1
 
@@ -313,7 +312,7 @@ class AdaptivePolicy(Policy):
             self.keys,
             self.bonus,
             int(self.scalars[1]),
-            _LOG2_TABLE,
+            LOG2_TABLE,
         )
 
     def record(self, planner, unique_slots, counts):
@@ -330,7 +329,7 @@ class AdaptivePolicy(Policy):
             t,
             self.bonus,
             int(self.scalars[1]),
-            _LOG2_TABLE,
+            LOG2_TABLE,
             self.bits,
         )
         sample.sort()
@@ -382,7 +381,7 @@ class AdaptivePolicy(Policy):
             self.shadow_rows,
             self.shadow_heap,
             self.shadow_state,
-            _LOG2_TABLE,
+            LOG2_TABLE,
         )
 
     def _shadow_step(self, sample: np.ndarray, t: int) -> None:
@@ -397,7 +396,7 @@ class AdaptivePolicy(Policy):
             self.shadow_table,
             self.shadow_state,
             self.bits,
-            _LOG2_TABLE,
+            LOG2_TABLE,
         )
 
     def _choose(self, planner, choice: int) -> None:

@@ -24,8 +24,8 @@ a stale id when its bucket is full, so that no two live ids share a row.
   free way, else the way of least ``(key, way)`` among the ids that no batch
   in flight uses: key the plan of last use (``"lru"``), the lookups so far
   (``"lfu"``), or ``256 * max(last use - plan, LRFU_AGE_FLOOR) + bonus *
-  log2_fixed(lookups)`` (``"lrfu"``). Held rows (used by a plan after ``finished``, or by the
-  batch itself) are never taken.
+  log2_fixed(lookups)`` (``"lrfu"``). Held rows (used by a plan after
+  ``finished``, or by the batch itself) are never taken.
 - **Expiry** (``ttl``): an id no plan looked up in the last ``ttl`` plans
   and no batch in flight uses has expired: it has no row, and its way
   counts as free. Expiry is read from each row's last use when the row is
@@ -66,7 +66,6 @@ from jaxcache._src.planner import CapacityError
 
 __all__ = ["Admission", "Vocabulary", "distinct_ids", "hashed_rows", "rows_to_hold"]
 
-_LOG2_TABLE = LOG2_TABLE.astype(np.int64)
 _INT32_MAX = np.iinfo(np.int32).max
 
 
@@ -441,7 +440,7 @@ class Vocabulary:
         placed = np.empty(order.size, np.int64)
         short = np.zeros((group_of.size, 3), np.int64)  # needed, available, fits after
         failed = _allocate(
-            self.last_use, self.counts, FORGET.index(self.forget), self.bonus, _LOG2_TABLE,
+            self.last_use, self.counts, FORGET.index(self.forget), self.bonus, LOG2_TABLE,
             self._stamp, token, self.buckets, self.rows, step, finished,
             -1 if self.ttl is None else self.ttl, group_of.astype(np.int64), starts, placed,
             short,
@@ -568,9 +567,9 @@ def _allocate(
     ``starts[g]:starts[g + 1]``, in batch order): the bucket's free or
     expired ways by way, then its stale ones by ``(key, way)`` (``forget``:
     an index into ``FORGET``); rows the batch holds are stamped ``token``.
-    Fills ``placed``; for each bucket,
-    ``short[g] = (needed, available, plan whose release frees enough or
-    -1)``. Returns whether some bucket is short."""
+    Fills ``placed``; for each bucket, ``short[g] = (needed, available,
+    plan whose release frees enough or -1)``. Returns whether some bucket
+    is short."""
     failed = False
     limit = buckets * ((rows + buckets - 1) // buckets)
     free = np.empty(limit // buckets + 1, np.int64)
