@@ -28,6 +28,12 @@ Key = TypeVar("Key")
 Result = TypeVar("Result")
 
 
+def raw_ids(ids: np.ndarray) -> np.ndarray:
+    """Integer ids made raw int64 values, spread over all of int64 by a
+    bijection (multiplication by an odd constant, wrapping)."""
+    return (np.asarray(ids).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)).view(np.int64)
+
+
 def machine() -> str:
     """``jax VERSION on DEVICE KIND, N cores``: the first words of a benchmark's output."""
     return f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {cores()} cores"

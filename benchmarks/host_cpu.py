@@ -116,14 +116,13 @@ def raw_ids(args: argparse.Namespace) -> dict[str, float]:
     hot, misses, base = 1 << 15, args.misses, args.ids
     total = hot + 8 * misses * (args.warmup + args.rounds * args.steps) + 64
     n = 1 << int(total - 1).bit_length()
-    mix = np.uint64(0x9E3779B97F4A7C15)  # rows to raw ids: a bijection over int64
 
     def cache(planner: str, raw: bool) -> Loop:
         vocabulary = jaxcache.DynamicVocabulary() if raw else None
         cfg = jaxcache.CacheConfig(n, 16, capacity=n, policy="lru", vocabulary=vocabulary)
         loop = Loop(jaxcache.EmbeddingCache(cfg, planner=planner))
         warm = np.arange(hot, dtype=np.uint64).reshape(64, -1)
-        loop.host_cpu_per_step([(warm * mix).view(np.int64) if raw else warm.astype(np.int64)])
+        loop.host_cpu_per_step([_harness.raw_ids(warm) if raw else warm.astype(np.int64)])
         return loop
 
     kinds = [("host", False), ("host", True), ("device", True)]
@@ -138,7 +137,7 @@ def raw_ids(args: argparse.Namespace) -> dict[str, float]:
             new = np.fromiter(fresh[key], np.int64, misses)
             old = rng.integers(0, hot, base * scale - misses)
             ids = rng.permutation(np.concatenate([old, new])).reshape(64, -1)
-            out.append((ids.astype(np.uint64) * mix).view(np.int64) if raw else ids)
+            out.append(_harness.raw_ids(ids) if raw else ids)
         return out
 
     for key, loop in loops.items():

@@ -36,12 +36,7 @@ from flax import nnx
 
 import jaxcache
 
-MIX = np.uint64(0x9E3779B97F4A7C15)  # ids to raw ids: a bijection over int64
 RULES = ("lru", "lfu", "lrfu")  # DynamicVocabulary(forget=...)
-
-
-def raw(ids: np.ndarray) -> np.ndarray:
-    return (ids.astype(np.uint64) * MIX).view(np.int64)
 
 
 def train(
@@ -65,7 +60,7 @@ def train(
     _, step = jaxcache.models.make_train_step(model, jaxcache.models.dense_optimizer("adam", 1e-3))
 
     def ids(batch):
-        sparse = raw(batch["sparse"])
+        sparse = _harness.raw_ids(batch["sparse"])
         return sparse if dynamic else sparse.view(np.uint64) % np.uint64(rows)
 
     losses = [
@@ -97,7 +92,7 @@ def main() -> None:
     data = jaxcache.synthetic.SyntheticCriteo(scale=args.scale, batch_size=args.batch, seed=0)
     rows = max(1, int(args.rows * data.num_embeddings))
     seen = np.unique(np.concatenate([b["sparse"].ravel() for b in data.batches(args.steps)]))
-    per_row = np.bincount(raw(seen).view(np.uint64) % np.uint64(rows), minlength=rows)
+    per_row = np.bincount(_harness.raw_ids(seen).view(np.uint64) % np.uint64(rows), minlength=rows)
     shared = float(per_row[per_row > 1].sum() / seen.size)
     print(
         f"{data.num_embeddings} ids, {seen.size} seen in {args.steps} batches of {args.batch}; "
