@@ -80,6 +80,16 @@ class DynamicVocabulary:
       (16, [15, 0, -1])
       >>> vocabulary.bucket_of(np.array([10**15, -7])).tolist()
       [15, 0]
+      >>> # Two rows for ids 7 (three lookups) and 9 (one), then a new id, 5:
+      >>> # lru takes the lower row of two used as long ago, lrfu id 9's.
+      >>> for rule in ("lru", "lrfu"):
+      ...     spec = jaxcache.DynamicVocabulary(forget=rule, ways=2)
+      ...     cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(2, 4, 2, vocabulary=spec))
+      ...     state, _ = cache.prepare(cache.init_state(), np.array([7, 7, 7, 9]))
+      ...     state, _ = cache.prepare(state, np.array([5]))
+      ...     print(rule, cache.vocabulary.lookup(np.array([7, 9, 5])).tolist())
+      lru [-1, 1, 0]
+      lrfu [0, -1, 1]
     """
 
     admit_after: int = 1
