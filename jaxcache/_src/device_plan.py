@@ -100,7 +100,7 @@ INFO = (
     "bad_at",  # as source: first position of a bad id in the slice, or m
     "real",  # as source: real (not padding) ids of the slice
     "need_k",  # the most of k_need over the axis
-    "need_v",  # the most distinct ids of a device
+    "need_v",  # the most distinct ids a device received (admitted or not)
     "need_p",  # the most misses of a device
     "need_r",  # the most real ids of a device's slice
     "new_ids",  # raw ids given rows now (a dynamic vocabulary)
@@ -564,6 +564,9 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
             entries_low, entries_high, sent, counts_in
         )
     live = lax.iota(jnp.int32, v) < distinct
+    # The owner's lists span its received distinct ids, admitted or not: an
+    # id refused leaves a hole, and ``compact`` cuts them at this count.
+    spanned = distinct
     new = jnp.zeros(v, bool)
     full = jnp.zeros((), bool)
     admitted = None
@@ -619,7 +622,7 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
     too_many = (distinct > cl) | (k_need > k)
     no_room = ~too_many & (misses > available)
     fetches = misses + refetched
-    needs = jnp.stack([k_need, distinct, fetches, real])
+    needs = jnp.stack([k_need, spanned, fetches, real])
     flags = jnp.stack([bad, too_many, no_room, full]).astype(jnp.int32)
     if n > 1:
         flags = lax.pmax(flags, axis)
