@@ -267,18 +267,26 @@ class VocabularyModel:
         return rows, [ids[u] for u in admitted], forgotten
 
 
-def make_raw_reference(rows, config: jaxcache.CacheConfig, num_features: int, *, lookahead=0):
+def make_raw_reference(
+    rows, config: jaxcache.CacheConfig, num_features: int, *, lookahead=0, combiner=None
+):
     """The full-table reference of a cache with raw ids: a ``VocabularyModel``
     gives rows by the same rules (rows held while a batch within
     ``lookahead`` of the current one uses them), new rows start from
-    ``hashed_rows`` with fresh optimizer state, then ``make_reference``
-    trains the rows. Returns ``(model, train, vocabulary)``."""
+    ``hashed_rows`` with fresh optimizer state, ids without a row read
+    padding or, with ``default="shared"``, the last row (zeros at first),
+    then ``make_reference`` trains the rows. Returns ``(model, train,
+    vocabulary)``."""
     spec = config.vocabulary
+    shared = config.num_embeddings - 1 if spec.default == "shared" else None
     vocab = VocabularyModel(
-        config.num_embeddings, spec.admit_after, spec.forget, bonus=spec.bonus, ways=spec.ways,
-        ttl=spec.ttl, seed=spec.seed,
+        config.num_embeddings - (shared is not None), spec.admit_after, spec.forget,
+        bonus=spec.bonus, ways=spec.ways, ttl=spec.ttl, seed=spec.seed,
     )  # fmt: skip
-    model, ref_train = make_reference(rows, config.optimizer, num_features)
+    rows = np.array(rows)
+    if shared is not None:
+        rows[shared] = 0
+    model, ref_train = make_reference(rows, config.optimizer, num_features, combiner=combiner)
     step = [0]
 
     def train(ids, labels, weights=None):
@@ -311,6 +319,8 @@ def make_raw_reference(rows, config: jaxcache.CacheConfig, num_features: int, *,
                     for k, v in embed.opt_state.get_value().items()
                 }
             )
+        if shared is not None:
+            rows_u = np.where(rows_u < 0, shared, rows_u)
         mapped = np.full(ids.shape, -1, np.int64)
         mapped[real] = rows_u[inverse]
         return ref_train(mapped, labels, weights)

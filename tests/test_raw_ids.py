@@ -58,13 +58,17 @@ def run_both(
     reference_lookahead=None,
     table=None,
     planner="host",
+    combiner=None,
 ):
     batches = [{"ids": i, "y": y} for i, y in raw_batches(steps, seed=seed)]
     table = jaxcache.HostTable(cfg, seed=3) if table is None else table
     window = lookahead if reference_lookahead is None else reference_lookahead
-    reference, ref_train, vocab = make_raw_reference(np.array(table.rows), cfg, F, lookahead=window)
+    features = F if combiner is None else 1  # one pooled bag a sample
+    reference, ref_train, vocab = make_raw_reference(
+        np.array(table.rows), cfg, features, lookahead=window, combiner=combiner
+    )
     cache = jaxcache.EmbeddingCache(cfg, table=table, mesh=mesh, planner=planner)
-    model, train = make_cached(cache, F)
+    model, train = make_cached(cache, features, combiner=combiner)
     with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=lookahead) as pipeline:
         losses = [float(train.with_lookup(b["ids"], b["y"])) for b in pipeline]
     ref_losses = [float(ref_train(b["ids"], b["y"])) for b in batches]
@@ -140,6 +144,31 @@ def test_raw_ids_over_eight_devices_match_the_dict_reference(planner):
     run = run_both(cfg, lookahead=1, mesh=mesh, steps=12, planner=planner)
     total = run[0].stats.total
     assert total.forgotten_ids > 20 and total.refused_lookups > 100, total
+    assert_same(*run)
+
+
+@pytest.mark.parametrize(
+    ("default", "combiner", "devices"),
+    [("shared", None, 1), ("shared", "mean", 8), ("zeros", "mean", 2)],
+)
+def test_ids_without_a_row_read_the_default_row_as_in_the_dict_reference(
+    default, combiner, devices, planner
+):
+    # Ids seen only once have no row: they read the shared row,
+    # which every such lookup trains, or zeros; a mean of a bag counts them
+    # on the shared row and as padding on zeros. Small lists on several
+    # devices: the shared row's lookups come from every device.
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("rows",))
+    vocabulary = {"admit_after": 2, "default": default, "forget": "lfu", "ways": 12}
+    cfg = config(96, 90, OPTIMIZERS["adagrad"], **vocabulary)
+    cfg = dataclasses.replace(cfg, min_bucket=8)
+    run = run_both(cfg, steps=10, mesh=mesh, planner=planner, combiner=combiner)
+    cache, model = run[0], run[1]
+    total = cache.stats.total
+    assert total.refused_lookups > 100 and total.forgotten_ids > 10, total
+    assert cache.vocabulary.rows == (95 if default == "shared" else 96)
+    if default == "shared":
+        assert model.embed.export()[0][95].any()  # trained from zeros
     assert_same(*run)
 
 
@@ -292,6 +321,23 @@ def test_batches_that_do_not_train_admit_nothing_and_read_zeros_for_unknown_ids(
     assert cache.vocabulary.lookup(np.array([99])).tolist() == [-1]
     assert cache.stats.last.refused_lookups == 1 and cache.stats.last.new_ids == 0
     np.testing.assert_array_equal(cache.vocabulary.state_dict()["ids"], known["ids"])
+
+
+def test_batches_that_do_not_train_read_the_shared_row_for_unknown_ids(planner):
+    cfg = config(50, 16, jaxcache.sgd(0.5), admit_after=2, default="shared")
+    cache = jaxcache.EmbeddingCache(cfg, planner=planner)
+    model, train = make_cached(cache, 2)
+    # 10 is admitted (seen twice), 11 and 12 read the shared row and train it.
+    train(np.array([[10, 11], [10, 12]]), np.ones(2, np.float32))
+    assert cache.vocabulary.size == 1 and cache.stats.last.refused_lookups == 2
+    state = model.embed.get_state()
+    shared = model.embed.export()[0][49]
+    assert shared.any()
+    state, lookup = cache.prepare(state, np.array([11, 99, PAD]), train=False)
+    rows = np.asarray(jaxcache.device.lookup_rows(state.rows, lookup))
+    np.testing.assert_array_equal(rows[:2], [shared, shared])
+    assert not rows[2].any()  # padding reads zeros
+    assert cache.stats.last.refused_lookups == 2
 
 
 def test_a_pipeline_waits_when_its_batches_in_flight_hold_the_rows_new_ids_need(planner):

@@ -402,13 +402,15 @@ def test_console_script_runs(files):
     assert json.loads(done.stdout) == replay(HAND_TRACE, batch=2, capacity=2, policy="lru")
 
 
-def test_vocabulary_replay_predicts_what_training_with_raw_ids_does(tmp_path, capsys):
+@pytest.mark.parametrize("default", ["zeros", "shared"])
+def test_vocabulary_replay_predicts_what_training_with_raw_ids_does(tmp_path, capsys, default):
     # The counts of a replay with no model equal the statistics of a cache
-    # that trains on the same raw ids: rows given, forgotten, refused, hits.
+    # that trains on the same raw ids: rows given, forgotten, refused, hits
+    # (with a shared row, that row's too).
     from tests.test_raw_ids import PAD, config, raw_batches
 
     batches = [ids for ids, _ in raw_batches(12, seed=4)]
-    cfg = config(130, 130, jaxcache.sgd(0.1), policy="lru", admit_after=2)
+    cfg = config(130, 130, jaxcache.sgd(0.1), policy="lru", admit_after=2, default=default)
     cache = jaxcache.EmbeddingCache(cfg)
     state = cache.init_state()
     for ids in batches:
@@ -435,7 +437,7 @@ def test_vocabulary_replay_predicts_what_training_with_raw_ids_does(tmp_path, ca
     path = tmp_path / "raw.npy"
     np.save(path, np.stack([ids.reshape(-1) for ids in batches]))
     args = ["vocabulary", str(path), "--rows", "130", "--admit-after", "2", "--capacity", "130"]
-    args += ["--policy", "lru", "--padding-id", str(PAD)]
+    args += ["--policy", "lru", "--padding-id", str(PAD), "--default", default]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out) == out
 

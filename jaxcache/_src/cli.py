@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxcache._src import replay as replay_lib
 from jaxcache._src import tier_replay
-from jaxcache._src.config import FORGET, POLICIES, DynamicVocabulary
+from jaxcache._src.config import DEFAULTS, FORGET, POLICIES, DynamicVocabulary
 from jaxcache._src.planner import CapacityError
 from jaxcache._src.vocabulary_replay import replay_vocabulary
 
@@ -151,6 +151,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--ways", type=_positive_int, default=64, help="the most rows of a bucket"
     )
     vocabulary_parser.add_argument(
+        "--default",
+        choices=DEFAULTS,
+        default="zeros",
+        help="what an id without a row reads: zeros, or a shared row (the budget's last)",
+    )
+    vocabulary_parser.add_argument(
         "--padding-id", type=int, default=None, help="a raw id that marks padding, skipped"
     )
     vocabulary_parser.add_argument(
@@ -169,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 bonus=args.bonus,
                 ttl=args.ttl,
                 ways=args.ways,
+                default=args.default,
             )
         with _blame(vocabulary_parser, "trace"):
             result = replay_vocabulary(

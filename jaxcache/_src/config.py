@@ -17,6 +17,8 @@ POLICIES = ("adaptive", "frequency", "lfu", "lru")
 FORGET = ("lru", "lfu", "lrfu")
 #: First values of a dynamic vocabulary's new rows.
 INITS = ("normal", "uniform", "zeros")
+#: What a dynamic vocabulary's ids without a row read.
+DEFAULTS = ("zeros", "shared")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +41,17 @@ class DynamicVocabulary:
     Attributes:
       admit_after: an id gets a row once it was looked up this many times
         (counted in a count-min sketch, which over-counts only when other
-        ids share all four of its counters). Until then it reads a zero row
-        and gets no update, like padding. 1: on first sight. Batches that
-        do not train (``train=False``, ``jaxcache.Server``) admit no id and
-        count nothing: unknown ids read zeros.
+        ids share all four of its counters). Until then it reads the
+        ``default`` row and gets no row of its own. 1: on first sight.
+        Batches that do not train (``train=False``, ``jaxcache.Server``)
+        admit no id and count nothing: unknown ids read the default row.
+      default: what an id without a row reads: ``"zeros"`` (a zero row
+        with no update, like padding) or ``"shared"``: one trainable row,
+        the budget's last (``num_embeddings - 1``, which no id is given),
+        that every such lookup reads and trains with the sparse optimizer
+        like any row, as a managed-collision table's shared row does. It
+        starts at zeros with fresh optimizer state. Mean pooling counts an
+        id on the shared row; on zeros it counts it as padding.
       forget: which row a new id takes once its bucket has none free,
         among the bucket's ids no batch in flight uses: the one looked up
         longest ago (``"lru"``), with the fewest lookups (``"lfu"``), or of
@@ -94,6 +103,7 @@ class DynamicVocabulary:
 
     admit_after: int = 1
     bonus: int = 8
+    default: str = "zeros"
     forget: str = "lru"
     init: str = "normal"
     scale: float = 0.01
@@ -108,6 +118,11 @@ class DynamicVocabulary:
             raise ValueError(
                 f"admit_after={after!r} must be a positive integer (1 admits an id the first "
                 "time it is looked up)."
+            )
+        if self.default not in DEFAULTS:
+            raise ValueError(
+                f"default={self.default!r} is not one of {', '.join(map(repr, DEFAULTS))}: "
+                "what an id without a row reads."
             )
         if self.forget not in FORGET:
             raise ValueError(f"forget={self.forget!r} is not one of {', '.join(FORGET)}.")
@@ -141,6 +156,15 @@ class DynamicVocabulary:
             or (width & (width - 1))
         ):
             raise ValueError(f"sketch_width={width!r} must be a power of two, such as 2**20.")
+
+    def id_rows(self, budget: int) -> int:
+        """Rows of a ``budget`` the vocabulary gives to ids: all of them, or
+        all but the shared row (``default="shared"``)."""
+        return int(budget) - (self.default == "shared")
+
+    def shared_row(self, budget: int) -> int | None:
+        """The row ids without one read (``default="shared"``), else ``None``."""
+        return int(budget) - 1 if self.default == "shared" else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +260,11 @@ class CacheConfig:
             raise TypeError(
                 f"vocabulary must be None (ids are rows) or a jaxcache.DynamicVocabulary, got "
                 f"{self.vocabulary!r}."
+            )
+        if self.vocabulary is not None and self.vocabulary.id_rows(self.num_embeddings) < 1:
+            raise ValueError(
+                f"num_embeddings={self.num_embeddings} leaves no row for ids besides the shared "
+                'row of DynamicVocabulary(default="shared"); use at least 2.'
             )
         if (
             self.vocabulary is None

@@ -183,8 +183,14 @@ class PlanSpec:
 
     @property
     def received(self) -> int:
-        """``V``: entries an owner receives."""
-        return self.per_destination * (self.devices if self.devices > 1 else 1)
+        """``V``: entries an owner receives, and a place for the shared row."""
+        return self.per_destination * self.devices + self.overflow
+
+    @property
+    def overflow(self) -> int:
+        """``O``: rows every device reads past the routes (``Lookup.overflow``):
+        the shared row of a vocabulary that has one."""
+        return int(self.vocabulary is not None and self.vocabulary.shared)
 
     @property
     def misses(self) -> int:
@@ -267,6 +273,9 @@ class PlanOut(NamedTuple):
         padded with ``C_l``.
       hit_slots: ``int32 [n V]``: the distinct ids' slots before the plan
         (``-1``: missed); read when the plan fails for room.
+      overflow: ``int32 [n O]``: ``Lookup.overflow``, the same on every
+        device: the global slot of the shared row (``-1`` when no id of the
+        batch reads it).
     """
 
     info: jax.Array
@@ -278,6 +287,7 @@ class PlanOut(NamedTuple):
     fetch_slots: jax.Array
     evict_slots: jax.Array
     hit_slots: jax.Array
+    overflow: jax.Array
 
 
 # ------------------------------------------------------------------ helpers
@@ -547,7 +557,10 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
         entries = received[0].reshape(-1)
         sent = entries >= 0
     else:
-        entries_low, entries_high = (x.reshape(-1) for x in received)
+        # One more entry, never sent: the shared row's place (``overflow``).
+        pad = jnp.zeros(spec.overflow, jnp.int32)
+        entries_low, entries_high = (jnp.concatenate([x.reshape(-1), pad - 1]) for x in received)
+        counts_in = jnp.concatenate([counts_in, pad])
         sent = counts_in > 0
     if n == 1:  # the source's distinct ids are the owner's
         owner_inverse = jnp.where(sent, lax.iota(jnp.int32, v), -1)
@@ -586,8 +599,16 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
             train,
         )
         uniq = admitted.rows
+        rowless = live & (uniq < 0)
         live = live & (uniq >= 0)
         new, full = admitted.new & live, admitted.full
+        if spec.vocabulary.shared:
+            # The ids without a row read the shared row, one more distinct
+            # row of its home device, looked up as often as they are.
+            uniq, live, lookups, shared_at, reads = _shared_entry(
+                spec, axis, uniq, live, lookups, rowless, spanned
+            )
+            spanned = spanned + (shared_at < v)
         distinct = jnp.sum(live, dtype=jnp.int32)
         lookups = jnp.where(live, lookups, 0)
     slot = state.slot_of_id.at[jnp.where(live, uniq, nl)].get(mode="fill", fill_value=-1)
@@ -740,9 +761,29 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
 
     # The route: what each source asks this owner for, and where each
     # gradient it sends back adds.
-    entry_slot = unique_slots.at[jnp.maximum(owner_inverse, 0)].get(mode="fill", fill_value=cl)
-    requests = jnp.where(owner_inverse >= 0, entry_slot, cl).reshape(1, n, k)
+    routed = owner_inverse[: n * k]
+    entry_slot = unique_slots.at[jnp.maximum(routed, 0)].get(mode="fill", fill_value=cl)
+    requests = jnp.where(routed >= 0, entry_slot, cl).reshape(1, n, k)
     owner_route = jnp.where(owner_inverse >= 0, owner_inverse, v)
+    overflow = jnp.zeros((1, 0), jnp.int32)
+    if spec.vocabulary is not None:
+        # Each source's ids without a row read padding, or the shared row
+        # (the overflow row), not their place in the route: the owners say
+        # which, back along it.
+        said = jnp.where(routed >= 0, rowless.at[jnp.maximum(routed, 0)].get(mode="fill"), False)
+        told = said.astype(jnp.int32).reshape(n, k)
+        if n > 1:
+            told = lax.all_to_all(told, axis, 0, 0, tiled=True)
+        unrowed = told.reshape(-1).at[route].get(mode="fill", fill_value=0) > 0
+        padding = n * k + spec.overflow
+        route = jnp.where(route >= n * k, padding, jnp.where(unrowed, n * k, route))
+    if spec.overflow:
+        owner_route = owner_route.at[n * k].set(shared_at)
+        here = unique_slots.at[shared_at].get(mode="fill", fill_value=0)
+        mine = jnp.where(shared_at < v, lax.axis_index(axis) * cl + here, 0)
+        if n > 1:
+            mine = lax.psum(mine, axis)
+        overflow = jnp.where(reads > 0, mine, -1).reshape(1, 1)
     info = jnp.stack(
         [
             status,
@@ -777,8 +818,33 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
         fetch_slots,
         evict_slots,
         jnp.where(live, slot, -1)[None],
+        overflow,
     )
     return new_state, out
+
+
+def _shared_entry(spec: PlanSpec, axis: str, uniq, live, lookups, rowless, spanned):
+    """The shared row of a vocabulary as one more distinct row of its home
+    device, at its first unused entry (``spanned``), when any device has
+    ids without a row: their lookups are its lookups.
+
+    Returns ``(uniq, live, lookups, at, reads)``: the owner's entries with
+    it, its entry (``V`` on the other devices and when no id reads it) and
+    how many lookups read it over every device."""
+    vocabulary = spec.vocabulary
+    assert vocabulary is not None
+    n, v = spec.devices, uniq.shape[0]
+    row = vocabulary.rows  # the host row past the vocabulary's
+    residue, per_process = row % n, n // spec.processes
+    home = (residue % spec.processes) * per_process + residue // spec.processes  # home_device
+    reads = jnp.sum(jnp.where(rowless, lookups, 0))
+    if n > 1:
+        reads = lax.psum(reads, axis)
+    put = (lax.axis_index(axis) == home) & (reads > 0)
+    at = jnp.where(put, spanned, v)
+    place = lax.iota(jnp.int32, v) == at
+    uniq = jnp.where(place, row // n, uniq)
+    return uniq, live | place, jnp.where(place, reads, lookups), at, reads
 
 
 @functools.cache
@@ -816,13 +882,16 @@ def _compact_device(
     owner_inverse,
     fetch_slots,
     evict_slots,
+    overflow,
 ):
     """``compact``'s body on one device."""
     _, n, k = requests.shape
     v = owner_slots.shape[1]
     requests = requests[:, :, :k2]
-    inverse = jnp.where(inverse >= n * k, n * k2, inverse // k * k2 + inverse % k)
-    owner_inverse = owner_inverse.reshape(n, -1)[:, :k2].reshape(1, -1)
+    # Past the routes: the overflow rows, then padding.
+    inverse = jnp.where(inverse >= n * k, inverse - n * k + n * k2, inverse // k * k2 + inverse % k)
+    routed = owner_inverse[:, : n * k].reshape(n, k)[:, :k2].reshape(1, -1)
+    owner_inverse = jnp.concatenate([routed, owner_inverse[:, n * k :]], axis=1)
     owner_inverse = jnp.where(owner_inverse >= v, v2, owner_inverse)
     out = (
         requests,
@@ -831,12 +900,13 @@ def _compact_device(
         owner_inverse,
         fetch_slots[:p2],
         evict_slots[:p2],
+        overflow[0],
     )
     if not r2:
         return out
     # Where the real ids are in the slice (``Lookup.positions``), in order.
     flat = inverse.reshape(-1)
-    real = flat < n * k2
+    real = flat < n * k2 + overflow.shape[1]
     at = jnp.where(real, jnp.cumsum(real.astype(jnp.int32)) - 1, r2)
     positions = (
         jnp.full(r2, flat.size, jnp.int32).at[at].set(lax.iota(jnp.int32, flat.size), mode="drop")
@@ -849,18 +919,19 @@ def make_compact(
     mesh: Mesh, axis: str, per_destination: int, owner: int, moves: int, positions: int
 ):
     """``compact(requests, inverse, owner_slots, owner_inverse, fetch_slots,
-    evict_slots)``: a plan's route and swap lists cut to the padded sizes
-    its batch needs: ``K'`` ranks per source and owner (``per_destination``),
-    ``V'`` distinct rows per owner (``owner``) and ``P'`` moved rows per
-    device (``moves``). Slices and an index remap, on each device. With
-    ``positions`` (bags with padding), a seventh output: ``int32 [n,
-    positions]``, where each device's real ids are in its slice
+    evict_slots, overflow)``: a plan's route and swap lists cut to the
+    padded sizes its batch needs: ``K'`` ranks per source and owner
+    (``per_destination``), ``V'`` distinct rows per owner (``owner``) and
+    ``P'`` moved rows per device (``moves``), and ``Lookup.overflow``
+    (replicated). Slices and an index remap, on each device. With
+    ``positions`` (bags with padding), an eighth output: ``int32 [n,
+    positions]``, where each device's ids that read a row are in its slice
     (``Lookup.positions``)."""
     rows = PartitionSpec(axis)
     body = functools.partial(_compact_device, per_destination, owner, moves, positions)
-    outputs = 7 if positions else 6
+    outputs = (rows,) * 6 + (PartitionSpec(),) + ((rows,) if positions else ())
     mapped = jax.shard_map(
-        body, mesh=mesh, in_specs=(rows,) * 6, out_specs=(rows,) * outputs, check_vma=False
+        body, mesh=mesh, in_specs=(rows,) * 7, out_specs=outputs, check_vma=False
     )
     return jax.jit(mapped)
 

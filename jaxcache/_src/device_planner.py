@@ -177,7 +177,9 @@ class DevicePlanner:
         if config.vocabulary is not None:
             self.rows_config = dataclasses.replace(config, padding_id=-1, vocabulary=None)
             self.vocabulary_spec = _vocabulary_spec(
-                Vocabulary.of(config.vocabulary, config.num_embeddings), layout
+                Vocabulary.of(config.vocabulary, config.num_embeddings),
+                layout,
+                config.vocabulary.default == "shared",
             )
         self.layout = layout
         self.mesh = mesh
@@ -504,8 +506,8 @@ class DevicePlanner:
     def compact(self, step: DeviceStep) -> tuple[jax.Array, ...]:
         """``step``'s route and swap lists cut to its padded sizes (on the
         thread that dispatches to the devices): ``(requests, inverse,
-        owner_slots, owner_inverse, fetch_slots, evict_slots)``, and
-        ``positions`` for a batch of bags with padding."""
+        owner_slots, owner_inverse, fetch_slots, evict_slots, overflow)``,
+        and ``positions`` for a batch of bags with padding."""
         out = step.out
         return device_plan.make_compact(self.mesh, self.axis, *step.sizes)(
             out.requests,
@@ -514,6 +516,7 @@ class DevicePlanner:
             out.owner_inverse,
             out.fetch_slots,
             out.evict_slots,
+            out.overflow,
         )
 
     def _spec(self, wide: bool, slice_ids: int) -> PlanSpec:
@@ -611,7 +614,9 @@ class DevicePlanner:
                 for need, previous in zip(needs, self.sizes, strict=True)
             )
             if self.layout.devices == 1:
-                v = k  # the source is the owner: its ranks are the owner's rows
+                # The source is the owner: its ranks are the owner's rows
+                # (and the shared row's entry is past them).
+                v = max(k, v) if out.overflow.shape[1] else k
             self.sizes = (k, v, p, r)
             # Never past the plan's own sizes (a batch smaller than the bucket).
             k = min(k, out.requests.shape[2])
@@ -885,8 +890,9 @@ def _id_words(array: np.ndarray) -> tuple[np.ndarray, bool]:
     return (words if np.little_endian else words[..., ::-1]), True
 
 
-def _vocabulary_spec(vocab: Vocabulary, layout: Layout) -> VocabSpec:
-    """The device vocabulary of ``vocab``'s rules over ``layout``'s devices."""
+def _vocabulary_spec(vocab: Vocabulary, layout: Layout, shared: bool = False) -> VocabSpec:
+    """The device vocabulary of ``vocab``'s rules over ``layout``'s devices
+    (``shared``: with the shared row past its rows)."""
     n = layout.devices
     if vocab.buckets % n:
         raise ValueError(
@@ -907,6 +913,7 @@ def _vocabulary_spec(vocab: Vocabulary, layout: Layout) -> VocabSpec:
         columns=vocab.sketch_columns,
         salt=int(vocab.salt),
         salts=tuple(int(x) for x in vocab.sketch_salts),
+        shared=shared,
     )
 
 

@@ -49,6 +49,8 @@ class VocabSpec:
       columns: sketch columns per bucket (``0``: no sketch).
       salt: the hashes' seed word.
       salts: the sketch rows' salts.
+      shared: ids without a row read host row ``rows``, the shared row
+        past the vocabulary's (``DynamicVocabulary(default="shared")``).
     """
 
     rows: int
@@ -62,6 +64,7 @@ class VocabSpec:
     columns: int
     salt: int
     salts: tuple[int, ...]
+    shared: bool = False
 
     @property
     def counts_uses(self) -> bool:

@@ -253,12 +253,14 @@ class EmbeddingCache:
         )
         self.config = config
         # With raw ids the planners see host rows, and row -1 for padding and
-        # for ids not admitted (``raw_ids``).
+        # for ids not admitted, unless they read a shared row (``raw_ids``).
         self.raw = None if config.vocabulary is None else RawIds(config, self.shard)
         rows_config = config
         if self.raw is not None:
             rows_config = dataclasses.replace(config, padding_id=ROW_PAD, vocabulary=None)
         self.table = table if table is not None else HostTable(config, seed=seed, shard=self.shard)
+        if self.raw is not None:
+            self.raw.start_shared_row(self.table)
         processes_agreement = (
             agreement(
                 f"{config.name}-{next(_MULTI_PROCESS_CACHES)}", axis_processes(mesh, axis), shard
@@ -306,7 +308,6 @@ class EmbeddingCache:
         )
         self.lifecycle = Lifecycle(self.planner, self.write_backs)
         self.callbacks = HostCallbacks(self.stager, self.lifecycle, platform, planner)
-        self._no_overflow = self.blocks.transfer(np.zeros(0, np.int32), self.blocks.replicated)
         # On an accelerator a read-out starts its copy to the host as soon as
         # the swap has run, so that landing it later finds it there; the CPU
         # backend's arrays are host memory already.
@@ -656,7 +657,7 @@ class EmbeddingCache:
         if host.deferred is not None:
             self._fetch_deferred(host.deferred, host.rows, host.opt)
         assert isinstance(self.planner, DevicePlanner)
-        requests, inverse, owner_slots, owner_inverse, fetch_slots, evict_slots, *positions = (
+        requests, inverse, owner_slots, owner_inverse, fetch_slots, evict_slots, overflow, *more = (
             self.planner.compact(host.plan)
         )
         with self.stats.timers.time("transfer"):
@@ -666,11 +667,11 @@ class EmbeddingCache:
                 moves = (evict_slots, fetch_slots, rows, opt)
         lookup = Lookup(
             requests,
-            self._no_overflow,
+            overflow,
             inverse,
             owner_slots,
             owner_inverse,
-            positions=positions[0] if positions else None,
+            positions=more[0] if more else None,
             table=self.name,
             mesh=self.mesh,
             axis=self.axis,

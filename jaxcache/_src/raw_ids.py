@@ -8,8 +8,10 @@ does, for each batch, in the stager's lock and in plan order:
    (``distinct_ids``: one hash pass, no sort), so that rows depend on the
    batch alone, never on the device count. Rows whose last plan is not
    finished by the vocabulary's bound (``finished``, set by the look-ahead,
-   never by thread timing) are held. Ids not admitted, and the padding id,
-   become row ``-1``: the planners' padding.
+   never by thread timing) are held. The padding id becomes row ``-1``,
+   the planners' padding, and so do ids not admitted, unless the
+   vocabulary has a shared row (``DynamicVocabulary(default="shared")``):
+   then they become that row, which the planners plan like any other.
 2. The planners plan the rows. If they refuse the batch, the admission is
    taken back (``Vocabulary.revert``): nothing changed.
 3. **Renew** the rows given to new ids: their unlanded write-backs (of the
@@ -49,7 +51,7 @@ class Translated(NamedTuple):
 
     Attributes:
       rows: ``int64`` of the ids' shape: each id's row, ``-1`` for padding
-        and for ids not admitted.
+        and for ids not admitted (the shared row, if the vocabulary has one).
       admission: what the vocabulary did (``Vocabulary.admit``).
       new_counts: ``int64 [A]``: lookups of each new id in the batch.
       refused_lookups: lookups of ids not admitted.
@@ -77,6 +79,7 @@ class RawIds:
         self.config = config
         self.shard = shard
         self.vocabulary = Vocabulary.of(spec, config.num_embeddings)
+        self.shared_row = spec.shared_row(config.num_embeddings)
 
     # ----------------------------------------------------------------- steps
     def plan(
@@ -121,7 +124,7 @@ class RawIds:
         """Admits the distinct ids of batch ``index`` and maps every id to its row.
 
         A batch that does not train (``train=False``: evaluation, serving)
-        admits no id: unknown ids read the padding row.
+        admits no id: unknown ids read the padding row, or the shared row.
 
         Raises:
           CapacityError: a bucket has more new ids than rows that can take
@@ -133,8 +136,11 @@ class RawIds:
         admission = self.vocabulary.admit(
             unique, counts, step=index, finished=finished, new=train, distinct=True
         )
+        given = admission.rows
+        if self.shared_row is not None:
+            given = np.where(given < 0, self.shared_row, given)
         # Padding's inverse is -1: the last entry, the planners' padding row.
-        rows = np.append(admission.rows, ROW_PAD)[inverse]
+        rows = np.append(given, ROW_PAD)[inverse]
         refused = int(counts[admission.rows < 0].sum())
         assert admission.new_at is not None
         return Translated(rows, admission, counts[admission.new_at], refused)
@@ -182,6 +188,21 @@ class RawIds:
             for name, s in cfg.optimizer.state_spec(cfg.features).items()
         }
         table.scatter(rows, first, state)
+
+    def start_shared_row(self, table: HostTable) -> None:
+        """Writes the shared row's first values (zeros) and fresh optimizer
+        state into the host table, if the vocabulary has one and this
+        process stores it: the start of a new vocabulary, whose rows belong
+        to no id yet."""
+        row = self.shared_row
+        if row is None or row % self.shard[1] != self.shard[0]:
+            return
+        cfg = self.config
+        state = {
+            name: np.full((1, *s.shape), s.init, s.dtype)
+            for name, s in cfg.optimizer.state_spec(cfg.features).items()
+        }
+        table.scatter(np.array([row]), np.zeros((1, cfg.features), cfg.row_dtype), state)
 
     def record(self, translated: Translated) -> dict[str, int]:
         """The statistics of a translated batch (``StepStats`` fields)."""

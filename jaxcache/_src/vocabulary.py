@@ -298,10 +298,11 @@ class Vocabulary:
         self.clock = (-1, -1)  # the (step, finished) of the latest admission
 
     @classmethod
-    def of(cls, spec: DynamicVocabulary, rows: int) -> Vocabulary:
-        """The empty vocabulary of ``rows`` rows by the rules of ``spec``."""
+    def of(cls, spec: DynamicVocabulary, budget: int) -> Vocabulary:
+        """The empty vocabulary of a ``budget`` of rows by the rules of
+        ``spec``: all of them, or all but the shared row (``spec.id_rows``)."""
         return cls(
-            int(rows),
+            spec.id_rows(budget),
             admit_after=int(spec.admit_after),
             forget=spec.forget,
             bonus=int(spec.bonus),

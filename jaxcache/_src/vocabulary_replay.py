@@ -77,6 +77,7 @@ def replay_vocabulary(
         )
     batches = _split(array.astype(np.int64, copy=False), batch)
     vocab = Vocabulary.of(spec, int(rows))
+    shared = spec.shared_row(int(rows))
     planner = None
     if capacity is not None:
         config = CacheConfig(rows, 1, capacity, policy=policy, padding_id=-1)
@@ -103,7 +104,10 @@ def replay_vocabulary(
         counts["refused_lookups"] += int(lookups[done.rows < 0].sum())
         if planner is not None:
             resident = done.new_rows[planner.slot_of_id[done.new_rows] >= 0]
-            plan = planner.plan(np.append(done.rows, -1)[inverse], train=True)
+            given = done.rows
+            if shared is not None:  # ids without a row read the shared row
+                given = np.where(given < 0, shared, given)
+            plan = planner.plan(np.append(given, -1)[inverse], train=True)
             planner.release(plan.index)
             distinct += plan.distinct
             hits += plan.hits - resident.size  # refetched: the device holds the old id's row
