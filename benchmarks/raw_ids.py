@@ -11,17 +11,21 @@ a fraction of the stream's id space):
 - **dynamic**: ``CacheConfig(vocabulary=DynamicVocabulary(forget=...))``
   with a budget of ``R`` rows: an id gets a row of its own, and stale ids
   give theirs back when their bucket is full, by each rule of ``--forget``
-  (the least recently used, the least often, or both: ``"lrfu"``).
+  (the least recently used, the least often, or both: ``"lrfu"``);
+- **admission** (``--admission``): ``"lrfu"`` with ``admit_after=2``, so
+  that ids seen once get no row, twice: their lookups read zeros
+  (``default="zeros"``) or one shared trainable row (``"shared"``).
 
 Printed: ``modulo_loss`` and, per rule, ``dynamic_<rule>_loss`` (the mean
 training loss over the second half of the steps, each batch scored before
 the model trains on it) and ``dynamic_<rule>_over_modulo_loss``;
 ``modulo_auc`` and ``dynamic_<rule>_auc`` (ROC AUC on held-out batches,
-scored with ``train=False``: the dynamic vocabulary's unknown ids read
-zeros); ``modulo_shared_ids`` (share of the stream's distinct ids whose row
-another id also uses) and ``dynamic_<rule>_forgotten_ids``.
+scored with ``train=False``: the dynamic vocabulary's unknown ids read its
+default row); ``modulo_shared_ids`` (share of the stream's distinct ids
+whose row another id also uses) and ``dynamic_<rule>_forgotten_ids``; the
+admission runs as rules ``lrfu_admit2_zeros`` and ``lrfu_admit2_shared``.
 
-    python benchmarks/raw_ids.py          # about 4 minutes on 2 CPU cores
+    python benchmarks/raw_ids.py          # about a minute on 2 CPU cores
     python benchmarks/raw_ids.py --quick
 """
 
@@ -40,10 +44,9 @@ RULES = ("lru", "lfu", "lrfu")  # DynamicVocabulary(forget=...)
 
 
 def train(
-    args, data, rows: int, forget: str | None
+    args, data, rows: int, vocabulary: jaxcache.DynamicVocabulary | None
 ) -> tuple[float, float, jaxcache.EmbeddingCache]:
-    dynamic = forget is not None
-    vocabulary = jaxcache.DynamicVocabulary(forget=forget) if dynamic else None
+    dynamic = vocabulary is not None
     cfg = jaxcache.CacheConfig(
         rows,
         16,
@@ -84,6 +87,12 @@ def main() -> None:
     parser.add_argument("--eval-steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--forget", nargs="+", choices=RULES, default=RULES)
+    parser.add_argument(
+        "--admission",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also lrfu with admit_after=2, on a zero and on a shared default row",
+    )
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -99,20 +108,26 @@ def main() -> None:
         f"R = {rows} rows, {args.capacity:.0%} of them on the device"
     )
     start = time.perf_counter()
-    modulo_loss, modulo_auc, _ = train(args, data, rows, forget=None)
+    modulo_loss, modulo_auc, _ = train(args, data, rows, None)
     results = {"modulo_loss": modulo_loss, "modulo_auc": modulo_auc, "modulo_shared_ids": shared}
-    for forget in args.forget:
-        loss, auc, cache = train(args, data, rows, forget=forget)
+    runs = {rule: jaxcache.DynamicVocabulary(forget=rule) for rule in args.forget}
+    if args.admission:
+        for default in ("zeros", "shared"):
+            runs[f"lrfu_admit2_{default}"] = jaxcache.DynamicVocabulary(
+                forget="lrfu", admit_after=2, default=default
+            )
+    for name, vocabulary in runs.items():
+        loss, auc, cache = train(args, data, rows, vocabulary)
         total = cache.stats.total
         print(
-            f"dynamic, forget={forget!r}: {total.new_ids} rows given, {total.forgotten_ids} "
-            f"taken back ({time.perf_counter() - start:.0f} s)"
+            f"dynamic, {name}: {total.new_ids} rows given, {total.forgotten_ids} taken back, "
+            f"{total.refused_lookups} lookups without a row ({time.perf_counter() - start:.0f} s)"
         )
         results |= {
-            f"dynamic_{forget}_loss": loss,
-            f"dynamic_{forget}_over_modulo_loss": loss / modulo_loss,
-            f"dynamic_{forget}_auc": auc,
-            f"dynamic_{forget}_forgotten_ids": total.forgotten_ids,
+            f"dynamic_{name}_loss": loss,
+            f"dynamic_{name}_over_modulo_loss": loss / modulo_loss,
+            f"dynamic_{name}_auc": auc,
+            f"dynamic_{name}_forgotten_ids": total.forgotten_ids,
         }
     _harness.print_results(results, digits=4)
 

@@ -66,6 +66,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--raw-ids", type=int, default=None, help="raw ids through a vocabulary of this many rows"
     )
+    parser.add_argument(
+        "--admit-after", type=int, default=1, help="with --raw-ids: lookups before an id gets a row"
+    )
+    parser.add_argument(
+        "--default",
+        choices=("zeros", "shared"),
+        default="zeros",
+        help="with --raw-ids: what an id without a row reads",
+    )
     return parser.parse_args(argv)
 
 
@@ -120,7 +129,11 @@ def run(args: argparse.Namespace) -> dict:
     data = jaxcache.synthetic.SyntheticCriteo(
         scale=args.scale, batch_size=args.batch_size, seed=args.seed
     )
-    vocabulary = None if args.raw_ids is None else jaxcache.DynamicVocabulary(forget="lfu")
+    vocabulary = None
+    if args.raw_ids is not None:
+        vocabulary = jaxcache.DynamicVocabulary(
+            forget="lfu", admit_after=args.admit_after, default=args.default
+        )
     rows = data.num_embeddings if args.raw_ids is None else args.raw_ids
     cfg = jaxcache.CacheConfig(
         rows,
@@ -186,6 +199,7 @@ def run(args: argparse.Namespace) -> dict:
         if vocabulary is None
         else None,
         "forgotten_ids": cache.stats.total.forgotten_ids,
+        "refused_lookups": cache.stats.total.refused_lookups,
         "live_ids": live,  # with raw ids: how many, and their xor
         "planner_bytes": cache.planner.nbytes,
     }

@@ -100,19 +100,22 @@ def test_split_tables_checkpoint_and_resume_on_any_process_count(single, tmp_pat
 
 
 def test_raw_ids_on_two_processes_match_one_and_resume_on_one(tmp_path):
-    # Raw ids through a vocabulary of 800 rows (the batches hold 1,338
+    # Raw ids through a vocabulary of 400 rows (the batches hold 1,338
     # distinct ids): each process stores its half of the rows (and with the
-    # device planner its devices hold their buckets of the vocabulary).
-    raw = ["--raw-ids", "800", "--cache-fraction", "0.9"]
+    # device planner its devices hold their buckets of the vocabulary). Ids
+    # seen once read a shared row, which one process stores and whose
+    # lookups come from the devices of both.
+    raw = ["--raw-ids", "400", "--cache-fraction", "0.9", "--admit-after", "2"]
+    raw += ["--default", "shared"]
     single = _run(*ONE, *raw, "--steps", "8", "--save", str(tmp_path / "one.npy"))
-    assert single["forgotten_ids"] > 100
+    assert single["forgotten_ids"] > 100 and single["refused_lookups"] > 100
     saved = tmp_path / "saved"
     two = _run(*TWO, *raw, "--steps", "4", "--checkpoint", str(saved))
-    assert two["agree"] and sorted(p["host_rows"] for p in two["processes"]) == [400, 400]
+    assert two["agree"] and sorted(p["host_rows"] for p in two["processes"]) == [200, 200]
     np.testing.assert_allclose(two["processes"][0]["losses"], single["losses"][:4], atol=1e-5)
     # Every process exports every live id, whichever process's devices hold it.
     first, second = (p["live_ids"] for p in two["processes"])
-    assert first == second and 0 < first[0] <= 800
+    assert first == second and 0 < first[0] < 400
     # Saved by two processes, resumed by one: it ends where eight steps in one end.
     resumed = _run(
         *ONE, *raw, "--steps", "4", "--checkpoint", str(saved), "--save", str(tmp_path / "r.npy")
