@@ -254,14 +254,17 @@ def test_a_new_id_given_a_resident_row_starts_from_its_first_values(planner):
     assert sorted(trained) == [10, 11, 20, 21]
 
 
-@pytest.mark.parametrize(("saved_by", "restored_by"), [("host", "device"), ("device", "host")])
+@pytest.mark.parametrize(
+    ("saved_by", "restored_by", "vocabulary"),
+    [("host", "device", {}), ("device", "host", {"admit_after": 2, "default": "shared"})],
+)
 def test_checkpoint_restores_raw_ids_onto_another_layout_and_planner(
-    tmp_path, saved_by, restored_by
+    tmp_path, saved_by, restored_by, vocabulary
 ):
     # Saved after 7 steps on one device; restored into 8 devices with
     # another capacity and the other planner; the 7 steps after equal an
-    # uninterrupted reference.
-    cfg = config(300, 128, jaxcache.adam(0.02), forget="lfu")
+    # uninterrupted reference (the sketch and the shared row included).
+    cfg = config(300, 128, jaxcache.adam(0.02), forget="lfu", **vocabulary)
     batches = list(raw_batches(14, seed=5))
     table = jaxcache.HostTable(cfg, seed=3)
     reference, ref_train, _ = make_raw_reference(np.array(table.rows), cfg, F)
@@ -280,6 +283,8 @@ def test_checkpoint_restores_raw_ids_onto_another_layout_and_planner(
     model2, train2 = make_cached(other, F)
     ckpt.restore(7, model=model2, optimizer=train2.optimizer)
     assert other.vocabulary.size == cache.vocabulary.size
+    if vocabulary:
+        assert cache.stats.total.refused_lookups > 50
     losses += [float(train2(ids, y)) for ids, y in batches[7:]]
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-6)
     rows, _ = model2.embed.export()
