@@ -63,7 +63,9 @@ class StepStats:
       overflow: rows routed through the overflow path (several devices).
       new_ids: raw ids given a row (``CacheConfig.vocabulary``).
       forgotten_ids: raw ids whose rows new ids took.
-      refused_lookups: lookups of raw ids not admitted yet (they read zeros).
+      refused_lookups: lookups of raw ids without a row: not admitted yet,
+        or unknown in a batch that does not train (they read the
+        vocabulary's default row).
 
     Examples:
       >>> import jaxcache
