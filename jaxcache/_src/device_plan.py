@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -434,8 +434,9 @@ def _by_appearance(positions, new_run, real, weights):
     return jnp.where(head, rank, m), inverse, jnp.sum(head, dtype=jnp.int32), lookups
 
 
-def home_device(ids: jax.Array, devices: int, processes: int) -> jax.Array:
-    """The home device of each id (``Layout.device_of``)."""
+def home_device(ids: Any, devices: int, processes: int) -> Any:
+    """The home device of each id (``Layout.device_of``): of an array of
+    ids, or of one Python int."""
     residue = ids % devices
     per_process = devices // processes
     return (residue % processes) * per_process + residue // processes
@@ -835,8 +836,7 @@ def _shared_entry(spec: PlanSpec, axis: str, uniq, live, lookups, rowless, spann
     assert vocabulary is not None
     n, v = spec.devices, uniq.shape[0]
     row = vocabulary.rows  # the host row past the vocabulary's
-    residue, per_process = row % n, n // spec.processes
-    home = (residue % spec.processes) * per_process + residue // spec.processes  # home_device
+    home = home_device(row, n, spec.processes)
     reads = jnp.sum(jnp.where(rowless, lookups, 0))
     if n > 1:
         reads = lax.psum(reads, axis)

@@ -183,11 +183,7 @@ class RawIds:
         first = hashed_rows(
             ids, cfg.features, seed=int(spec.seed), init=spec.init, scale=spec.scale
         )
-        state = {
-            name: np.full((first.shape[0], *s.shape), s.init, s.dtype)
-            for name, s in cfg.optimizer.state_spec(cfg.features).items()
-        }
-        table.scatter(rows, first, state)
+        table.scatter(rows, first, self._fresh_state(first.shape[0]))
 
     def start_shared_row(self, table: HostTable) -> None:
         """Writes the shared row's first values (zeros) and fresh optimizer
@@ -198,11 +194,16 @@ class RawIds:
         if row is None or row % self.shard[1] != self.shard[0]:
             return
         cfg = self.config
-        state = {
-            name: np.full((1, *s.shape), s.init, s.dtype)
+        zeros = np.zeros((1, cfg.features), cfg.row_dtype)
+        table.scatter(np.array([row]), zeros, self._fresh_state(1))
+
+    def _fresh_state(self, count: int) -> dict[str, np.ndarray]:
+        """Fresh optimizer state for ``count`` rows."""
+        cfg = self.config
+        return {
+            name: np.full((count, *s.shape), s.init, s.dtype)
             for name, s in cfg.optimizer.state_spec(cfg.features).items()
         }
-        table.scatter(np.array([row]), np.zeros((1, cfg.features), cfg.row_dtype), state)
 
     def record(self, translated: Translated) -> dict[str, int]:
         """The statistics of a translated batch (``StepStats`` fields)."""
