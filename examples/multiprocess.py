@@ -70,6 +70,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--admit-after", type=int, default=1, help="with --raw-ids: lookups before an id gets a row"
     )
     parser.add_argument(
+        "--forget",
+        choices=("lru", "lfu", "lrfu", "adaptive"),
+        default="lfu",
+        help="with --raw-ids: which id a full bucket forgets",
+    )
+    parser.add_argument(
         "--default",
         choices=("zeros", "shared"),
         default="zeros",
@@ -132,7 +138,7 @@ def run(args: argparse.Namespace) -> dict:
     vocabulary = None
     if args.raw_ids is not None:
         vocabulary = jaxcache.DynamicVocabulary(
-            forget="lfu", admit_after=args.admit_after, default=args.default
+            forget=args.forget, admit_after=args.admit_after, default=args.default
         )
     rows = data.num_embeddings if args.raw_ids is None else args.raw_ids
     cfg = jaxcache.CacheConfig(
@@ -200,6 +206,7 @@ def run(args: argparse.Namespace) -> dict:
         else None,
         "forgotten_ids": cache.stats.total.forgotten_ids,
         "refused_lookups": cache.stats.total.refused_lookups,
+        "bonus": None if args.raw_ids is None else cache.vocabulary.bonus,
         "live_ids": live,  # with raw ids: how many, and their xor
         "planner_bytes": cache.planner.nbytes,
     }

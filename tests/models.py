@@ -215,7 +215,7 @@ class VocabularyModel:
             return last
         if self.forget == "lfu":
             return lookups
-        lookups = max(lookups, 1)
+        lookups = max(lookups, 1)  # lrfu, and adaptive at the bonus it learned
         e = lookups.bit_length() - 1
         log2 = 256 * e + math.floor(256 * math.log2(((lookups << 8) >> e) / 256))
         return 256 * max(last - step, -(1 << 22)) + self.bonus * log2
@@ -267,6 +267,62 @@ class VocabularyModel:
         return rows, [ids[u] for u in admitted], forgotten
 
 
+class LearnerModel:
+    """The bonus of ``forget="adaptive"`` in plain Python: shadow
+    ``VocabularyModel``s of ``rows >> bits`` rows (``bits`` the least with
+    fewer than 2048) forget by lrfu at each candidate bonus; the ids whose
+    32-bit hash has its top ``bits`` bits zero pass through them sorted,
+    once their plan is settled; decaying scores of the lookups each found
+    pick the bonus."""
+
+    BONUSES = (0, 1, 2, 4, 8, 16, 32, 64)
+
+    def __init__(self, rows, ways, admit_after, seed) -> None:
+        self.bits = 0
+        while rows >> (self.bits + 1) >= 1024:
+            self.bits += 1
+        self.shadows = [
+            VocabularyModel(max(1, rows >> self.bits), admit_after, "lrfu", bonus=b, ways=ways,
+                            seed=seed)
+            for b in self.BONUSES
+        ]  # fmt: skip
+        self.salt = _splitmix64(seed) & 0xFFFFFFFF
+        self.scores = [0] * len(self.BONUSES)
+        self.choice = 4
+        self.pending = None
+
+    @property
+    def bonus(self) -> int:
+        return self.BONUSES[self.choice]
+
+    def offer(self, ids, counts, step) -> None:
+        def sampled(i):
+            u = i & ((1 << 64) - 1)
+            h = _fmix32((u & 0xFFFFFFFF) ^ _fmix32((u >> 32) ^ self.salt))
+            return self.bits == 0 or h >> (32 - self.bits) == 0
+
+        kept = sorted((i, c) for i, c in zip(ids, counts, strict=True) if sampled(i))
+        self.pending = ([i for i, _ in kept], [c for _, c in kept], step)
+
+    def settle(self) -> None:
+        if self.pending is None:
+            return
+        ids, counts, step = self.pending
+        self.pending = None
+        for j, shadow in enumerate(self.shadows):
+            rows = shadow.row_of
+            found = sum(c for i, c in zip(ids, counts, strict=True) if i in rows)
+            try:
+                shadow.admit(ids, counts, step)
+            except jaxcache.CapacityError:
+                pass
+            self.scores[j] += found - (self.scores[j] >> 5)
+        best = self.scores.index(max(self.scores))
+        held = self.scores[self.choice]
+        if self.scores[best] > held + (held >> 8):
+            self.choice = best
+
+
 def make_raw_reference(
     rows, config: jaxcache.CacheConfig, num_features: int, *, lookahead=0, combiner=None
 ):
@@ -283,6 +339,10 @@ def make_raw_reference(
         config.num_embeddings - (shared is not None), spec.admit_after, spec.forget,
         bonus=spec.bonus, ways=spec.ways, ttl=spec.ttl, seed=spec.seed,
     )  # fmt: skip
+    learner = None
+    if spec.forget == "adaptive":
+        learner = LearnerModel(vocab.rows, spec.ways, spec.admit_after, spec.seed)
+        vocab.learner = learner
     rows = np.array(rows)
     if shared is not None:
         rows[shared] = 0
@@ -301,7 +361,12 @@ def make_raw_reference(
         )
         order = np.argsort(first)
         unique, counts, inverse = unique[order], counts[order], np.argsort(order)[inverse]
+        if learner is not None:
+            learner.settle()
+            vocab.bonus = learner.bonus
         rows_u, new_ids, _ = vocab.admit(unique.tolist(), counts.tolist(), t, t - 1 - lookahead)
+        if learner is not None:
+            learner.offer(unique.tolist(), counts.tolist(), t)
         rows_u = np.array(rows_u, np.int64)
         if new_ids:
             position = {i: u for u, i in enumerate(unique.tolist())}

@@ -157,3 +157,47 @@ def test_keys_of_another_program_in_the_directory_are_an_error():
     for thread in threads:
         thread.join()
     assert len(errors) == 4 and all("sizes from 5 processes" in str(e) for e in errors)
+
+
+@pytest.mark.parametrize("processes", [2, 5])
+def test_every_process_gathers_every_processes_values_beside_the_maximum(processes):
+    # Each batch, each process publishes its needs and, on a sibling's keys,
+    # a [3, Q] array of a length of its own (the sampled ids a plan lists).
+    service = _Service(processes)
+    rng = np.random.default_rng(1)
+    steps = 12
+    values = [
+        [rng.integers(-(1 << 40), 1 << 40, (3, int(rng.integers(0, 5)))) for _ in range(processes)]
+        for _ in range(steps)
+    ]
+    got: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def run(process: int) -> None:
+        agreement = _KeyValueAgreement(
+            service.client(), "jaxcache/t", list(range(processes)), process
+        )
+        sibling = agreement.sibling("learner")
+        try:
+            got[process] = [
+                (agreement.max(i, np.array([process])), sibling.gather(i, values[i][process]))
+                for i in range(steps)
+            ]
+        except BaseException as error:  # raised again below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in range(processes)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    for process in range(processes):
+        for i, (most, parts) in enumerate(got[process]):
+            assert most.tolist() == [processes - 1]
+            assert len(parts) == processes
+            for part, sent in zip(parts, values[i], strict=True):
+                np.testing.assert_array_equal(part, sent)
+    # Both exchanges delete their old batches.
+    assert len(service.store) == 2 * processes * agreement_module._KEEP

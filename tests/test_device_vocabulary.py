@@ -25,8 +25,10 @@ def _admit(spec):
     """One device's admission, jitted: rows, new, forgotten, refused, full,
     and the state after it (committed unless full)."""
 
-    def run(state, low, high, lookups, live, t, finished, train):
-        done = device_vocabulary.admit(spec, state, low, high, lookups, live, t, finished, train)
+    def run(state, low, high, lookups, live, t, finished, train, bonus):
+        done = device_vocabulary.admit(
+            spec, state, low, high, lookups, live, t, finished, train, bonus
+        )
         return (*done[:5], done.commit(state, ~done.full))
 
     return jax.jit(run)
@@ -52,8 +54,9 @@ def _device_admit(vocab, spec, layout, ids, counts, step, finished, new):
         low[: mine.size], high[: mine.size] = (w.view(np.int32) for w in words)
         lookups[: mine.size], live[: mine.size] = counts[mine], True
         out = _admit(spec)(
-            jax.tree.map(jnp.asarray, state), low, high, lookups, live, step, finished, int(new)
-        )
+            jax.tree.map(jnp.asarray, state), low, high, lookups, live, step, finished, int(new),
+            vocab.bonus,
+        )  # fmt: skip
         local, is_new, lost, _, is_full, after = out
         local = np.asarray(local)[: mine.size].astype(np.int64)
         rows[mine] = np.where(local >= 0, local * layout.devices + residue, -1)

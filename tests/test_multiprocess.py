@@ -104,15 +104,17 @@ def test_raw_ids_on_two_processes_match_one_and_resume_on_one(tmp_path):
     # distinct ids): each process stores its half of the rows (and with the
     # device planner its devices hold their buckets of the vocabulary). Ids
     # seen once read a shared row, which one process stores and whose
-    # lookups come from the devices of both.
+    # lookups come from the devices of both. The bonus the vocabulary
+    # forgets by is learned from the sample of both processes' devices.
     raw = ["--raw-ids", "400", "--cache-fraction", "0.9", "--admit-after", "2"]
-    raw += ["--default", "shared"]
+    raw += ["--default", "shared", "--forget", "adaptive"]
     single = _run(*ONE, *raw, "--steps", "8", "--save", str(tmp_path / "one.npy"))
     assert single["forgotten_ids"] > 100 and single["refused_lookups"] > 100
     saved = tmp_path / "saved"
     two = _run(*TWO, *raw, "--steps", "4", "--checkpoint", str(saved))
     assert two["agree"] and sorted(p["host_rows"] for p in two["processes"]) == [200, 200]
     np.testing.assert_allclose(two["processes"][0]["losses"], single["losses"][:4], atol=1e-5)
+    assert two["processes"][0]["bonus"] == two["processes"][1]["bonus"]
     # Every process exports every live id, whichever process's devices hold it.
     first, second = (p["live_ids"] for p in two["processes"])
     assert first == second and 0 < first[0] < 400
@@ -125,3 +127,4 @@ def test_raw_ids_on_two_processes_match_one_and_resume_on_one(tmp_path):
         np.load(tmp_path / "r.npy"), np.load(tmp_path / "one.npy"), atol=1e-5
     )
     assert resumed["live_ids"] == single["live_ids"]
+    assert resumed["bonus"] == single["bonus"]

@@ -36,6 +36,18 @@ def raw_batches(steps, *, universe=1500, alpha=1.05, seed=0, padding=0.1):
         yield batch, (rng.random(B) < 0.5).astype(np.float32)
 
 
+def drift_batches(steps, *, window=150, shift=30, seed=0):
+    """Batches ``[B, F]`` of raw ids drawn from a window of ``window`` ids
+    that moves on by ``shift`` a batch, and labels: ids popular a while ago
+    never come back, so lookups counted then only keep stale ids."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-(1 << 62), 1 << 62, window + steps * shift)
+    ids[ids == PAD] += 1
+    for t in range(steps):
+        batch = rng.choice(ids[t * shift : t * shift + window], (B, F))
+        yield batch, (rng.random(B) < 0.5).astype(np.float32)
+
+
 def config(rows, capacity, opt, **vocabulary):
     return jaxcache.CacheConfig(
         rows,
@@ -59,8 +71,9 @@ def run_both(
     table=None,
     planner="host",
     combiner=None,
+    stream=raw_batches,
 ):
-    batches = [{"ids": i, "y": y} for i, y in raw_batches(steps, seed=seed)]
+    batches = [{"ids": i, "y": y} for i, y in stream(steps, seed=seed)]
     table = jaxcache.HostTable(cfg, seed=3) if table is None else table
     window = lookahead if reference_lookahead is None else reference_lookahead
     features = F if combiner is None else 1  # one pooled bag a sample
@@ -132,6 +145,28 @@ def test_ids_unused_for_ttl_steps_are_forgotten_as_in_the_dict_reference(planner
     run = run_both(cfg, lookahead=1, planner=planner)
     total = run[0].stats.total
     assert total.forgotten_ids > 100 and run[0].vocabulary.size < 600
+    assert_same(*run)
+
+
+@pytest.mark.parametrize(
+    ("stream", "rows", "lookahead", "devices"),
+    [(raw_batches, 300, 0, 1), (drift_batches, 200, 1, 1), (drift_batches, 256, 0, 4)],
+)
+def test_a_learned_bonus_forgets_as_the_dict_reference(stream, rows, lookahead, devices, planner):
+    # forget="adaptive": the bonus each plan forgets by is learned from the
+    # batches before it. Where popularity drifts, lookups counted earlier
+    # only keep stale ids: the learner leaves the starting bonus for LRU's
+    # within a few batches.
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("rows",))
+    capacity = min(rows, 130 * (lookahead + 1) + 10)
+    cfg = config(rows, capacity, OPTIMIZERS["adam"], forget="adaptive")
+    cfg = dataclasses.replace(cfg, min_bucket=8)
+    run = run_both(cfg, steps=16, lookahead=lookahead, mesh=mesh, planner=planner, stream=stream)
+    cache, learner = run[0], run[3].learner
+    assert cache.stats.total.forgotten_ids > 100
+    if stream is drift_batches:
+        assert learner.bonus == 0
+    assert cache.vocabulary.bonus == learner.bonus
     assert_same(*run)
 
 
@@ -256,24 +291,30 @@ def test_a_new_id_given_a_resident_row_starts_from_its_first_values(planner):
 
 @pytest.mark.parametrize(
     ("saved_by", "restored_by", "vocabulary"),
-    [("host", "device", {}), ("device", "host", {"admit_after": 2, "default": "shared"})],
+    [
+        ("host", "device", {"forget": "adaptive", "ways": 32}),
+        ("device", "host", {"admit_after": 2, "default": "shared"}),
+    ],
 )
 def test_checkpoint_restores_raw_ids_onto_another_layout_and_planner(
     tmp_path, saved_by, restored_by, vocabulary
 ):
     # Saved after 7 steps on one device; restored into 8 devices with
     # another capacity and the other planner; the 7 steps after equal an
-    # uninterrupted reference (the sketch and the shared row included).
-    cfg = config(300, 128, jaxcache.adam(0.02), forget="lfu", **vocabulary)
-    batches = list(raw_batches(14, seed=5))
+    # uninterrupted reference (the sketch, the shared row and the learned
+    # bonus included: popularity drifts, and the bonus moves after the save).
+    cfg = config(256, 128, jaxcache.adam(0.02), **{"forget": "lfu", **vocabulary})
+    adaptive = cfg.vocabulary.forget == "adaptive"
+    batches = list((drift_batches if adaptive else raw_batches)(14, seed=5))
     table = jaxcache.HostTable(cfg, seed=3)
-    reference, ref_train, _ = make_raw_reference(np.array(table.rows), cfg, F)
+    reference, ref_train, vocab = make_raw_reference(np.array(table.rows), cfg, F)
     ref_losses = [float(ref_train(ids, y)) for ids, y in batches]
     cache = jaxcache.EmbeddingCache(cfg, table=table, planner=saved_by)
     model, train = make_cached(cache, F)
     losses = [float(train(ids, y)) for ids, y in batches[:7]]
     ckpt = jaxcache.Checkpointer(tmp_path)
     ckpt.save(7, model=model, optimizer=train.optimizer)
+    saved_bonus = cache.vocabulary.bonus
     restored_cfg = ckpt.cache_config("embedding")
     assert restored_cfg.vocabulary == cfg.vocabulary
     mesh = Mesh(np.array(jax.devices()[:8]), ("rows",))
@@ -283,12 +324,16 @@ def test_checkpoint_restores_raw_ids_onto_another_layout_and_planner(
     model2, train2 = make_cached(other, F)
     ckpt.restore(7, model=model2, optimizer=train2.optimizer)
     assert other.vocabulary.size == cache.vocabulary.size
-    if vocabulary:
+    assert other.vocabulary.bonus == cache.vocabulary.bonus
+    if cfg.vocabulary.admit_after > 1:
         assert cache.stats.total.refused_lookups > 50
     losses += [float(train2(ids, y)) for ids, y in batches[7:]]
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-6)
     rows, _ = model2.embed.export()
     np.testing.assert_allclose(rows, reference.embed.table[...], rtol=0, atol=1e-6)
+    if adaptive:
+        learner = vocab.learner
+        assert other.vocabulary.bonus == learner.bonus != saved_bonus == 8
 
 
 def test_unsupported_uses_are_refused_with_the_way_out():

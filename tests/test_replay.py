@@ -442,6 +442,33 @@ def test_vocabulary_replay_predicts_what_training_with_raw_ids_does(tmp_path, ca
     assert json.loads(capsys.readouterr().out) == out
 
 
+def test_vocabulary_replay_learns_the_bonus_a_cache_learns(tmp_path, capsys):
+    # forget="adaptive": the replay's learner sees the batches the cache's
+    # does, so it forgets the same ids and ends on the same bonus.
+    from tests.test_raw_ids import PAD, config, drift_batches
+
+    batches = [ids for ids, _ in drift_batches(12, seed=4)]
+    cfg = config(200, 130, jaxcache.sgd(0.1), policy="lru", forget="adaptive")
+    cache = jaxcache.EmbeddingCache(cfg)
+    state = cache.init_state()
+    for ids in batches:
+        state, _ = cache.prepare(state, ids)
+    trace = np.stack([ids.reshape(-1) for ids in batches])
+    out = jaxcache.sizing.replay_vocabulary(
+        trace, rows=200, vocabulary=cfg.vocabulary, padding_id=PAD
+    )
+    assert out["bonus"] == cache.vocabulary.bonus == 0
+    assert (out["new_ids"], out["forgotten_ids"]) == (
+        cache.stats.total.new_ids,
+        cache.stats.total.forgotten_ids,
+    )
+    path = tmp_path / "raw.npy"
+    np.save(path, trace)
+    args = ["vocabulary", str(path), "--rows", "200", "--padding-id", str(PAD)]
+    assert main([*args, "--forget", "adaptive"]) == 0
+    assert json.loads(capsys.readouterr().out) == out
+
+
 def test_vocabulary_replay_refuses_a_bonus_out_of_range(tmp_path, capsys):
     path = tmp_path / "raw.npy"
     np.save(path, np.arange(40, dtype=np.int64).reshape(4, 10))

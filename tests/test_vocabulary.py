@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 import jaxcache
 from jaxcache._src.vocabulary import Vocabulary, distinct_ids, hashed_rows, rows_to_hold
-from tests.models import VocabularyModel
+from jaxcache._src.vocabulary_learner import BonusLearner
+from tests.models import LearnerModel, VocabularyModel
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -83,6 +84,51 @@ def test_admits_and_forgets_by_the_rules_of_a_dict_model(
         gone = [i for i in universe.tolist() if i not in live]
         assert (vocab.lookup(np.array(gone, np.int64)) == -1).all()
         assert vocab.size == len(live)
+
+
+@pytest.mark.parametrize(("rows", "admit_after"), [(5000, 1), (300, 2)])
+def test_the_learned_bonus_follows_the_plain_python_learner(rows, admit_after):
+    # 5,000 rows: shadows of 1,250 rows replay the quarter of the ids whose
+    # hash starts with two zero bits. Popularity first stays put behind a
+    # scan (lookups deserve a bonus), then drifts (they do not): the choice
+    # moves both ways. With admission the scan's ids get no row.
+    rng = np.random.default_rng(0)
+    universe = rng.integers(-(1 << 62), 1 << 62, 200_000)
+    learner = BonusLearner(rows, ways=64, admit_after=admit_after, sketch_width=1 << 16, seed=3)
+    model = LearnerModel(rows, 64, admit_after, 3)
+    assert learner.bits == model.bits == (2 if rows == 5000 else 0)
+    hot = universe[rng.zipf(1.1, 30_000) % 20_000]
+    scan = universe[50_000:]
+    choices = []
+    for step in range(60):
+        if step < 30:  # a fixed skew, and a scan of ids seen once
+            part = rows // 5
+            batch = np.concatenate(
+                [
+                    hot[step * part : (step + 1) * part],
+                    scan[step * rows // 2 : (step + 1) * rows // 2],
+                ]
+            )
+        else:  # a window of popularity moving on
+            start = (step - 30) * rows // 12
+            batch = rng.choice(universe[start : start + rows // 2], rows // 2)
+        ids, _, counts = distinct_ids(batch)
+        if step == 20:  # restored mid-run, and a plan taken back teaches nothing
+            restored = BonusLearner(rows, ways=64, admit_after=admit_after,
+                                    sketch_width=1 << 16, seed=3)  # fmt: skip
+            restored.load_state_dict(learner.state_dict())
+            learner = restored
+            learner.offer(ids[::-1], counts[::-1], step)
+            learner.drop()
+        learner.settle()
+        model.settle()
+        assert learner.bonus == model.bonus and learner.scores.tolist() == model.scores
+        choices.append(learner.bonus)
+        learner.offer(ids, counts, step)
+        model.offer(ids.tolist(), counts.tolist(), step)
+    assert choices[-1] < 8, choices
+    if admit_after == 1:  # ids of the scan never come back: counts earn a bonus
+        assert max(choices[:30]) > 8, choices
 
 
 def test_a_bucket_holds_at_most_its_ways_and_the_ids_spread_over_the_buckets():

@@ -45,6 +45,16 @@ class Agreement:
         """The elementwise maximum of every process's ``needs`` for plan ``index``."""
         return needs
 
+    def gather(self, index: int, values: np.ndarray) -> list[np.ndarray]:
+        """Every process's ``values`` (``int64``; the same shape but for the
+        last axis) for plan ``index``, in process order."""
+        return [np.asarray(values, np.int64)]
+
+    def sibling(self, name: str) -> Agreement:
+        """An agreement of the same processes under keys of its own, for
+        another exchange of each plan."""
+        return self
+
 
 class _KeyValueAgreement(Agreement):
     """Several processes: needs meet in the coordination service's key-value store.
@@ -68,8 +78,32 @@ class _KeyValueAgreement(Agreement):
 
     def max(self, index: int, needs: np.ndarray) -> np.ndarray:
         needs = np.ascontiguousarray(needs, np.int64)
+        out = needs.copy()
+        for raw in self._exchange(index, needs.tobytes()):
+            np.maximum(out, np.frombuffer(raw, np.int64), out=out)
+        return out
+
+    def gather(self, index: int, values: np.ndarray) -> list[np.ndarray]:
+        values = np.ascontiguousarray(values, np.int64)
+        # [process, rank, *shape, *values]
+        head = np.array([self._process, values.ndim, *values.shape], np.int64)
+        parts = {self._process: values}
+        for raw in self._exchange(index, np.concatenate([head, values.reshape(-1)]).tobytes()):
+            flat = np.frombuffer(raw, np.int64)
+            rank = int(flat[1])
+            parts[int(flat[0])] = flat[2 + rank :].reshape([int(x) for x in flat[2 : 2 + rank]])
+        return [parts[p] for p in sorted(parts)]
+
+    def sibling(self, name: str) -> Agreement:
+        return _KeyValueAgreement(
+            self._client, f"{self._prefix}-{name}", self._members, self._process
+        )
+
+    def _exchange(self, index: int, payload: bytes) -> list[bytes]:
+        """Publishes ``payload`` for plan ``index`` and returns the other
+        processes' (and with many processes this one's too)."""
         client, directory, count = self._client, f"{self._prefix}/{index}", len(self._members)
-        client.key_value_set_bytes(f"{directory}/{self._process}", needs.tobytes())
+        client.key_value_set_bytes(f"{directory}/{self._process}", payload)
         try:
             if count <= _READ_EACH:
                 others = [p for p in range(count) if p != self._process]
@@ -91,15 +125,12 @@ class _KeyValueAgreement(Agreement):
                 f"batch {index} of {self._prefix!r} has sizes from {len(entries)} processes "
                 f"past the barrier, not {count}: another program uses these keys."
             )
-        out = needs.copy()
-        for raw in entries:
-            np.maximum(out, np.frombuffer(raw, np.int64), out=out)
         if index >= _KEEP and index % count == self._process:
             try:
                 client.key_value_delete(f"{self._prefix}/{index - _KEEP}")  # and its keys
             except Exception:  # already gone: nothing to free
                 pass
-        return out
+        return entries
 
 
 def agreement(name: str, members: Sequence[int], process: int) -> Agreement:

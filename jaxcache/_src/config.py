@@ -14,7 +14,7 @@ __all__ = ["FORGET", "INITS", "POLICIES", "CacheConfig", "DynamicVocabulary"]
 #: Names of the eviction policies ``CacheConfig(policy=...)`` accepts.
 POLICIES = ("adaptive", "frequency", "lfu", "lru")
 #: Which row a dynamic vocabulary takes back when its budget is full.
-FORGET = ("lru", "lfu", "lrfu")
+FORGET = ("lru", "lfu", "lrfu", "adaptive")
 #: First values of a dynamic vocabulary's new rows.
 INITS = ("normal", "uniform", "zeros")
 #: What a dynamic vocabulary's ids without a row read.
@@ -58,7 +58,12 @@ class DynamicVocabulary:
         least ``256 * (last use - now) + bonus * log2(lookups)`` (in 1/256ths
         of a step; ``"lrfu"``): the adaptive cache policy's key at a fixed
         ``bonus``, where each doubling of an id's lookups keeps it ``bonus``
-        steps longer, so ids seen once leave before those that came back.
+        steps longer, so ids seen once leave before those that came back;
+        or ``"adaptive"``: lrfu at a bonus learned online, as the adaptive
+        cache policy learns its own: shadow vocabularies replay a hashed
+        sample of the ids at each bonus of ``(0, 1, 2, 4, ..., 64)`` and the
+        one that found the most lookups lately wins (its choice depends on
+        the training batches alone: ``vocabulary_learner``).
       bonus: of ``"lrfu"``, in steps per doubling of the lookups (``0``:
         LRU); an integer in ``[0, 64]``.
       ways: the most rows of a bucket: ``B``, the least power of two with

@@ -106,6 +106,7 @@ INFO = (
     "new_ids",  # raw ids given rows now (a dynamic vocabulary)
     "forgotten_ids",  # ids whose rows they took
     "refused_lookups",  # lookups of ids not admitted
+    "learner_sampled",  # raw ids in the vocabulary's bonus learner's sample
 )
 COLUMN = {name: i for i, name in enumerate(INFO)}
 
@@ -201,7 +202,13 @@ class PlanSpec:
     def lists(self) -> int:
         """Entries of a device's packed lists (``PlanOut.lists``)."""
         new = 3 * self.misses if self.vocabulary is not None else 0
-        return 2 * self.misses + 2 * self.sample + new
+        learned = 3 * self.received if self.learns else 0
+        return 2 * self.misses + 2 * self.sample + new + learned
+
+    @property
+    def learns(self) -> bool:
+        """Whether the vocabulary's bonus is learned (``forget="adaptive"``)."""
+        return self.vocabulary is not None and self.vocabulary.learner_bits is not None
 
     @property
     def sample(self) -> int:
@@ -267,7 +274,10 @@ class PlanOut(NamedTuple):
         adaptive policy's sampled local ids and their lookups so far
         (``sampled`` each; ``S = 0`` for the other policies), then with a
         vocabulary the rows given to raw ids now and those ids' low and
-        high words (``new_ids`` each; none without one).
+        high words (``new_ids`` each; none without one), then with
+        ``forget="adaptive"`` the distinct raw ids homed here of the
+        bonus learner's sample: low words, high words and lookups
+        (``learner_sampled`` each).
       fetch_slots: ``int32 [n P]``: the slots of the misses, padded with ``C_l``.
       evict_slots: ``int32 [n P]``: the slots of the dirty evicted rows,
         padded with ``C_l``.
@@ -544,7 +554,7 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
     n, k, cl, p = spec.devices, spec.per_destination, spec.local_capacity, spec.misses
     nl = spec.local_rows
     v = spec.received
-    t, finished, train, epoch, admit_finished = (args[i] for i in range(5))
+    t, finished, train, epoch, admit_finished, bonus = (args[i] for i in range(6))
     scalars = state.scalars
     fresh = epoch > scalars[0]
     skipped = (scalars[1] != 0) & ~fresh
@@ -581,6 +591,15 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
     # The owner's lists span its received distinct ids, admitted or not: an
     # id refused leaves a hole, and ``compact`` cuts them at this count.
     spanned = distinct
+    learner_sample = jnp.zeros(v, bool)
+    if spec.learns:  # every distinct raw id homed here, admitted or not
+        assert spec.vocabulary is not None
+        learner_sample = (
+            live
+            & (train != 0)
+            & device_vocabulary.learner_sample(spec.vocabulary, uniq_low, uniq_high)
+        )
+        sample_lookups = lookups
     new = jnp.zeros(v, bool)
     full = jnp.zeros((), bool)
     admitted = None
@@ -598,6 +617,7 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
             t,
             admit_finished,
             train,
+            bonus,
         )
         uniq = admitted.rows
         rowless = live & (uniq < 0)
@@ -734,6 +754,21 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
         lists = lists.at[new_at].set(uniq, mode="drop")
         lists = lists.at[jnp.where(new, new_at + new_count, size)].set(uniq_low, mode="drop")
         lists = lists.at[jnp.where(new, new_at + 2 * new_count, size)].set(uniq_high, mode="drop")
+        if spec.learns:
+            learner_at = jnp.where(
+                learner_sample,
+                fetches + written + 2 * sample_count + 3 * new_count
+                + jnp.cumsum(learner_sample) - 1,
+                size,
+            )  # fmt: skip
+            learner_count = jnp.sum(learner_sample, dtype=jnp.int32)
+            lists = lists.at[learner_at].set(uniq_low, mode="drop")
+            lists = lists.at[jnp.where(learner_sample, learner_at + learner_count, size)].set(
+                uniq_high, mode="drop"
+            )
+            lists = lists.at[jnp.where(learner_sample, learner_at + 2 * learner_count, size)].set(
+                sample_lookups, mode="drop"
+            )
         assert vocabulary is not None
         vocabulary = admitted.commit(vocabulary, ok)
         forgotten, refused = admitted.forgotten, admitted.refused
@@ -807,6 +842,7 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
             new_count,
             forgotten,
             refused,
+            jnp.sum(learner_sample, dtype=jnp.int32),
         ]
     ).astype(jnp.int32)
     out = PlanOut(
@@ -853,11 +889,12 @@ def make_plan(spec: PlanSpec, mesh: Mesh, axis: str):
 
     ``plan(state, ids, args) -> (state, PlanOut)``: ``state`` is donated;
     ``ids`` are the batch's ids split over ``axis`` (int32, or two words
-    each when ``spec.wide``); ``args`` is ``int32 [5]``, replicated:
-    ``(plan index, finished, train, epoch, admit_finished)``: plans up to
-    ``finished`` no longer protect their slots, and those up to
+    each when ``spec.wide``); ``args`` is ``int32 [6]``, replicated:
+    ``(plan index, finished, train, epoch, admit_finished, bonus)``: plans
+    up to ``finished`` no longer protect their slots, and those up to
     ``admit_finished`` their vocabulary rows; ``epoch`` above the state's
-    clears a failure.
+    clears a failure; ``bonus`` is the vocabulary's (``"lrfu"``,
+    ``"adaptive"``).
     """
     rows = PartitionSpec(axis)
     body = functools.partial(_plan_device, spec, axis)

@@ -52,6 +52,7 @@ from jaxcache._src.policies import AdaptivePolicy
 from jaxcache._src.stager import bucket_size
 from jaxcache._src.stats import StepStats
 from jaxcache._src.vocabulary import Vocabulary, distinct_ids
+from jaxcache._src.vocabulary_learner import BonusLearner
 
 __all__ = ["DevicePlanner", "DeviceStep", "Dispatched", "PlanSkipped"]
 
@@ -162,6 +163,7 @@ class DevicePlanner:
         *,
         frequencies: np.ndarray | None = None,
         agreement: Agreement | None = None,
+        learner: BonusLearner | None = None,
     ) -> None:
         if layout.split != 1:
             raise ValueError(
@@ -180,11 +182,16 @@ class DevicePlanner:
                 Vocabulary.of(config.vocabulary, config.num_embeddings),
                 layout,
                 config.vocabulary.default == "shared",
+                None if learner is None else learner.bits,
             )
         self.layout = layout
         self.mesh = mesh
         self.axis = axis
         self.agreement = agreement or Agreement()
+        # ``forget="adaptive"``: the vocabulary's bonus learner (``RawIds``'),
+        # fed each plan's sample, which every process must see whole.
+        self.vocabulary_learner = learner
+        self._sample_agreement = self.agreement.sibling("learner")
         self.local_capacity = int(config.capacity) // n
         self.part_capacity = self.local_capacity
         self.local_rows = -(-config.num_embeddings // n)
@@ -346,8 +353,10 @@ class DevicePlanner:
         steps."""
         spec, cfg = self.vocabulary_spec, self.config
         assert spec is not None and cfg.vocabulary is not None
+        self._learn_until(self.next_index - 1)  # the learner's state goes with it
         with self._lock:
             vocab = Vocabulary.of(cfg.vocabulary, cfg.num_embeddings)
+            vocab.bonus = self._vocabulary_bonus()
             state = self.state.vocabulary
             assert state is not None
             blocks = {
@@ -566,7 +575,7 @@ class DevicePlanner:
         share = array.shape[0] // n
         first = self.layout.own[0] * share
         mine = words[first : first + share * len(self.layout.own)]
-        if self.learners:  # before the lock: a learner takes it to re-key
+        if self._learns:  # before the lock: a learner takes it to re-key
             self._learn_until(self.next_index - 1)
         with self._lock:
             index = self.next_index
@@ -574,7 +583,8 @@ class DevicePlanner:
             self._finished = max(self._finished, finished)
             admit = finished if admit_released is None else min(int(admit_released), self.released)
             program = device_plan.make_plan(self._spec(wide, array.size // n), self.mesh, self.axis)
-            args = np.array([index, self._finished, int(train), self.epoch, admit], np.int32)
+            bonus = self._vocabulary_bonus()
+            args = np.array([index, self._finished, int(train), self.epoch, admit, bonus], np.int32)
             # A fresh copy: a transfer may alias host memory (the CPU backend),
             # and the caller may reuse its batch's buffer before the plan runs.
             # On one CPU device the program takes the host arrays as they are.
@@ -582,8 +592,9 @@ class DevicePlanner:
             args_device = self.blocks.transfer(args, self.blocks.replicated)
             self.state, out = program(self.state, ids_device, args_device)
             self.next_index = index + 1
-            dispatched = Dispatched(index, array, out, train, self.epoch, {"admit": admit})
-            if self.learners:
+            read = {"admit": admit, "bonus": bonus}
+            dispatched = Dispatched(index, array, out, train, self.epoch, read)
+            if self._learns:
                 self._dispatched[index] = dispatched
         if not self.blocks.host_is_device:
             out.info.copy_to_host_async()
@@ -603,7 +614,7 @@ class DevicePlanner:
         status = int(info[0, COLUMN["status"]])
         if status:
             self._failed(dispatched, info, status)
-        if self.learners:
+        if self._learns:
             self._learn_until(dispatched.index)
         with self._lock:
             self._admit_finished = max(self._admit_finished, dispatched.read["admit"])
@@ -634,7 +645,7 @@ class DevicePlanner:
         n = self.layout.devices
         for b, device in enumerate(self.layout.own):
             residue = self.layout.residue(device)
-            fetched, evicted, _, _, given, low, high = lists[b]
+            fetched, evicted, _, _, given, low, high = lists[b][:7]
             fetch_ids.append(fetched.astype(np.int64) * n + residue)
             fetch_at.append(b * p + np.arange(misses[b]))
             evict_ids.append(evicted.astype(np.int64) * n + residue)
@@ -682,14 +693,16 @@ class DevicePlanner:
         """Each own device's lists (``PlanOut.lists``): its fetched local ids,
         the local ids of its dirty evictions, the adaptive sample and the
         sample's lookups, the rows given to raw ids now and those ids' low
-        and high words; one read from each device."""
+        and high words, and the bonus learner's sampled raw ids (low and
+        high words) and their lookups; one read from each device."""
         read = dispatched.read
         if "lists" not in read:
             info = self._info(dispatched)
-            m, w, s, a = (info[:, COLUMN[c]] for c in ("misses", "written", "sampled", "new_ids"))
-            heads = _heads(dispatched.out.lists, m + w + 2 * s + 3 * a)
+            columns = ("misses", "written", "sampled", "new_ids", "learner_sampled")
+            m, w, s, a, q = (info[:, COLUMN[c]] for c in columns)
+            heads = _heads(dispatched.out.lists, m + w + 2 * s + 3 * a + 3 * q)
             read["lists"] = [
-                np.split(head, np.cumsum([m[b], w[b], s[b], s[b], a[b], a[b]]))
+                np.split(head, np.cumsum([m[b], w[b], s[b], s[b], a[b], a[b], a[b], q[b], q[b]]))
                 for b, head in enumerate(heads)
             ]
         return read["lists"]
@@ -745,6 +758,7 @@ class DevicePlanner:
         cfg = self.config
         unique, _, counts = distinct_ids(dispatched.ids, cfg.padding_id)
         vocab = self.vocabulary()
+        vocab.bonus = dispatched.read["bonus"]  # the bonus the plan forgot by
         error: CapacityError | None = None
         try:
             vocab.admit(
@@ -806,14 +820,39 @@ class DevicePlanner:
         return error
 
     # -------------------------------------------------------------- learning
+    @property
+    def _learns(self) -> bool:
+        """Whether plans teach a learner: the adaptive policy's, the vocabulary's."""
+        return bool(self.learners) or self.vocabulary_learner is not None
+
+    def _vocabulary_bonus(self) -> int:
+        """The bonus the next plan's vocabulary forgets by (learned up to
+        the plan before it, by ``_learn_until``)."""
+        learner, spec = self.vocabulary_learner, self.config.vocabulary
+        if learner is not None:
+            return learner.bonus
+        return 0 if spec is None else int(spec.bonus)
+
+    def _learn_vocabulary(self, index: int, lists: list[list[np.ndarray]]) -> None:
+        """The vocabulary's bonus learner learns from plan ``index``'s
+        sample: every device's, of every process."""
+        assert self.vocabulary_learner is not None
+        # [3, Q]: low words, high words and lookups of this process's devices.
+        mine = np.stack([np.concatenate([x[c] for x in lists]) for c in (7, 8, 9)])
+        parts = self._sample_agreement.gather(index, mine)
+        low, high, counts = np.concatenate(parts, axis=1).astype(np.int64)
+        ids = (low & 0xFFFFFFFF) | (high << 32)
+        self.vocabulary_learner.offer(ids, counts, index, sampled=True)
+        self.vocabulary_learner.settle()
+
     def _learn_until(self, index: int) -> None:
         """The adaptive policy learns from every plan up to ``index`` not yet
         learned, in order (blocking until each ran), and the devices take its
         choice of bonus before the next plan. A failed plan stops it."""
-        if not self.learners:
+        if not self._learns:
             return
         with self._learning:
-            bits = min(learner.bits for learner in self.learners)
+            bits = min((learner.bits for learner in self.learners), default=0)
             while self._learned < index:
                 dispatched = self._dispatched.get(self._learned + 1)
                 if dispatched is None:
@@ -822,6 +861,8 @@ class DevicePlanner:
                 if int(info[0, COLUMN["status"]]):
                     return
                 lists = self._lists(dispatched)
+                if self.vocabulary_learner is not None and dispatched.train:
+                    self._learn_vocabulary(dispatched.index, lists)
                 choices = []
                 for b, learner in enumerate(self.learners):
                     sample, counts = lists[b][2:4]
@@ -890,9 +931,12 @@ def _id_words(array: np.ndarray) -> tuple[np.ndarray, bool]:
     return (words if np.little_endian else words[..., ::-1]), True
 
 
-def _vocabulary_spec(vocab: Vocabulary, layout: Layout, shared: bool = False) -> VocabSpec:
+def _vocabulary_spec(
+    vocab: Vocabulary, layout: Layout, shared: bool = False, learner_bits: int | None = None
+) -> VocabSpec:
     """The device vocabulary of ``vocab``'s rules over ``layout``'s devices
-    (``shared``: with the shared row past its rows)."""
+    (``shared``: with the shared row past its rows; ``learner_bits``: the
+    bonus learner's sample, ``forget="adaptive"``)."""
     n = layout.devices
     if vocab.buckets % n:
         raise ValueError(
@@ -908,12 +952,12 @@ def _vocabulary_spec(vocab: Vocabulary, layout: Layout, shared: bool = False) ->
         devices=n,
         admit_after=vocab.admit_after,
         forget=vocab.forget,
-        bonus=vocab.bonus if vocab.forget == "lrfu" else 0,  # one program for the others
         ttl=vocab.ttl,
         columns=vocab.sketch_columns,
         salt=int(vocab.salt),
         salts=tuple(int(x) for x in vocab.sketch_salts),
         shared=shared,
+        learner_bits=learner_bits,
     )
 
 

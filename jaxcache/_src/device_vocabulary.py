@@ -43,14 +43,19 @@ class VocabSpec:
       ways: ``W``, the most rows of a bucket.
       devices: ``n``, devices of the rows axis.
       admit_after: lookups before an id is admitted.
-      forget: ``"lru"``, ``"lfu"`` or ``"lrfu"`` (``DynamicVocabulary``).
-      bonus: of ``"lrfu"``.
+      forget: ``"lru"``, ``"lfu"``, ``"lrfu"`` or ``"adaptive"``
+        (``DynamicVocabulary``); the bonus of the last two is each plan's
+        argument.
       ttl: plans without a lookup before an id expires, or ``None``.
       columns: sketch columns per bucket (``0``: no sketch).
       salt: the hashes' seed word.
       salts: the sketch rows' salts.
       shared: ids without a row read host row ``rows``, the shared row
         past the vocabulary's (``DynamicVocabulary(default="shared")``).
+      learner_bits: ``forget="adaptive"``: the plan lists the batch's
+        distinct ids whose hash has this many leading zero bits, the
+        sample its bonus learner replays (``vocabulary_learner``); ``None``
+        for the other rules.
     """
 
     rows: int
@@ -59,12 +64,12 @@ class VocabSpec:
     devices: int
     admit_after: int
     forget: str
-    bonus: int
     ttl: int | None
     columns: int
     salt: int
     salts: tuple[int, ...]
     shared: bool = False
+    learner_bits: int | None = None
 
     @property
     def counts_uses(self) -> bool:
@@ -136,6 +141,16 @@ def bucket_of(spec: VocabSpec, low: jax.Array, high: jax.Array) -> jax.Array:
     return (h & np.uint32(spec.buckets - 1)).astype(jnp.int32)
 
 
+def learner_sample(spec: VocabSpec, low: jax.Array, high: jax.Array) -> jax.Array:
+    """``bool``: whether each raw id is in the bonus learner's sample
+    (``BonusLearner.sampled``)."""
+    bits = spec.learner_bits
+    assert bits is not None
+    if bits == 0:
+        return jnp.ones(low.shape, bool)
+    return (_hash(spec, low, high) >> np.uint32(32 - bits)) == 0
+
+
 def _hash(spec: VocabSpec, low: jax.Array, high: jax.Array) -> jax.Array:
     as_u32 = lambda x: lax.bitcast_convert_type(x, jnp.uint32)  # noqa: E731
     return id_hash(as_u32(low), as_u32(high), np.uint32(spec.salt))
@@ -151,6 +166,7 @@ def admit(
     t: jax.Array,
     finished: jax.Array,
     train: jax.Array,
+    bonus: jax.Array,
 ) -> Admitted:
     """One owner's distinct raw ids found or admitted (``Vocabulary.admit``).
 
@@ -162,6 +178,7 @@ def admit(
       live: ``bool [V]``: entries that are ids.
       t: the plan's index; ``finished``: plans up to it hold no rows.
       train: the batch trains (admits and counts); else nothing is admitted.
+      bonus: of ``"lrfu"`` and ``"adaptive"`` (the learned one).
     """
     n, w, nb = spec.devices, spec.ways, spec.local_buckets
     v = low.shape[0]
@@ -218,7 +235,7 @@ def admit(
                 key = uses
             else:  # as the host's, less a constant: int32 in a run of any length
                 age = jnp.maximum(last - t, LRFU_AGE_FLOOR)
-                key = 256 * age + spec.bonus * log2_fixed(jnp.maximum(uses, 1))
+                key = 256 * age + bonus * log2_fixed(jnp.maximum(uses, 1))
         available = jnp.sum(free | stale, axis=1, dtype=jnp.int32)
         # Each id's rank among the batch's ids to admit into its bucket.
         by_bucket, at = lax.sort(

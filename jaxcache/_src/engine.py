@@ -277,6 +277,7 @@ class EmbeddingCache:
                 axis,
                 frequencies=frequencies,
                 agreement=processes_agreement,
+                learner=None if self.raw is None else self.raw.learner,
             )
         else:
             self.planner = Partitions(
@@ -358,11 +359,13 @@ class EmbeddingCache:
         """The raw ids' ``Vocabulary`` (id -> row) with
         ``CacheConfig(vocabulary=...)``; ``None`` when ids are rows. With
         the device planner it lives on the devices, and this is a host copy
-        of this process's share, taken between steps."""
+        of this process's share, taken between steps. Its ``bonus`` is the
+        one the next batch forgets by (learned, with ``forget="adaptive"``)."""
         if self.raw is None:
             return None
         if isinstance(self.planner, DevicePlanner):
             return self.planner.vocabulary()
+        self.raw.vocabulary.bonus = self.raw.bonus()
         return self.raw.vocabulary
 
     def _check_not_raw(self, form: str) -> None:

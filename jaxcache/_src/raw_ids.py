@@ -37,6 +37,7 @@ from jaxcache._src.config import CacheConfig
 from jaxcache._src.host_table import HostTable
 from jaxcache._src.partitions import Partitions, StepPlan
 from jaxcache._src.vocabulary import Admission, Vocabulary, distinct_ids, hashed_rows
+from jaxcache._src.vocabulary_learner import BonusLearner
 from jaxcache._src.write_back import WriteBacks
 
 __all__ = ["RawIds", "Translated"]
@@ -80,6 +81,19 @@ class RawIds:
         self.shard = shard
         self.vocabulary = Vocabulary.of(spec, config.num_embeddings)
         self.shared_row = spec.shared_row(config.num_embeddings)
+        # ``forget="adaptive"``: the bonus each plan forgets by, learned from
+        # the training batches before it (either planner feeds it).
+        self.learner = BonusLearner.of(spec, self.vocabulary.rows)
+        if self.learner is not None:
+            self.vocabulary.bonus = self.learner.bonus
+
+    def bonus(self) -> int:
+        """The bonus the next plan forgets by (``"lrfu"``'s, or the learned
+        one of ``"adaptive"``, with what earlier plans taught it)."""
+        if self.learner is None:
+            return int(self.spec.bonus)
+        self.learner.settle()
+        return self.learner.bonus
 
     # ----------------------------------------------------------------- steps
     def plan(
@@ -133,9 +147,12 @@ class RawIds:
         """
         array = validation.check_id_type(ids, "ids")
         unique, inverse, counts = distinct_ids(array, self.config.padding_id)
+        self.vocabulary.bonus = self.bonus()
         admission = self.vocabulary.admit(
             unique, counts, step=index, finished=finished, new=train, distinct=True
         )
+        if self.learner is not None and train:
+            self.learner.offer(unique, counts, index)
         given = admission.rows
         if self.shared_row is not None:
             given = np.where(given < 0, self.shared_row, given)
@@ -148,6 +165,8 @@ class RawIds:
     def revert(self, translated: Translated) -> None:
         """Takes back ``translate`` (the planners refused the batch)."""
         self.vocabulary.revert(translated.admission)
+        if self.learner is not None:
+            self.learner.drop()
 
     def renew(
         self,
@@ -231,6 +250,8 @@ class RawIds:
                 state[key] = state[key][mine]
             cells = np.arange(state["sketch"].shape[1]) % processes == process
             state["sketch"] = np.where(cells[None, :], state["sketch"], 0)
+        if self.learner is not None:  # the same in every process
+            state.update({f"learner.{k}": v for k, v in self.learner.state_dict().items()})
         return {f"vocabulary.{k}": v for k, v in state.items()}
 
     def check_state_arrays(self, parts: Sequence[Mapping[str, Any]]) -> None:
@@ -250,6 +271,9 @@ class RawIds:
                 f"the saved vocabulary has rows past this budget of {self.config.num_embeddings}; "
                 "restore it into a cache with the saved num_embeddings."
             )
+        saved = _learner_state(arrays)
+        if self.learner is not None and saved:
+            self.learner.check_state_dict(saved)
         sketch = np.shape(arrays["vocabulary.sketch"])
         if sketch != self.vocabulary.sketch.shape:
             raise ValueError(
@@ -268,7 +292,19 @@ class RawIds:
         joined["sketch"] = sum(np.asarray(part["vocabulary.sketch"]) for part in parts)
         joined["clock"] = np.max([np.asarray(part["vocabulary.clock"]) for part in parts], axis=0)
         self.vocabulary.load_state_dict(joined)
+        if self.learner is not None:
+            saved = _learner_state(parts[0])
+            if saved:
+                self.learner.load_state_dict(saved)
+            # A state saved under another rule: the learner starts afresh.
+            self.vocabulary.bonus = self.learner.bonus
         return self.vocabulary
+
+
+def _learner_state(arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The bonus learner's part of saved ``state_arrays`` (empty if none)."""
+    prefix = "vocabulary.learner."
+    return {k[len(prefix) :]: np.asarray(v) for k, v in arrays.items() if k.startswith(prefix)}
 
 
 def _refetch_resident(

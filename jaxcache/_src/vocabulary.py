@@ -24,8 +24,10 @@ a stale id when its bucket is full, so that no two live ids share a row.
   free way, else the way of least ``(key, way)`` among the ids that no batch
   in flight uses: key the plan of last use (``"lru"``), the lookups so far
   (``"lfu"``), or ``256 * max(last use - plan, LRFU_AGE_FLOOR) + bonus *
-  log2_fixed(lookups)`` (``"lrfu"``). Held rows (used by a plan after
-  ``finished``, or by the batch itself) are never taken.
+  log2_fixed(lookups)`` (``"lrfu"``, and ``"adaptive"``, whose ``bonus``
+  its owner sets before each admission: ``vocabulary_learner``). Held rows
+  (used by a plan after ``finished``, or by the batch itself) are never
+  taken.
 - **Expiry** (``ttl``): an id no plan looked up in the last ``ttl`` plans
   and no batch in flight uses has expired: it has no row, and its way
   counts as free. Expiry is read from each row's last use when the row is

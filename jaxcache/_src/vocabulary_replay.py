@@ -19,6 +19,7 @@ from jaxcache._src.config import CacheConfig, DynamicVocabulary
 from jaxcache._src.planner import CapacityError, Planner
 from jaxcache._src.replay import _ratio, _split
 from jaxcache._src.vocabulary import Vocabulary, distinct_ids, rows_to_hold
+from jaxcache._src.vocabulary_learner import BonusLearner
 
 __all__ = ["replay_vocabulary"]
 
@@ -48,12 +49,14 @@ def replay_vocabulary(
 
     Returns:
       A flat, JSON-ready dict: ``rows``, ``batches``, ``lookups``,
-      ``distinct_ids`` (in the whole trace), ``new_ids`` (rows given),
+      ``distinct_ids`` (in the whole trace), ``found_lookups`` (of ids
+      that had a row before their batch), ``new_ids`` (rows given),
       ``readmitted_ids`` (of those, ids that had a row before and were
       forgotten), ``forgotten_ids``, ``refused_lookups`` (ids not admitted
       yet), ``live_ids`` at the end, ``rows_to_forget_nothing`` (the least
       budget whose buckets hold every id ever admitted, ``rows_to_hold``:
-      one this large never forgets; ``None`` if none would), and with
+      one this large never forgets; ``None`` if none would), with
+      ``forget="adaptive"`` the ``bonus`` learned by the end, and with
       ``capacity``: ``capacity``, ``unique_hit_rate``, ``rows_fetched``.
 
     Raises:
@@ -77,6 +80,7 @@ def replay_vocabulary(
         )
     batches = _split(array.astype(np.int64, copy=False), batch)
     vocab = Vocabulary.of(spec, int(rows))
+    learner = BonusLearner.of(spec, vocab.rows)
     shared = spec.shared_row(int(rows))
     planner = None
     if capacity is not None:
@@ -84,21 +88,37 @@ def replay_vocabulary(
         planner = Planner(config)
     had_row: set[int] = set()
     counts = dict.fromkeys(
-        ("lookups", "new_ids", "readmitted_ids", "forgotten_ids", "refused_lookups"), 0
+        (
+            "lookups",
+            "found_lookups",
+            "new_ids",
+            "readmitted_ids",
+            "forgotten_ids",
+            "refused_lookups",
+        ),
+        0,
     )
     distinct = hits = fetched = 0
     seen: list[np.ndarray] = []
     for step, ids in enumerate(batches):
         unique, inverse, lookups = distinct_ids(ids, padding_id)
         seen.append(unique)
+        if learner is not None:
+            learner.settle()
+            vocab.bonus = learner.bonus
         try:
             done = vocab.admit(unique, lookups, step=step, distinct=True)
         except CapacityError as error:
             raise CapacityError(f"batch {step}: {error}") from None
+        if learner is not None:
+            learner.offer(unique, lookups, step)
         new = done.new_ids.tolist()
         counts["readmitted_ids"] += sum(i in had_row for i in new)
         had_row.update(new)
         counts["lookups"] += int(lookups.sum())
+        found = done.rows >= 0
+        found[done.new_at] = False
+        counts["found_lookups"] += int(lookups[found].sum())
         counts["new_ids"] += len(new)
         counts["forgotten_ids"] += done.forgotten_ids.size
         counts["refused_lookups"] += int(lookups[done.rows < 0].sum())
@@ -122,6 +142,9 @@ def replay_vocabulary(
             np.fromiter(had_row, np.int64, len(had_row)), ways=int(spec.ways), seed=int(spec.seed)
         ),
     }
+    if learner is not None:
+        learner.settle()
+        out["bonus"] = learner.bonus
     if planner is not None:
         out.update(
             capacity=planner.capacity,
