@@ -11,7 +11,8 @@ a fraction of the stream's id space):
 - **dynamic**: ``CacheConfig(vocabulary=DynamicVocabulary(forget=...))``
   with a budget of ``R`` rows: an id gets a row of its own, and stale ids
   give theirs back when their bucket is full, by each rule of ``--forget``
-  (the least recently used, the least often, or both: ``"lrfu"``);
+  (the least recently used, the least often, both at a fixed bonus:
+  ``"lrfu"``, or both at a learned one: ``"adaptive"``);
 - **admission** (``--admission``): ``"lrfu"`` with ``admit_after=2``, so
   that ids seen once get no row, twice: their lookups read zeros
   (``default="zeros"``) or one shared trainable row (``"shared"``).
@@ -40,7 +41,7 @@ from flax import nnx
 
 import jaxcache
 
-RULES = ("lru", "lfu", "lrfu")  # DynamicVocabulary(forget=...)
+RULES = ("lru", "lfu", "lrfu", "adaptive")  # DynamicVocabulary(forget=...)
 
 
 def train(
@@ -119,9 +120,11 @@ def main() -> None:
     for name, vocabulary in runs.items():
         loss, auc, cache = train(args, data, rows, vocabulary)
         total = cache.stats.total
+        learned = f", bonus {cache.vocabulary.bonus}" if vocabulary.forget == "adaptive" else ""
         print(
             f"dynamic, {name}: {total.new_ids} rows given, {total.forgotten_ids} taken back, "
-            f"{total.refused_lookups} lookups without a row ({time.perf_counter() - start:.0f} s)"
+            f"{total.refused_lookups} lookups without a row{learned} "
+            f"({time.perf_counter() - start:.0f} s)"
         )
         results |= {
             f"dynamic_{name}_loss": loss,

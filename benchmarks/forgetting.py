@@ -1,0 +1,84 @@
+"""Which ids a full vocabulary forgets: each rule, and the learned bonus, on three traces.
+
+A dynamic vocabulary gives a new id a row by taking a stale id's
+(``DynamicVocabulary(forget=...)``). A lookup of an id that had no row
+before its batch reads a fresh row, not a trained one: the better rule
+misses fewer lookups. ``jaxcache.sizing.replay_vocabulary`` admits each
+trace into the same budget under each rule (no model: the vocabulary's
+choices depend on the ids alone):
+
+- **zipf**: a fixed Zipf skew over 400,000 ids;
+- **scan**: half of each batch from that skew, half ids never seen before;
+- **rise**: the skew's ranks move on through the ids by ``1/10`` of the
+  budget a batch: an id climbs towards the top ranks batch by batch, then
+  leaves them for good (it rises as in LFU's favour, and falls as in LRU's).
+
+Printed per trace: ``<trace>_<rule>_missed`` (the share of lookups of ids
+without a row before their batch) for ``lru``, ``lfu``, ``lrfu`` (bonus 8)
+and ``adaptive`` (the bonus learned by the end, ``<trace>_adaptive_bonus``),
+and ``<trace>_adaptive_over_best_fixed``: the adaptive rule's missed
+lookups over the fewest of the fixed rules'.
+
+    python benchmarks/forgetting.py          # about a minute on 2 CPU cores
+    python benchmarks/forgetting.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import _harness
+import numpy as np
+
+import jaxcache
+
+RULES = ("lru", "lfu", "lrfu", "adaptive")
+
+
+def traces(steps: int, batch: int, rows: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """``[steps, batch]`` raw-id traces (see the module)."""
+    rng = np.random.default_rng(seed)
+    universe = 400_000
+    ranks = np.minimum(rng.zipf(1.1, (steps, batch)) - 1, universe - 1)
+    permutation = rng.permutation(universe + steps * batch)
+    zipf = permutation[ranks]
+    scan = zipf.copy()
+    scan[:, batch // 2 :] = universe + np.arange(steps * (batch - batch // 2)).reshape(steps, -1)
+    shift = (np.arange(steps) * (rows // 10))[:, None]
+    rise = permutation[(ranks + shift) % universe]
+    named = (("zipf", zipf), ("scan", scan), ("rise", rise))
+    return {name: _harness.raw_ids(t) for name, t in named}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=8192)
+    parser.add_argument("--rows", type=int, default=40_000, help="the row budget")
+    parser.add_argument("--quick", action="store_true", help="60 steps of 4,096 ids")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.batch, args.rows = 60, 4096, 20_000
+    print(_harness.machine())
+    print(f"{args.steps} batches of {args.batch} ids, a budget of {args.rows} rows")
+    results: dict[str, float] = {}
+    start = time.perf_counter()
+    for name, trace in traces(args.steps, args.batch, args.rows).items():
+        missed = {}
+        for rule in RULES:
+            spec = jaxcache.DynamicVocabulary(forget=rule)
+            out = jaxcache.sizing.replay_vocabulary(trace, rows=args.rows, vocabulary=spec)
+            missed[rule] = 1 - out["found_lookups"] / out["lookups"]
+            results[f"{name}_{rule}_missed"] = missed[rule]
+            if rule == "adaptive":
+                results[f"{name}_adaptive_bonus"] = out["bonus"]
+        best = min(missed[rule] for rule in RULES if rule != "adaptive")
+        results[f"{name}_adaptive_over_best_fixed"] = missed["adaptive"] / best
+        shares = ", ".join(f"{rule} {share:.4f}" for rule, share in missed.items())
+        print(f"{name}: missed {shares} ({time.perf_counter() - start:.0f} s)")
+    _harness.print_results(results, digits=4)
+
+
+if __name__ == "__main__":
+    main()
