@@ -1,4 +1,4 @@
-"""Which ids a full vocabulary forgets: each rule, and the learned bonus, on three traces.
+"""Which ids a full vocabulary forgets: each rule, and the learned bonus, on four traces.
 
 A dynamic vocabulary gives a new id a row by taking a stale id's
 (``DynamicVocabulary(forget=...)``). A lookup of an id that had no row
@@ -11,7 +11,9 @@ choices depend on the ids alone):
 - **scan**: half of each batch from that skew, half ids never seen before;
 - **rise**: the skew's ranks move on through the ids by ``1/10`` of the
   budget a batch: an id climbs towards the top ranks batch by batch, then
-  leaves them for good (it rises as in LFU's favour, and falls as in LRU's).
+  leaves them for good;
+- **cycle**: the same over a ring of 400,000 ids, so that each id comes
+  back 100 batches after it left (a day's traffic, in small).
 
 Printed per trace: ``<trace>_<rule>_missed`` (the share of lookups of ids
 without a row before their batch) for ``lru``, ``lfu``, ``lrfu`` (bonus 8)
@@ -46,8 +48,9 @@ def traces(steps: int, batch: int, rows: int, seed: int = 0) -> dict[str, np.nda
     scan = zipf.copy()
     scan[:, batch // 2 :] = universe + np.arange(steps * (batch - batch // 2)).reshape(steps, -1)
     shift = (np.arange(steps) * (rows // 10))[:, None]
-    rise = permutation[(ranks + shift) % universe]
-    named = (("zipf", zipf), ("scan", scan), ("rise", rise))
+    rise = permutation[ranks + shift]  # an id that left the top ranks stays out
+    cycle = permutation[(ranks + shift) % universe]
+    named = (("zipf", zipf), ("scan", scan), ("rise", rise), ("cycle", cycle))
     return {name: _harness.raw_ids(t) for name, t in named}
 
 
