@@ -72,6 +72,17 @@ class _Client:
                 del store[gone]
 
 
+def _in_threads(run, processes: int, errors: list[BaseException]) -> None:
+    """Runs ``run(process)`` in one thread per process; raises the first error."""
+    threads = [threading.Thread(target=run, args=(p,)) for p in range(processes)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 def _agree(processes: int, steps: int, seed: int = 0):
     """Each of ``processes`` threads agrees on ``steps`` batches' needs;
     returns what each got, the needs drawn, and the service."""
@@ -94,13 +105,7 @@ def _agree(processes: int, steps: int, seed: int = 0):
         except BaseException as error:  # raised again below
             errors.append(error)
 
-    threads = [threading.Thread(target=run, args=(p,)) for p in range(processes)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+    _in_threads(run, processes, errors)
     return got, needs, service
 
 
@@ -186,13 +191,7 @@ def test_every_process_gathers_every_processes_values_beside_the_maximum(process
         except BaseException as error:  # raised again below
             errors.append(error)
 
-    threads = [threading.Thread(target=run, args=(p,)) for p in range(processes)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+    _in_threads(run, processes, errors)
     for process in range(processes):
         for i, (most, parts) in enumerate(got[process]):
             assert most.tolist() == [processes - 1]
