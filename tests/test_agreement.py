@@ -72,9 +72,17 @@ class _Client:
                 del store[gone]
 
 
-def _in_threads(run, processes: int, errors: list[BaseException]) -> None:
+def _in_threads(run, processes: int) -> None:
     """Runs ``run(process)`` in one thread per process; raises the first error."""
-    threads = [threading.Thread(target=run, args=(p,)) for p in range(processes)]
+    errors: list[BaseException] = []
+
+    def guarded(process: int) -> None:
+        try:
+            run(process)
+        except BaseException as error:  # raised again below
+            errors.append(error)
+
+    threads = [threading.Thread(target=guarded, args=(p,)) for p in range(processes)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -91,21 +99,17 @@ def _agree(processes: int, steps: int, seed: int = 0):
     needs = rng.integers(0, 1000, size=(steps, processes, 4))
     delays = rng.random((steps, processes)) < 0.3  # skewed arrivals
     got = np.zeros_like(needs)
-    errors: list[BaseException] = []
 
     def run(process: int) -> None:
         agreement = _KeyValueAgreement(
             service.client(), "jaxcache/t", list(range(10, 10 + processes)), process
         )
-        try:
-            for index in range(steps):
-                if delays[index, process]:
-                    threading.Event().wait(0.001)
-                got[index, process] = agreement.max(index, needs[index, process])
-        except BaseException as error:  # raised again below
-            errors.append(error)
+        for index in range(steps):
+            if delays[index, process]:
+                threading.Event().wait(0.001)
+            got[index, process] = agreement.max(index, needs[index, process])
 
-    _in_threads(run, processes, errors)
+    _in_threads(run, processes)
     return got, needs, service
 
 
@@ -176,22 +180,18 @@ def test_every_process_gathers_every_processes_values_beside_the_maximum(process
         for _ in range(steps)
     ]
     got: dict[int, list] = {}
-    errors: list[BaseException] = []
 
     def run(process: int) -> None:
         agreement = _KeyValueAgreement(
             service.client(), "jaxcache/t", list(range(processes)), process
         )
         sibling = agreement.sibling("learner")
-        try:
-            got[process] = [
-                (agreement.max(i, np.array([process])), sibling.gather(i, values[i][process]))
-                for i in range(steps)
-            ]
-        except BaseException as error:  # raised again below
-            errors.append(error)
+        got[process] = [
+            (agreement.max(i, np.array([process])), sibling.gather(i, values[i][process]))
+            for i in range(steps)
+        ]
 
-    _in_threads(run, processes, errors)
+    _in_threads(run, processes)
     for process in range(processes):
         for i, (most, parts) in enumerate(got[process]):
             assert most.tolist() == [processes - 1]
