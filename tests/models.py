@@ -275,7 +275,7 @@ class LearnerModel:
     once their plan is settled; decaying scores of the lookups each found
     pick the bonus."""
 
-    BONUSES = (0, 1, 2, 4, 8, 16, 32, 64)
+    BONUSES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 
     def __init__(self, rows, ways, admit_after, seed) -> None:
         self.bits = 0

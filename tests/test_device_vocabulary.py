@@ -89,7 +89,7 @@ def _device_admit(vocab, spec, layout, ids, counts, step, finished, new):
     devices=st.sampled_from([1, 2, 4]),
     admit_after=st.sampled_from([1, 1, 2, 3]),
     forget=st.sampled_from(["lru", "lfu", "lrfu"]),
-    bonus=st.sampled_from([0, 2, 64]),
+    bonus=st.sampled_from([0, 2, 256]),
     ttl=st.sampled_from([None, 2, 5]),
     seed=st.integers(0, 2**16),
 )

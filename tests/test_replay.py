@@ -473,9 +473,9 @@ def test_vocabulary_replay_refuses_a_bonus_out_of_range(tmp_path, capsys):
     path = tmp_path / "raw.npy"
     np.save(path, np.arange(40, dtype=np.int64).reshape(4, 10))
     with pytest.raises(SystemExit) as exit_:
-        main(["vocabulary", str(path), "--rows", "30", "--forget", "lrfu", "--bonus", "99"])
+        main(["vocabulary", str(path), "--rows", "30", "--forget", "lrfu", "--bonus", "999"])
     assert exit_.value.code == 2
-    assert "argument --bonus: bonus=99 must be an integer in [0, 64]" in capsys.readouterr().err
+    assert "argument --bonus: bonus=999 must be an integer in [0, 256]" in capsys.readouterr().err
 
 
 def test_vocabulary_command_takes_every_forgetting_rule(tmp_path, capsys):

@@ -19,7 +19,7 @@ from tests.models import LearnerModel, VocabularyModel
     ways=st.sampled_from([4, 64]),
     admit_after=st.sampled_from([1, 1, 2, 3]),
     forget=st.sampled_from(["lru", "lfu", "lrfu"]),
-    bonus=st.sampled_from([0, 2, 64]),
+    bonus=st.sampled_from([0, 2, 256]),
     ttl=st.sampled_from([None, None, 2, 5]),
     seed=st.integers(0, 2**16),
 )
@@ -194,7 +194,7 @@ def test_a_batch_too_large_for_the_budget_is_refused_with_nothing_changed():
         ({"rows": 4, "sketch_width": 1000}, "power of two"),
         ({"rows": 4, "ways": 0}, "ways=0"),
         ({"rows": 4, "ttl": 0}, "ttl=0"),
-        ({"rows": 4, "forget": "lrfu", "bonus": 65}, "bonus=65"),
+        ({"rows": 4, "forget": "lrfu", "bonus": 257}, "bonus=257"),
     ],
 )
 def test_bad_settings_are_refused(kwargs, message):

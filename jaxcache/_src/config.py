@@ -61,11 +61,11 @@ class DynamicVocabulary:
         steps longer, so ids seen once leave before those that came back;
         or ``"adaptive"``: lrfu at a bonus learned online, as the adaptive
         cache policy learns its own: shadow vocabularies replay a hashed
-        sample of the ids at each bonus of ``(0, 1, 2, 4, ..., 64)`` and the
+        sample of the ids at each bonus of ``(0, 1, 2, 4, ..., 256)`` and the
         one that found the most lookups lately wins (its choice depends on
         the training batches alone: ``vocabulary_learner``).
       bonus: of ``"lrfu"``, in steps per doubling of the lookups (``0``:
-        LRU); an integer in ``[0, 64]``.
+        LRU); an integer in ``[0, 256]``.
       ways: the most rows of a bucket: ``B``, the least power of two with
         ``B * ways >= num_embeddings``, buckets share the rows. More ways
         forget more like a global LRU or LFU and refuse fewer batches; the
@@ -135,10 +135,10 @@ class DynamicVocabulary:
         if (
             isinstance(bonus, bool)
             or not isinstance(bonus, (int, np.integer))
-            or not 0 <= bonus <= 64
+            or not 0 <= bonus <= 256
         ):
             raise ValueError(
-                f"bonus={bonus!r} must be an integer in [0, 64]: the steps an id of forget="
+                f"bonus={bonus!r} must be an integer in [0, 256]: the steps an id of forget="
                 '"lrfu" stays for each doubling of its lookups.'
             )
         if self.init not in INITS:

@@ -41,7 +41,7 @@ SKETCH_DEPTH = 4  # rows of a vocabulary's admission sketch
 LOG2_TABLE = np.array([math.floor(256 * math.log2(1 + i / 256)) for i in range(256)], np.int32)
 #: The oldest age, in plans, that ``forget="lrfu"`` keys tell apart: with it
 #: ``256 * age + bonus * log2_fixed(lookups)`` stays within int32 on the
-#: devices (``bonus <= 64``) in a run of any length.
+#: devices (``bonus <= 256``) in a run of any length.
 LRFU_AGE_FLOOR = -(1 << 22)
 _GOLDEN32 = 0x9E3779B9
 

@@ -267,8 +267,8 @@ class Vocabulary:
             raise ValueError(f"forget={forget!r} is not one of {FORGET}.")
         if isinstance(ways, bool) or not isinstance(ways, int) or ways < 1:
             raise ValueError(f"ways={ways!r} must be a positive integer, such as 64.")
-        if isinstance(bonus, bool) or not isinstance(bonus, int) or not 0 <= bonus <= 64:
-            raise ValueError(f"bonus={bonus!r} must be an integer in [0, 64].")
+        if isinstance(bonus, bool) or not isinstance(bonus, int) or not 0 <= bonus <= 256:
+            raise ValueError(f"bonus={bonus!r} must be an integer in [0, 256].")
         if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
             raise ValueError(f"ttl={ttl!r} must be a positive number of plans, or None.")
         if sketch_width < 1 or sketch_width & (sketch_width - 1):

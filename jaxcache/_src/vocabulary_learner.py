@@ -67,7 +67,7 @@ class BonusLearner:
     """
 
     #: The candidate bonuses, in plans per doubling of an id's lookups.
-    BONUSES = (0, 1, 2, 4, 8, 16, 32, 64)
+    BONUSES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
     #: Rows each shadow aims at (all ``rows`` when fewer).
     SHADOW_ROWS = 1024
     #: Each training batch, the scores lose ``1 / 2^DECAY`` of their value.
