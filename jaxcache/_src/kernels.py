@@ -82,8 +82,8 @@ __all__ = [
 _AHEAD = 128
 _AHEAD_SLOT = 48
 # Rows copied at random from or to a table of hundreds of megabytes (each a
-# TLB and a cache miss) are asked for this many rows ahead: 16 ahead took a
-# gather of 1,050 random rows of 64 bytes from 42 to 38 us, 32 to 35 us.
+# TLB and a cache miss) are asked for this many rows ahead: a gather of
+# random 64-byte rows ran 1.2x as fast as with none asked (16 ahead: 1.1x).
 _AHEAD_ROW = 32
 # ``place_rows`` asks for a victim's directory entries (its old id's and its
 # new id's) and the new id's count this many victims ahead: a victim costs
@@ -258,16 +258,14 @@ def lookup_entries(
     its rank there, the two in one cache line. From a single source (one
     device of several partitions) the ranks come out as the rows.
 
-    On the eight partitions of ``benchmarks/scaling.py``'s 8-device batch
-    (one thread, in place) this pass took 4.66 ms a step with a tag array
-    and a rank array of their own (four lines of slot state read by a hit
-    rather than three), 4.54 with the pair in one row, and 3.87 once a
-    branch on "one source" left the loop: LLVM had not hoisted it, and it
-    cost about 1.2 ns of the 9.5 an entry took (captured calls, caches warm).
+    The tag and the rank share a row (a hit reads three lines of slot state,
+    not four), and the branch on "one source" is taken outside the loop
+    (LLVM did not hoist it): together 1.2x as fast on the eight partitions
+    of ``benchmarks/scaling.py``'s 8-device batch.
 
     The hit and miss steps are written out here and in ``lookup`` rather
-    than shared: called as compiled helpers they made both loops about four
-    times slower (59 against 14 ns per id, even asked to inline).
+    than shared: called as compiled helpers, even asked to inline, they
+    made both loops about four times slower.
 
     Returns:
       ``(h, m, missed)``: distinct hits and misses, and lookups of misses.
@@ -376,10 +374,9 @@ def place_rows(
 
     The victims' directory entries and counts are asked for
     ``_AHEAD_VICTIM`` victims ahead, and the count goes in the same pass
-    over the distinct slots as their last use. With a pass of its own and
-    no reads asked ahead for the victims, the eight partitions of
-    ``benchmarks/scaling.py``'s 8-device batch (one thread, alone, caches
-    cold) took 1.07-1.14 against 0.89-0.98 ms a step.
+    over the distinct slots as their last use: about 1.2x as fast as a pass of
+    its own with no reads asked ahead, on the eight partitions of
+    ``benchmarks/scaling.py``'s 8-device batch.
 
     Returns:
       ``(evictions, dirty evictions)``.
@@ -512,11 +509,9 @@ def choose_victims(reserve, mark, stamp, last_use, finished, id_of_slot, priorit
     select, as ``reserve_candidates``), and the slots are put in order
     through a bitmap of all slots (two passes over ``C / 64`` words), not
     sorted: a compiled sort of a few thousand slots took four times
-    NumPy's. No pass branches on a key. On the reserves of the scaling
-    benchmark's embedding-heavy batch (13,600 slots, 2,700 victims, four
-    LFU counts among them) this took 86 against 177 us when the ``count``-th
-    key came from ``np.partition`` and the bitmaps were filled with a
-    branch per slot.
+    NumPy's. No pass branches on a key: twice as fast as ``np.partition``
+    for the ``count``-th key and a branch per slot filling the bitmaps, on
+    the reserves of the scaling benchmark's embedding-heavy batch.
 
     Returns:
       ``(candidates, key, slot)``: how many slots of ``reserve`` may be
@@ -663,8 +658,7 @@ def split_by_home(
     each region; when one overflows (a slice of skewed residues) the slice
     is split again in two passes, one counting each group's size, the
     groups then back to back. Counting first always cost a third more
-    (0.95 against 0.73 ms for the eight slices of 53,248 ids of
-    ``benchmarks/scaling.py``'s 8-device batch, one thread).
+    (the eight slices of ``benchmarks/scaling.py``'s 8-device batch).
 
     A power-of-two number of devices and regions of at least two blocks
     take ``_split_blocks``; the rest, or a slice it gives up on, the loop of
@@ -926,10 +920,9 @@ def distinct_ranks(local, lo, hi, ranks, counts):
         counts[g] = count
 
 
-# Entries of a window of ``distinct_ranks``' first pass: windows of 16 ranked
-# in 61 us what windows of 64 ranked in 48 and of 256 in 50 (the groups one
-# source of ``benchmarks/scaling.py``'s 2 x 4 batch sends the other process,
-# 27,000 entries).
+# Entries of a window of ``distinct_ranks``' first pass: 64 ranked 1.27x as
+# fast as 16, and 256 no faster (the groups one source of
+# ``benchmarks/scaling.py``'s 2 x 4 batch sends the other process).
 _WINDOW = 64
 
 
@@ -1068,8 +1061,8 @@ def table_rows(ids, index, count, rows, at, size, local):
             local[j] = i
             run &= a == at[0] + j
         return -1 if run else -2
-    # Three loops, not one with a branch per id: one loop took 57 against
-    # 47 us for 50,000 ids of the whole table, 58 against 54 for a shard of two.
+    # Three loops, not one with a branch per id, which took 1.2x as long
+    # over the ids of a whole table.
     mask, shift = _mask_shift(count)
     if shift >= 0:
         for j in range(ids.size):

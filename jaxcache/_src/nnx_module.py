@@ -273,14 +273,14 @@ def jit_step(fn: Callable[..., Any], *nodes: Any, update: bool = True) -> Callab
 
     What ``nnx.cached_partial(nnx.jit(fn), *nodes)`` does, with the module
     graph walked once instead of at every call. ``nnx.jit`` walks the object
-    graph of the model and optimizer in Python at each call (about 0.75 ms per
-    step of the benchmark's DLRM on a CPU; this step's call takes about 0.3
-    ms). The variables are found when the step is built; a call reads their
-    arrays, runs one ``jax.jit`` program on them (merging the modules inside,
-    Flax's functional training loop) and writes the new arrays back into the
-    same variables, so the modules stay the one place the state lives:
-    ``jaxcache.prefetch`` swaps rows into a ``CachedEmbed`` between steps, and
-    checkpoints read the modules.
+    graph of the model and optimizer in Python at each call (2.5x this
+    step's call, on the benchmark's DLRM on a CPU). The variables are found
+    when the step is built; a call reads their arrays, runs one ``jax.jit``
+    program on them (merging the modules inside, Flax's functional training
+    loop) and writes the new arrays back into the same variables, so the
+    modules stay the one place the state lives: ``jaxcache.prefetch`` swaps
+    rows into a ``CachedEmbed`` between steps, and checkpoints read the
+    modules.
 
     Args:
       fn: ``fn(*nodes, *args) -> out``; it may update the nodes' variables
