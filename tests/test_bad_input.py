@@ -64,6 +64,30 @@ def test_bad_ids_raise_before_any_change(cache_and_state, ids, error, pattern):
     assert cache.stats.last.hits == 2
 
 
+@pytest.mark.parametrize("capacity", [16, 32, 64])
+def test_a_batch_too_large_for_a_device_counts_the_ids_homed_there(planner, capacity):
+    # 4 devices; the batch's 64 ids overfill the device of most of them,
+    # by far at the smallest capacity (where a plan sees only part of them).
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("rows",))
+    cache = jaxcache.EmbeddingCache(
+        jaxcache.CacheConfig(100_000, 4, capacity, policy="lru"), mesh=mesh, planner=planner
+    )
+    ids = np.random.default_rng(capacity).choice(100_000, 64, replace=False)
+    per_device = np.bincount(ids % 4, minlength=4)
+    most = int(per_device.max())
+    snapshot = _snapshot(cache)
+    with pytest.raises(jaxcache.CapacityError) as refused:
+        cache.prepare(cache.init_state(), ids.reshape(4, 16))
+    device = int(np.argmax(per_device))
+    assert refused.value.distinct == most
+    assert (
+        f"the batch has {most} distinct ids homed on device {device} (ids i with i % 4 == "
+        f"{device}) but each device holds {capacity // 4} rows; raise capacity to at least "
+        f"{4 * most}" in str(refused.value)
+    )
+    _assert_unchanged(cache, snapshot)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "pattern"),
     [

@@ -268,6 +268,22 @@ def test_a_batch_the_device_cache_refuses_takes_its_admission_back(planner):
     assert cache.vocabulary.lookup(np.arange(50, 60)).tolist() == [-1] * 10
 
 
+def test_a_batch_too_large_for_a_device_names_the_raw_ids_homed_there(planner):
+    # 4 devices of 4 slots; a raw id's home is its bucket's residue, not its value's.
+    cfg = config(1024, 16, jaxcache.sgd(0.1), policy="lru")
+    mesh = Mesh(np.array(jax.devices()[:4]), ("rows",))
+    cache = jaxcache.EmbeddingCache(cfg, mesh=mesh, planner=planner)
+    ids = (np.arange(64, dtype=np.int64) * 0x9E3779B97F4A7C1) >> 3
+    homes = cache.vocabulary.bucket_of(ids) % 4
+    device = int(np.argmax(np.bincount(homes, minlength=4)))
+    with pytest.raises(jaxcache.CapacityError) as refused:
+        cache.prepare(cache.init_state(), ids.reshape(4, 16))
+    message = str(refused.value)
+    assert f"ids homed on device {device} (raw ids whose bucket b" in message
+    assert f"has b % 4 == {device})" in message
+    assert refused.value.distinct == np.count_nonzero(homes == device)
+
+
 def test_a_new_id_given_a_resident_row_starts_from_its_first_values(planner):
     # The full table: every row is resident from the start, so each new id
     # takes a row whose slot holds another id's trained values.

@@ -45,8 +45,9 @@ from jaxcache._src.blocks import _LISTING, Blocks, local_data
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.device_plan import COLUMN, PlanOut, PlanSpec, PlanState
 from jaxcache._src.device_vocabulary import VocabSpec, VocabState
+from jaxcache._src.hashing import id_hash, id_words
 from jaxcache._src.partitions import Partitions
-from jaxcache._src.placement import Layout
+from jaxcache._src.placement import Layout, homed_ids
 from jaxcache._src.planner import CapacityError
 from jaxcache._src.policies import AdaptivePolicy
 from jaxcache._src.stager import bucket_size
@@ -731,24 +732,39 @@ class DevicePlanner:
             # a batch's ids before the planners see their rows (ids beyond a
             # source's sending room never reached it here).
             self._vocabulary_full(dispatched, status)
-        own = self.layout.own
         if status & device_plan.TOO_MANY:
-            distinct = np.maximum(info[:, COLUMN["distinct"]], info[:, COLUMN["k_need"]])
-            b = int(np.argmax(distinct))
-            count = int(distinct[b])
-            error = CapacityError(
-                f"the batch has {count} distinct ids homed on device {own[b]} (ids i with "
-                f"i % {self.layout.devices} == {self.layout.residue(own[b])}) but each "
-                f"device holds {self.local_capacity} rows; raise capacity to at least "
-                f"{self.layout.devices * count} or use smaller batches."
-                if self.layout.devices > 1
-                else f"the batch has {count} distinct ids but capacity is "
-                f"{self.local_capacity} rows; raise capacity to at least {count} or use "
-                "smaller batches."
-            )
-            error.distinct = count
-            raise error
+            raise self._too_many(dispatched.ids)
         raise self._no_room(dispatched, info)
+
+    def _too_many(self, ids: np.ndarray) -> CapacityError:
+        """The error of a batch with more distinct ids homed on a device than
+        it has slots, counted on the host: the plan's counts stop at what
+        each source could send. ``O(ids)``, on this path only; every process
+        names the same device."""
+        n = self.layout.devices
+        unique, _, _ = distinct_ids(ids, self.config.padding_id)
+        homed = unique
+        spec = self.vocabulary_spec
+        if spec is not None:  # a raw id's rows are its bucket's
+            low, high = id_words(unique)
+            homed = (id_hash(low, high, np.uint32(spec.salt)) & np.uint32(spec.buckets - 1)).astype(
+                np.int64
+            )
+        per_residue = np.bincount(homed % n, minlength=n)
+        residue = int(np.argmax(per_residue))
+        count = int(per_residue[residue])
+        device = int(self.layout.device_of(np.array(residue)))
+        error = CapacityError(
+            f"the batch has {count} distinct ids homed on device {device} ("
+            f"{homed_ids(self.config, n, residue)}) but each device holds "
+            f"{self.local_capacity} rows; raise capacity to at least {n * count} or use "
+            "smaller batches."
+            if n > 1
+            else f"the batch has {count} distinct ids but capacity is {self.local_capacity} "
+            f"rows; raise capacity to at least {count} or use smaller batches."
+        )
+        error.distinct = count
+        return error
 
     def _vocabulary_full(self, dispatched: Dispatched, status: int) -> None:
         """Raises the error of a batch a vocabulary bucket cannot take: the

@@ -281,7 +281,7 @@ class EmbeddingCache:
             )
         else:
             self.planner = Partitions(
-                rows_config, self.layout, frequencies=frequencies, threads=self.threads
+                rows_config, self.layout, frequencies=frequencies, threads=self.threads, ids=config
             )
         self.stats = CacheStats(config.row_bytes)
         self.mesh = mesh

@@ -49,7 +49,7 @@ import numpy as np
 from jaxcache._src import kernels, validation
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.frequency import hottest
-from jaxcache._src.placement import Layout
+from jaxcache._src.placement import Layout, homed_ids
 from jaxcache._src.planner import _NO_PAD, CapacityError, Plan, Planner, check_state
 from jaxcache._src.threads import HostThreads, raised
 
@@ -162,6 +162,9 @@ class Partitions:
       frequencies: ``int [N]`` dataset access counts (see ``Planner``).
       reserve: victim candidates per partition (see ``Planner``).
       threads: the host threads that plan partitions in parallel.
+      ids: the configuration of the user's ids, where they are raw ids
+        translated to the rows planned here (default ``config``): errors
+        name the ids a partition holds by it.
 
     Attributes:
       planners: the ``Planner`` of each own partition (local ids).
@@ -189,6 +192,7 @@ class Partitions:
         frequencies: np.ndarray | None = None,
         reserve: int = 4096,
         threads: HostThreads | None = None,
+        ids: CacheConfig | None = None,
     ) -> None:
         n, parts = layout.devices, layout.parts
         if config.capacity % parts:
@@ -201,6 +205,7 @@ class Partitions:
                 frequencies, config.num_embeddings, "count them with jaxcache.FrequencyCounter"
             )
         self.config = config
+        self.ids_config = config if ids is None else ids
         self.layout = layout
         self.threads = threads or HostThreads(1)
         self.local_capacity = int(config.capacity) // n
@@ -539,8 +544,9 @@ class Partitions:
             part, error = max(never, key=lambda item: item[1].distinct or 0)
             distinct = error.distinct
             refusal = CapacityError(
-                f"the batch has {distinct} distinct ids homed on {self._where(part)} (ids i with "
-                f"i % {self.layout.parts} == {self.layout.part_residue(part)}) but each "
+                f"the batch has {distinct} distinct ids homed on {self._where(part)} ("
+                f"{homed_ids(self.ids_config, self.layout.parts, self.layout.part_residue(part))}"
+                ") but each "
                 f"{'partition' if self.layout.split > 1 else 'device'} holds "
                 f"{self.part_capacity} rows; raise capacity to at least "
                 f"{self.layout.parts * distinct} or use smaller batches."

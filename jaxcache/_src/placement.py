@@ -19,7 +19,33 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-__all__ = ["Layout", "axis_processes", "process_shard"]
+from jaxcache._src.config import CacheConfig
+from jaxcache._src.hashing import bucket_count
+
+__all__ = ["Layout", "axis_processes", "homed_ids", "process_shard"]
+
+
+def homed_ids(config: CacheConfig, blocks: int, residue: int) -> str:
+    """Which of a user's ids block ``residue`` of ``blocks`` holds, in words
+    (for error messages). Ids that are rows: by their value. Raw ids: by the
+    rows they are given, which are their bucket's, so by the bucket when
+    the buckets split evenly over the blocks.
+
+    Examples:
+      >>> import jaxcache
+      >>> homed_ids(jaxcache.CacheConfig(1000, 4, 64), 8, 3)
+      'ids i with i % 8 == 3'
+      >>> raw = jaxcache.CacheConfig(1000, 4, 64, vocabulary=jaxcache.DynamicVocabulary())
+      >>> homed_ids(raw, 8, 3)
+      'raw ids whose bucket b (cache.vocabulary.bucket_of) has b % 8 == 3'
+    """
+    spec = config.vocabulary
+    if spec is None:
+        return f"ids i with i % {blocks} == {residue}"
+    buckets = bucket_count(spec.id_rows(config.num_embeddings), int(spec.ways))
+    if buckets % blocks == 0:
+        return f"raw ids whose bucket b (cache.vocabulary.bucket_of) has b % {blocks} == {residue}"
+    return f"raw ids given rows r with r % {blocks} == {residue}"
 
 
 def process_shard(mesh: Mesh, axis: str = "rows") -> tuple[int, int]:
