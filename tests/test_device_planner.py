@@ -261,7 +261,9 @@ def test_the_plan_updates_the_directory_in_place(policy):
     )
     planner = cache.planner
     ids = np.arange(512, dtype=np.int32).reshape(64, 8)
-    program = device_plan.make_plan(planner._spec(False, ids.size), planner.mesh, planner.axis)
+    program = device_plan.make_plan(
+        planner._spec(False, ids.size, True), planner.mesh, planner.axis
+    )
     args = np.array([0, -1, 1, 0], np.int32)
     memory = program.lower(planner.state, ids, args).compile().memory_analysis()
     directory = 4 * n * (1 if policy == "lru" else 2)

@@ -406,6 +406,24 @@ def test_batches_that_do_not_train_read_the_shared_row_for_unknown_ids(planner):
     assert cache.stats.last.refused_lookups == 2
 
 
+@pytest.mark.parametrize("default", ["zeros", "shared"])
+def test_more_unknown_ids_than_slots_read_the_default_row_when_not_training(planner, default):
+    # 4 slots on each of 2 devices, 2 known ids; a batch that does not train
+    # brings 30 unknown ones, which need no slot: it is served, not refused.
+    cfg = config(64, 8, jaxcache.sgd(0.1), default=default, init="uniform", scale=1.0, ways=16)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("rows",))
+    cache = jaxcache.EmbeddingCache(cfg, mesh=mesh, planner=planner)
+    state, _ = cache.prepare(cache.init_state(), np.array([10, 11]))
+    cache.lifecycle.release_all()
+    ids = np.concatenate([[10, 11], np.arange(1000, 1030)])
+    state, lookup = cache.prepare(state, ids, train=False)
+    rows = np.asarray(jaxcache.device.lookup_rows(state.rows, lookup))
+    first = jaxcache.host.hashed_rows(np.array([10, 11]), D, seed=0, init="uniform", scale=1.0)
+    np.testing.assert_array_equal(rows[:2], first)
+    assert not rows[2:].any()  # zeros, or the shared row, untrained
+    assert cache.stats.last.refused_lookups == 30 and cache.vocabulary.size == 2
+
+
 def test_a_pipeline_waits_when_its_batches_in_flight_hold_the_rows_new_ids_need(planner):
     # 150 rows hold about one batch's ids: with two batches staged ahead a
     # new batch waits until the loop releases the ones before it, instead

@@ -156,6 +156,8 @@ class PlanSpec:
         (``device_vocabulary``): the ids are two words each, homed by
         bucket, and the directory holds the rows the vocabulary gives them;
         ``None``: ids are rows.
+      admits_all: with raw ids, every id of the batch gets a row or the
+        batch is refused: it trains and ids are admitted on first sight.
     """
 
     devices: int
@@ -171,14 +173,14 @@ class PlanSpec:
     slice_ids: int
     key_span: int = KEY_SPAN
     vocabulary: VocabSpec | None = None
+    admits_all: bool = True
 
     @property
     def per_destination(self) -> int:
-        """``K``: the most distinct ids one source can send one owner (raw
-        ids not admitted take no slot, so with an admission threshold a
-        source may send all of its slice)."""
-        vocabulary = self.vocabulary
-        if vocabulary is not None and vocabulary.admit_after > 1:
+        """``K``: the most distinct ids one source can send one owner. Raw
+        ids without a row take no slot, so unless every id gets one
+        (``admits_all``), a source may send all of its slice."""
+        if self.vocabulary is not None and not self.admits_all:
             return max(1, self.slice_ids)
         return max(1, min(self.slice_ids, self.local_capacity))
 

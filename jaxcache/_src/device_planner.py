@@ -529,8 +529,9 @@ class DevicePlanner:
             out.overflow,
         )
 
-    def _spec(self, wide: bool, slice_ids: int) -> PlanSpec:
+    def _spec(self, wide: bool, slice_ids: int, train: bool) -> PlanSpec:
         cfg, layout = self.config, self.layout
+        vocabulary = self.vocabulary_spec
         return PlanSpec(
             devices=layout.devices,
             processes=layout.processes,
@@ -545,8 +546,15 @@ class DevicePlanner:
             wide=wide,
             slice_ids=slice_ids,
             key_span=self.key_span,
-            vocabulary=self.vocabulary_spec,
+            vocabulary=vocabulary,
+            admits_all=self._admits_all(train),
         )
+
+    def _admits_all(self, train: bool) -> bool:
+        """Every id of a batch gets a row, or the batch is refused: ids are
+        rows, or raw ids of a training batch admitted on first sight."""
+        spec = self.vocabulary_spec
+        return spec is None or (train and spec.admit_after == 1)
 
     def dispatch(
         self,
@@ -583,7 +591,9 @@ class DevicePlanner:
             finished = self.released if released is None else min(int(released), self.released)
             self._finished = max(self._finished, finished)
             admit = finished if admit_released is None else min(int(admit_released), self.released)
-            program = device_plan.make_plan(self._spec(wide, array.size // n), self.mesh, self.axis)
+            program = device_plan.make_plan(
+                self._spec(wide, array.size // n, train), self.mesh, self.axis
+            )
             bonus = self._vocabulary_bonus()
             args = np.array([index, self._finished, int(train), self.epoch, admit, bonus], np.int32)
             # A fresh copy: a transfer may alias host memory (the CPU backend),
@@ -733,27 +743,33 @@ class DevicePlanner:
             # source's sending room never reached it here).
             self._vocabulary_full(dispatched, status)
         if status & device_plan.TOO_MANY:
-            raise self._too_many(dispatched.ids)
+            raise self._too_many(dispatched, info)
         raise self._no_room(dispatched, info)
 
-    def _too_many(self, ids: np.ndarray) -> CapacityError:
-        """The error of a batch with more distinct ids homed on a device than
-        it has slots, counted on the host: the plan's counts stop at what
-        each source could send. ``O(ids)``, on this path only; every process
-        names the same device."""
+    def _too_many(self, dispatched: Dispatched, info: np.ndarray) -> CapacityError:
+        """The error of a batch with more distinct rows homed on a device
+        than it has slots. Where every id gets a row, its ids are counted on
+        the host, ``O(ids)`` on this path only, as the plan's counts stop at
+        what each source could send (every process names the same device);
+        else each source sent its whole slice, and the plan's counts of
+        rows are exact."""
         n = self.layout.devices
-        unique, _, _ = distinct_ids(ids, self.config.padding_id)
-        homed = unique
-        spec = self.vocabulary_spec
-        if spec is not None:  # a raw id's rows are its bucket's
-            low, high = id_words(unique)
-            homed = (id_hash(low, high, np.uint32(spec.salt)) & np.uint32(spec.buckets - 1)).astype(
-                np.int64
-            )
-        per_residue = np.bincount(homed % n, minlength=n)
-        residue = int(np.argmax(per_residue))
-        count = int(per_residue[residue])
-        device = int(self.layout.device_of(np.array(residue)))
+        if self._admits_all(dispatched.train):
+            unique, _, _ = distinct_ids(dispatched.ids, self.config.padding_id)
+            homed = unique
+            spec = self.vocabulary_spec
+            if spec is not None:  # a raw id's rows are its bucket's
+                low, high = id_words(unique)
+                homed = id_hash(low, high, np.uint32(spec.salt)) & np.uint32(spec.buckets - 1)
+            per_residue = np.bincount(homed.astype(np.int64) % n, minlength=n)
+            residue = int(np.argmax(per_residue))
+            count = int(per_residue[residue])
+            device = int(self.layout.device_of(np.array(residue)))
+        else:
+            distinct = info[:, COLUMN["distinct"]]
+            count = int(distinct.max())
+            device = self.layout.own[int(np.argmax(distinct))]
+            residue = self.layout.residue(device)
         error = CapacityError(
             f"the batch has {count} distinct ids homed on device {device} ("
             f"{homed_ids(self.config, n, residue)}) but each device holds "
