@@ -35,12 +35,30 @@ def pytest_configure(config: pytest.Config) -> None:
     scratch = tempfile.mkdtemp(prefix="jaxcache-tests-")
     os.environ["TMPDIR"] = tempfile.tempdir = scratch
     config.add_cleanup(lambda: shutil.rmtree(scratch, ignore_errors=True))
-    # No persistent compilation cache: with XLA's on-disk cache shared by
-    # the workers, fresh-clone runs lost a worker three times in a row, in
-    # XLA:CPU's serializer, deserializer or compile on the cache's path
-    # ("Fatal Python error: Aborted", a segmentation fault), while bounds
-    # checks on the compiled host loops found nothing. Each process
-    # compiles its own programs.
+    # Many tests compile the same programs: the exactness matrix builds one
+    # step per optimizer whatever the policy, and the reference, examples and
+    # docs pages build theirs again. XLA's compilation cache on disk, in the
+    # controller's scratch directory, lets the xdist workers and the programs
+    # the tests start (examples, processes: they inherit the variables)
+    # compile each program once per run; it took three test files from 354
+    # to 156 s on 2 cores. A hit still counts as a compilation in
+    # ``jaxcache.testing.compilations`` (JAX reports it as one); results
+    # never depend on the cache. Without a size limit JAX writes an entry
+    # in place, unlocked, and a worker that read one while another process
+    # wrote it aborted in XLA's deserializer; with a limit (one never
+    # reached) it reads and writes under a file lock (``filelock``, a test
+    # dependency). The docs build keeps a cache of its own.
+    directory = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(scratch, "xla"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(1 << 40))
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update(
+        "jax_persistent_cache_min_compile_time_secs",
+        float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
+    )
+    jax.config.update(
+        "jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"])
+    )
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -84,7 +84,10 @@ def _text(page: pathlib.Path) -> str:
 @pytest.mark.slow
 def test_sphinx_build_executes_the_pages(tmp_path):
     out = tmp_path / "html"  # executed notebooks go next to it, in tmp_path
-    env = dict(os.environ)
+    # The pages' kernels share a compilation cache of their own: one kernel
+    # runs at a time, so none reads an entry while another process writes
+    # it (that read would print a warning, an error under -W).
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla")}
     result = subprocess.run(
         # -T prints the full traceback, including a failing cell's error.
         [sys.executable, "-m", "sphinx", "-T", "-W", "-b", "html", str(DOCS), str(out)],
