@@ -55,6 +55,18 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    # Each XLA:CPU executable keeps a few memory mappings of its code until
+    # JAX drops it; a worker that kept every program of the run crossed the
+    # kernel's limit of 65,530 mappings late in the run and died inside
+    # XLA (an abort or a segmentation fault while compiling or loading a
+    # program). Programs are dropped after each module (the disk cache
+    # above makes compiling them again cheap).
+    yield
+    jax.clear_caches()
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     # Modules that use the ``planner`` fixture run each test with both planners.
     if "planner" in metafunc.fixturenames:
