@@ -58,11 +58,11 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     # Each XLA:CPU executable keeps a few memory mappings of its code until
-    # JAX drops it; a worker that kept every program of the run crossed the
-    # kernel's limit of 65,530 mappings late in the run and died inside
-    # XLA (an abort or a segmentation fault while compiling or loading a
-    # program). Programs are dropped after each module (the disk cache
-    # above makes compiling them again cheap).
+    # JAX drops it (about 3 for a small program). Workers that kept every
+    # program of the run died inside XLA late in it (an abort or a
+    # segmentation fault while compiling or loading a program), likely at
+    # the kernel's limit of 65,530 mappings. Programs are dropped after each
+    # module (the disk cache above makes compiling them again cheap).
     yield
     jax.clear_caches()
 
