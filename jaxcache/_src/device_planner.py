@@ -45,7 +45,7 @@ from jaxcache._src.blocks import _LISTING, Blocks, local_data
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.device_plan import COLUMN, PlanOut, PlanSpec, PlanState
 from jaxcache._src.device_vocabulary import VocabSpec, VocabState
-from jaxcache._src.hashing import id_hash, id_words
+from jaxcache._src.hashing import bucket_of
 from jaxcache._src.partitions import Partitions
 from jaxcache._src.placement import Layout, homed_ids
 from jaxcache._src.planner import CapacityError
@@ -759,9 +759,8 @@ class DevicePlanner:
             homed = unique
             spec = self.vocabulary_spec
             if spec is not None:  # a raw id's rows are its bucket's
-                low, high = id_words(unique)
-                homed = id_hash(low, high, np.uint32(spec.salt)) & np.uint32(spec.buckets - 1)
-            per_residue = np.bincount(homed.astype(np.int64) % n, minlength=n)
+                homed = bucket_of(unique, np.uint32(spec.salt), spec.buckets)
+            per_residue = np.bincount(homed % n, minlength=n)
             residue = int(np.argmax(per_residue))
             count = int(per_residue[residue])
             device = int(self.layout.device_of(np.array(residue)))

@@ -26,6 +26,7 @@ __all__ = [
     "LRFU_AGE_FLOOR",
     "SKETCH_DEPTH",
     "bucket_count",
+    "bucket_of",
     "fmix32",
     "id_hash",
     "id_words",
@@ -125,6 +126,18 @@ def id_words(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if not np.little_endian:
         words = words[:, ::-1]
     return words[:, 0], words[:, 1]
+
+
+def bucket_of(ids: np.ndarray, salt: np.uint32, buckets: int) -> np.ndarray:
+    """``int64``: the bucket of each raw int64 id among ``buckets`` (a power
+    of two): the low bits of ``id_hash``.
+
+    Examples:
+      >>> bucket_of(np.array([5, 2**40]), seed_word(0), 8).dtype
+      dtype('int64')
+    """
+    low, high = id_words(ids)
+    return (id_hash(low, high, np.uint32(salt)) & np.uint32(buckets - 1)).astype(np.int64)
 
 
 def log2_fixed(count: jax.Array) -> jax.Array:

@@ -56,6 +56,7 @@ from jaxcache._src.hashing import (
     LRFU_AGE_FLOOR,
     SKETCH_DEPTH,
     bucket_count,
+    bucket_of,
     fmix32,
     id_hash,
     id_words,
@@ -317,8 +318,7 @@ class Vocabulary:
     # ------------------------------------------------------------------ reads
     def bucket_of(self, ids: np.ndarray) -> np.ndarray:
         """``int64``: each id's bucket."""
-        low, high = id_words(ids)
-        return (id_hash(low, high, self.salt) & np.uint32(self.buckets - 1)).astype(np.int64)
+        return bucket_of(ids, self.salt, self.buckets)
 
     def ways_of(self, bucket: int) -> int:
         """Rows of ``bucket`` (``ways``, or one fewer for the last buckets)."""
