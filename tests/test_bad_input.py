@@ -228,6 +228,17 @@ def test_weights_of_another_shape_than_the_ids_are_refused(padding_id, shape):
     np.testing.assert_array_equal(embed(lookup, np.ones((2, 3), np.float32)), right)
 
 
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+def test_a_combiner_refuses_ids_without_a_bag_axis(combiner):
+    # Pooling the last axis of [B] ids would make the whole batch one row.
+    cfg = jaxcache.CacheConfig(10, 2, capacity=8)
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg), combiner=combiner)
+    lookup = embed.prepare(np.array([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"ids have shape \(3,\).*ids\[:, None\]"):
+        embed(lookup)
+    assert embed(embed.prepare(np.array([[1], [2], [3]]))).shape == (3, 2)
+
+
 def test_capacities_that_do_not_split_over_the_mesh_name_the_fix():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:3]), ("rows",))
     cfg = jaxcache.CacheConfig(4000, 2, capacity=4000)

@@ -103,8 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--frequencies",
         metavar="FILE.npy",
         help="int [num_embeddings] dataset counts that the frequency policy ranks and warms by "
-        "(default: counted over the whole trace); they are also the prior of adaptive (warmed "
-        "by them too) and seed lfu",
+        "(default: counted over the whole trace, for frequency only); given, they are also the "
+        "prior of adaptive (warmed by them too) and seed lfu",
     )
     replay_parser.add_argument(
         "--plot", metavar="OUT.png", help="also draw hit rate and miss ratio against capacity"

@@ -474,6 +474,13 @@ def embed(
             "weights need a combiner ('sum' or 'mean'); build the module with "
             "combiner='sum' or 'mean' to pool weighted bags, or pass no weights."
         )
+    if combiner is not None and lookup.inverse.ndim < 2:
+        raise ValueError(
+            f"combiner={combiner!r} pools the last axis of bags [B, L], but the ids have "
+            f"shape {tuple(lookup.inverse.shape)}, so the whole batch would become one row; "
+            "reshape the ids to [B, L] (e.g. ids[:, None] for one id per bag) or use "
+            "combiner=None."
+        )
     check_weights(weights, lookup)
     return _gather_and_pool(rows, lookup, combiner, weights)
 
