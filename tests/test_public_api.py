@@ -137,9 +137,9 @@ def test_every_module_says_what_it_owns_in_its_first_line():
         assert doc.split("\n", 1)[0].strip(), f"{module} needs a docstring saying what it owns"
 
 
-def test_the_private_modules_import_in_layers_without_a_cycle():
-    # Every import between the modules of jaxcache/_src counts, those made
-    # for type checking or inside a function included.
+def _private_imports() -> dict[str, set[str]]:
+    """The modules of jaxcache/_src each one imports, those imported for
+    type checking or inside a function included."""
     src = pathlib.Path(jaxcache.__file__).parent / "_src"
     modules = {path.stem for path in src.glob("*.py")}
     imports: dict[str, set[str]] = {}
@@ -150,6 +150,11 @@ def test_the_private_modules_import_in_layers_without_a_cycle():
                 parts = node.module.split(".")  # type: ignore[union-attr]
                 found |= {parts[2]} if len(parts) > 2 else {alias.name for alias in node.names}
         imports[path.stem] = found & modules
+    return imports
+
+
+def test_the_private_modules_import_in_layers_without_a_cycle():
+    imports = _private_imports()
     done: set[str] = set()
 
     def visit(module: str, path: tuple[str, ...]) -> None:
@@ -159,5 +164,16 @@ def test_the_private_modules_import_in_layers_without_a_cycle():
                 visit(imported, (*path, module))
             done.add(module)
 
-    for module in sorted(modules):
+    for module in sorted(imports):
         visit(module, ())
+
+
+def test_the_device_code_imports_no_host_code():
+    # The functions that run in jit (plan, swap, lookup, sparse update) are
+    # pure jnp over explicit state; none of them reaches the host's tables,
+    # planners or threads.
+    device = {"device_ops", "device_plan", "device_vocabulary", "optimizers", "sparse_grad"}
+    shared = {"hashing"}  # hashes of raw ids, alike in NumPy and jnp
+    imports = _private_imports()
+    for module in sorted(device):
+        assert imports[module] <= device | shared, (module, imports[module] - device - shared)

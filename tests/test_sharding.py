@@ -296,7 +296,7 @@ def test_capacity_rounds_up_to_the_partitions_and_a_bad_split_is_refused():
 def test_routed_gather_and_update_against_numpy(k, split):
     from jax.sharding import PartitionSpec as P
 
-    from jaxcache._src import routing
+    from jaxcache._src import device_ops, routing
 
     n, cl, d = 8, 50, 4
     mesh = _mesh(n)
@@ -337,7 +337,7 @@ def test_routed_gather_and_update_against_numpy(k, split):
 
     def lookup(delta):
         def body(rows, requests, overflow, inverse, delta):
-            got = routing.routed_gather(rows, requests, overflow, "rows") + delta[0]
+            got = device_ops.routed_gather(rows, requests, overflow, "rows") + delta[0]
             return got.at[inverse].get(mode="fill", fill_value=0)
 
         return jax.shard_map(
@@ -352,7 +352,7 @@ def test_routed_gather_and_update_against_numpy(k, split):
     grads = jax.grad(lambda delta: (lookup(delta) * weights).sum())(zero)
 
     def update(rows, grads, owner_slots, owner_inverse):
-        return routing.routed_apply(
+        return device_ops.routed_apply(
             rows,
             {},
             grads,

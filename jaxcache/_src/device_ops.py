@@ -1,6 +1,14 @@
 """Device side: cache state, the donated swap, lookups and sparse updates.
 
-All functions here are pure and jit-friendly. The cache's rows are ``[C, D]``
+All functions here are pure and jit-friendly. Over a mesh, a lookup is an
+exchange inside ``jax.shard_map`` (``routed_gather``): every owner gathers
+the rows each source asks of it (``Lookup.requests``) and one
+``all_to_all`` delivers them; rows past a fixed ``K`` per pair take an
+overflow path that every device reads (summed over the axis), so nothing is
+dropped. Gradients go back the same way, are summed per row on the owner,
+and the sparse optimizer updates the owner's rows (``routed_apply``). Which
+row goes where (the route) is the planner's: ``routing.build_route`` on the
+host, or the device planner's program. The cache's rows are ``[C, D]``
 and every per-row optimizer state array has the same leading ``C`` axis, so
 the whole state shards row-wise over a mesh with one ``PartitionSpec``.
 Out-of-range indices are the padding convention: ``C`` (one past the end) for
@@ -22,7 +30,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxcache._src import routing
 from jaxcache._src.optimizers import SparseOptimizer
 
 __all__ = [
@@ -35,6 +42,8 @@ __all__ = [
     "embed",
     "lookup_rows",
     "pool",
+    "routed_apply",
+    "routed_gather",
     "swap",
 ]
 
@@ -79,7 +88,7 @@ class Lookup:
     consumed inside the jitted step. It is a pytree, so it can sit anywhere in
     a batch. The cache's rows are split over the ``n`` devices of ``axis``
     and so is the batch; the arrays say which rows each device fetches from
-    which owner (see ``jaxcache._src.routing``). One device is a mesh of one.
+    which owner (see ``routed_gather``). One device is a mesh of one.
 
     Attributes:
       requests: ``int32 [n, n, K]`` local slots each device asks each owner for.
@@ -175,10 +184,78 @@ def _received(
     """Inside ``shard_map``: this device's received rows ``[R, D]``, plus its
     block of ``Lookup.delta`` when given (so the gradient w.r.t. it is each
     received row's)."""
-    received = routing.routed_gather(rows, requests, overflow, axis)
+    received = routed_gather(rows, requests, overflow, axis)
     if delta:
         received = received + delta[0][0].astype(received.dtype)
     return received
+
+
+def routed_gather(
+    rows: jax.Array, requests: jax.Array, overflow: jax.Array, axis: str
+) -> jax.Array:
+    """Inside ``shard_map``: this device's received rows ``[R, D]``.
+
+    Args:
+      rows: this device's ``[C_l, D]`` cached rows.
+      requests: ``[1, n, K]`` local slots this device serves each source.
+      overflow: ``[O]`` global slots of the overflow path (same on all devices).
+      axis: the mesh axis the rows and the batch are split over.
+    """
+    cl = rows.shape[0]
+    served = rows.at[requests[0]].get(mode="fill", fill_value=0)  # [n, K, D], per source
+    got = jax.lax.all_to_all(served, axis, 0, 0, tiled=True)  # [n, K, D] from each owner
+    mine = overflow // cl == jax.lax.axis_index(axis)
+    local = jnp.where(mine, overflow % cl, cl)
+    extra = jax.lax.psum(rows.at[local].get(mode="fill", fill_value=0), axis)
+    return jnp.concatenate([got.reshape(-1, rows.shape[1]), extra.astype(rows.dtype)])
+
+
+def routed_apply(
+    rows: jax.Array,
+    opt: dict[str, jax.Array],
+    grads: jax.Array,
+    owner_slots: jax.Array,
+    owner_inverse: jax.Array,
+    *,
+    per_destination: int,
+    optimizer: SparseOptimizer,
+    axis: str,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Inside ``shard_map``: sends gradients back to the owners, sums them per
+    row and applies ``optimizer`` to the owner's rows.
+
+    Args:
+      rows: this device's ``[C_l, D]`` cached rows.
+      opt: their optimizer state ``{name: [C_l, ...]}``.
+      grads: ``[1, R, D]`` gradient of each row this device received.
+      owner_slots: ``[1, V]`` distinct local slots this device updates.
+      owner_inverse: ``[1, R]`` row of ``owner_slots`` each gradient it gets adds to.
+      per_destination: ``K``.
+      optimizer: the sparse optimizer.
+      axis: the mesh axis.
+
+    Returns:
+      The updated local ``(rows, opt)``.
+    """
+    g = grads[0]
+    n = jax.lax.axis_size(axis)
+    direct = g[: n * per_destination].reshape(n, per_destination, -1)
+    back = jax.lax.all_to_all(direct, axis, 0, 0, tiled=True).reshape(n * per_destination, -1)
+    extra = jax.lax.psum(g[n * per_destination :], axis)
+    summed = jax.ops.segment_sum(
+        jnp.concatenate([back, extra]), owner_inverse[0], num_segments=owner_slots.shape[1]
+    )
+    slots = owner_slots[0]
+
+    def read(array):
+        return array.at[slots].get(mode="fill", fill_value=0)
+
+    new_rows, new_opt = optimizer.update(read(rows), summed, {k: read(v) for k, v in opt.items()})
+
+    def write(array, values):
+        return array.at[slots].set(values.astype(array.dtype), mode="drop")
+
+    return write(rows, new_rows), {k: write(v, new_opt[k]) for k, v in opt.items()}
 
 
 #: What a cached embedding module accepts as ``combiner``.
@@ -413,7 +490,7 @@ def apply_sparse(
     k = lookup.requests.shape[2]
 
     def body(rows, opt, grads, owner_slots, owner_inverse):
-        return routing.routed_apply(
+        return routed_apply(
             rows,
             opt,
             grads,

@@ -19,7 +19,7 @@ passes, each split into independent pieces that run on the host threads:
    partition fits does each commit (victims, directory, policy). The check
    ranks the distinct ids each source sends the partition in order of
    appearance: rank ``k`` of source ``s`` is the row the owner serves ``s``
-   at position ``k`` of its ``all_to_all`` block (``jaxcache._src.routing``).
+   at position ``k`` of its ``all_to_all`` block (``device_ops.routed_gather``).
    In a process of several, the ids an own source sends the devices of
    other processes are ranked the same way by the source's split piece.
 3. The route's padded arrays, built once the sizes are known (the stager).

@@ -1,4 +1,4 @@
-"""Routing a batch's rows between devices: the host arrays and the device exchange.
+"""The host planner's route of a batch: which device serves which row to whom.
 
 The cache's ``C`` slots are split row-wise over the ``n`` devices of a mesh
 axis: slot ``s`` lives on device ``s // C_l`` at local slot ``s % C_l``
@@ -6,23 +6,18 @@ axis: slot ``s`` lives on device ``s // C_l`` at local slot ``s % C_l``
 (``jaxcache._src.partitions``). The batch is split over the same axis (data
 parallel): device ``d`` looks up the ids of rows ``[d B/n, (d+1) B/n)``.
 
-Forward, inside ``jax.shard_map``: every owner gathers, for each source
-device, the ``K`` rows that source needs from it (``requests``, which the
-owner's own planner filled on the host: the distinct ids the source sends
-it, in order of appearance), and one ``all_to_all`` delivers them. Rows a
-device needs beyond ``K`` from one owner take the overflow path: a short list
-shared by all devices, gathered by the owners and summed over the axis. Never
-dropped, never truncated. Backward, the gradients travel the same way in
-reverse, are summed per row on the owner and the sparse optimizer updates the
-owner's rows.
-
-Everything about *which* row goes *where* is computed on the host, per owner
+A route is the host arrays the device exchange (``device_ops.routed_gather``
+and ``routed_apply``) reads: for each owner, the ``K`` local slots it
+serves each source (``requests``: the distinct ids the source sends it, in
+order of appearance); rows a source needs beyond ``K`` from one owner, on a
+short overflow list every device reads (never dropped, never truncated);
+and where each gradient adds on its owner. They are built here per owner
 and per source in parallel, from the partitions' plans; the device only
-moves data. Every number a route gives a row (its place in a received
-buffer, among an owner's rows, in the overflow list) follows the order in
-which the batch's ids first appear (a plan numbers its rows so), never the
-slots, so the device's sums of a row's gradients take the same order at any
-capacity.
+moves data. (The device planner builds the same arrays in its program.)
+Every number a route gives a row (its place in a received buffer, among an
+owner's rows, in the overflow list) follows the order in which the batch's
+ids first appear (a plan numbers its rows so), never the slots, so the
+device's sums of a row's gradients take the same order at any capacity.
 
 Shape letters: ``n`` devices, ``K`` rows per (source, destination) pair,
 ``O`` overflow rows, ``R = n K + O`` rows each device receives, ``V`` distinct
@@ -35,12 +30,9 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxcache._src import kernels
-from jaxcache._src.optimizers import SparseOptimizer
 from jaxcache._src.partitions import StepPlan
 from jaxcache._src.placement import Layout
 from jaxcache._src.threads import HostThreads
@@ -50,8 +42,6 @@ __all__ = [
     "build_route",
     "needs",
     "overflow_slots",
-    "routed_apply",
-    "routed_gather",
 ]
 
 
@@ -331,74 +321,6 @@ def build_route(
 def _overflowed(step: StepPlan, layout: Layout, k: int) -> int:
     """Rows (per source and owner) that take the overflow path at ``K = k``."""
     return int(np.maximum(layout.per_device(step.sent) - k, 0).sum())
-
-
-def routed_gather(
-    rows: jax.Array, requests: jax.Array, overflow: jax.Array, axis: str
-) -> jax.Array:
-    """Inside ``shard_map``: this device's received rows ``[R, D]``.
-
-    Args:
-      rows: this device's ``[C_l, D]`` cached rows.
-      requests: ``[1, n, K]`` local slots this device serves each source.
-      overflow: ``[O]`` global slots of the overflow path (same on all devices).
-      axis: the mesh axis the rows and the batch are split over.
-    """
-    cl = rows.shape[0]
-    served = rows.at[requests[0]].get(mode="fill", fill_value=0)  # [n, K, D], per source
-    got = jax.lax.all_to_all(served, axis, 0, 0, tiled=True)  # [n, K, D] from each owner
-    mine = overflow // cl == jax.lax.axis_index(axis)
-    local = jnp.where(mine, overflow % cl, cl)
-    extra = jax.lax.psum(rows.at[local].get(mode="fill", fill_value=0), axis)
-    return jnp.concatenate([got.reshape(-1, rows.shape[1]), extra.astype(rows.dtype)])
-
-
-def routed_apply(
-    rows: jax.Array,
-    opt: dict[str, jax.Array],
-    grads: jax.Array,
-    owner_slots: jax.Array,
-    owner_inverse: jax.Array,
-    *,
-    per_destination: int,
-    optimizer: SparseOptimizer,
-    axis: str,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Inside ``shard_map``: sends gradients back to the owners, sums them per
-    row and applies ``optimizer`` to the owner's rows.
-
-    Args:
-      rows: this device's ``[C_l, D]`` cached rows.
-      opt: their optimizer state ``{name: [C_l, ...]}``.
-      grads: ``[1, R, D]`` gradient of each row this device received.
-      owner_slots: ``[1, V]`` distinct local slots this device updates.
-      owner_inverse: ``[1, R]`` row of ``owner_slots`` each gradient it gets adds to.
-      per_destination: ``K``.
-      optimizer: the sparse optimizer.
-      axis: the mesh axis.
-
-    Returns:
-      The updated local ``(rows, opt)``.
-    """
-    g = grads[0]
-    n = jax.lax.axis_size(axis)
-    direct = g[: n * per_destination].reshape(n, per_destination, -1)
-    back = jax.lax.all_to_all(direct, axis, 0, 0, tiled=True).reshape(n * per_destination, -1)
-    extra = jax.lax.psum(g[n * per_destination :], axis)
-    summed = jax.ops.segment_sum(
-        jnp.concatenate([back, extra]), owner_inverse[0], num_segments=owner_slots.shape[1]
-    )
-    slots = owner_slots[0]
-
-    def read(array):
-        return array.at[slots].get(mode="fill", fill_value=0)
-
-    new_rows, new_opt = optimizer.update(read(rows), summed, {k: read(v) for k, v in opt.items()})
-
-    def write(array, values):
-        return array.at[slots].set(values.astype(array.dtype), mode="drop")
-
-    return write(rows, new_rows), {k: write(v, new_opt[k]) for k, v in opt.items()}
 
 
 def _run(threads: HostThreads, pieces: Sequence[Callable[[], None]]) -> None:
