@@ -497,3 +497,22 @@ def test_vocabulary_command_takes_every_forgetting_rule(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == expected
     assert main([*args[:6], "--forget", "lru"]) == 0  # another rule, another count
     assert json.loads(capsys.readouterr().out) != expected
+
+
+@pytest.mark.parametrize(
+    ("options", "blamed", "words"),
+    [
+        (["--rows", "30", "--capacity", "40"], "--capacity", "40 is not a cache of 1 to 30 rows"),
+        (["--rows", "30", "--capacity", "1.5"], "--capacity", "1.5 is not a cache of 1 to 30 rows"),
+        (["--rows", "8"], "--rows", "batch 0: the batch has 10 new ids to admit but only 8"),
+        (["--rows", "30", "--capacity", "5"], "--capacity", "the batch has 10 distinct ids"),
+    ],
+)
+def test_vocabulary_command_blames_the_option_to_change(tmp_path, capsys, options, blamed, words):
+    path = tmp_path / "raw.npy"
+    np.save(path, np.arange(40, dtype=np.int64).reshape(4, 10))
+    with pytest.raises(SystemExit) as exit_:
+        main(["vocabulary", str(path), *options])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {blamed}: " in err and words in err, err

@@ -177,7 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ways=args.ways,
                 default=args.default,
             )
-        with _blame(vocabulary_parser, "trace"):
+        _check_vocabulary_capacity(vocabulary_parser, args.capacity, args.rows)
+        try:
             result = replay_vocabulary(
                 trace,
                 rows=args.rows,
@@ -187,8 +188,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                 policy=args.policy,
                 padding_id=args.padding_id,
             )
+        except CapacityError as error:  # the budget's refusal, or the device cache's
+            flag = "--rows" if error.rows_needed is not None else "--capacity"
+            vocabulary_parser.error(
+                f"argument {flag}: {error} (--rows is the budget, num_embeddings; --capacity "
+                "the device cache's rows.)"
+            )
+        except (TypeError, ValueError) as error:
+            vocabulary_parser.error(f"argument trace: {error}")
         print(json.dumps(result), flush=True)
     return 0
+
+
+def _check_vocabulary_capacity(
+    parser: argparse.ArgumentParser, capacity: int | float | None, rows: int
+) -> None:
+    """Refuses a ``--capacity`` the budget of ``--rows`` cannot fill, in the
+    command's words (``CacheConfig`` would name its own arguments)."""
+    if capacity is None:
+        return
+    slots = capacity if isinstance(capacity, int) else int(capacity * rows)
+    if not 0 < slots <= rows or (isinstance(capacity, float) and not 0 < capacity <= 1):
+        parser.error(
+            f"argument --capacity: {capacity} is not a cache of 1 to {rows} rows (the budget "
+            "of --rows); give a row count up to --rows or a fraction of it in (0, 1]."
+        )
 
 
 def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -109,7 +109,9 @@ def replay_vocabulary(
         try:
             done = vocab.admit(unique, lookups, step=step, distinct=True)
         except CapacityError as error:
-            raise CapacityError(f"batch {step}: {error}") from None
+            refused = CapacityError(f"batch {step}: {error}")
+            refused.__dict__.update(vars(error))  # what was needed, and what was free
+            raise refused from None
         if learner is not None:
             learner.offer(unique, lookups, step)
         new = done.new_ids.tolist()
