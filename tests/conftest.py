@@ -87,6 +87,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    # Modules with a test of a minute or more run first, whole (their module
+    # fixtures are set up once): the workers then share the short tests,
+    # rather than one of them waiting at the end on the other's long one.
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 @pytest.fixture

@@ -42,6 +42,7 @@ def _finish(process):
     return process.returncode, out, err
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_is_bit_exact(tmp_path):
     """One process trains 16 steps; another is killed right after its checkpoint at
     step 8 and a third resumes from it: same losses, table, row state, dense

@@ -75,6 +75,7 @@ def test_two_processes_match_one_process(single, tmp_path):
     assert sum(p["planned_ids"] for p in launched["processes"]) == single["planned_ids"]
 
 
+@pytest.mark.slow
 def test_split_tables_checkpoint_and_resume_on_any_process_count(single, tmp_path):
     single, one_rows = single
     # Two processes train four steps and save: each writes its own host rows.
@@ -99,6 +100,7 @@ def test_split_tables_checkpoint_and_resume_on_any_process_count(single, tmp_pat
         np.testing.assert_allclose(np.load(rows), one_rows, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_raw_ids_on_two_processes_match_one_and_resume_on_one(tmp_path):
     # Raw ids through a vocabulary of 400 rows (the batches hold 1,338
     # distinct ids): each process stores its half of the rows (and with the
