@@ -125,6 +125,34 @@ def test_training_is_the_host_planners_bit_for_bit(policy):
     assert device[0].stats.total == host[0].stats.total
 
 
+@pytest.mark.parametrize(
+    ("devices", "raw", "bags"), [(1, False, False), (2, False, True), (2, True, True)]
+)
+def test_an_empty_batch_plans_as_on_the_host(devices, raw, bags):
+    # A batch of no ids is a plan of nothing on either planner: an empty
+    # lookup, and the stream goes on with the same slots and statistics.
+    vocabulary = jaxcache.DynamicVocabulary(ways=16) if raw else None
+    cfg = jaxcache.CacheConfig(
+        N, 2, capacity=devices * 16, padding_id=-1 if bags else None, vocabulary=vocabulary
+    )
+    rng = np.random.default_rng(3)
+    width = (3,) if bags else ()
+    batches = [rng.integers(0, N, size=(devices * 2, *width)) for _ in range(4)]
+    batches.insert(2, np.zeros((0, *width), np.int64))
+    caches = {
+        kind: jaxcache.EmbeddingCache(cfg, planner=kind, mesh=_mesh(devices))
+        for kind in ("host", "device")
+    }
+    states = {kind: cache.init_state() for kind, cache in caches.items()}
+    for ids in batches:
+        for kind, cache in caches.items():
+            states[kind], lookup = cache.prepare(states[kind], ids)
+            assert jaxcache.device.lookup_rows(states[kind].rows, lookup).shape == (*ids.shape, 2)
+        assert caches["device"].stats.last == caches["host"].stats.last
+        assert _resident(caches["device"]) == _resident(caches["host"])
+    assert caches["device"].stats.steps == len(batches)
+
+
 @pytest.mark.parametrize("devices", [1, 2])
 def test_adaptive_keys_stay_in_int32_in_a_run_of_any_length(devices):
     # The host's keys grow by 256 a plan (int64); the device's move down

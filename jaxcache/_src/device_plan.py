@@ -464,16 +464,24 @@ def _source(spec: PlanSpec, ids: jax.Array, axis: str):
     """
     n, k = spec.devices, spec.per_destination
     vocabulary = spec.vocabulary
+    words = ids.reshape(-1, 2) if spec.wide else ids.reshape(-1, 1)
+    positions_in = words.shape[0]
+    # An empty slice plans as one padding id (no array below is empty); its
+    # route is cut back to nothing.
+    empty = positions_in == 0
+    if empty:
+        words = jnp.zeros((1, words.shape[1]), jnp.int32)
     if spec.wide:
-        words = ids.reshape(-1, 2)
         low, high = words[:, 0], words[:, 1]
         fits = high == (low >> 31)  # the int64 value is an int32
         flat = low
     else:
-        flat = ids.reshape(-1)
+        flat = words[:, 0]
         fits = jnp.ones(flat.shape, bool)
     m = flat.shape[0]
-    if spec.pad is None:
+    if empty:
+        padding = jnp.ones(m, bool)
+    elif spec.pad is None:
         padding = jnp.zeros(m, bool)
     elif spec.wide:
         pad_low, pad_high = np.array([spec.pad], np.int64).view(np.int32)
@@ -485,7 +493,7 @@ def _source(spec: PlanSpec, ids: jax.Array, axis: str):
     if vocabulary is not None:  # any int64 is a raw id
         valid = ~padding
     else:
-        valid = fits & (flat >= 0) & (flat < spec.num_embeddings)
+        valid = fits & (flat >= 0) & (flat < spec.num_embeddings) & ~padding
     bad = ~valid & ~padding
     positions = lax.iota(jnp.int32, m)
     bad_at = jnp.min(jnp.where(bad, positions, m))
@@ -523,7 +531,7 @@ def _source(spec: PlanSpec, ids: jax.Array, axis: str):
         sends = [lax.all_to_all(x, axis, 0, 0, tiled=True) for x in sends]
         send_counts = lax.all_to_all(send_counts, axis, 0, 0, tiled=True)
     real = jnp.sum(valid, dtype=jnp.int32)
-    return jnp.any(bad), bad_at, real, route, k_need, tuple(sends), send_counts
+    return jnp.any(bad), bad_at, real, route[:positions_in], k_need, tuple(sends), send_counts
 
 
 def _room(spec: PlanSpec, state: PlanState, hits, t, finished, count):
