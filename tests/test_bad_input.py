@@ -118,6 +118,24 @@ def test_bad_config(kwargs, error, pattern):
         jaxcache.CacheConfig(num_embeddings=100, features=4, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        (dict(admit_after=0), r"admit_after=0 must be a positive integer"),
+        (dict(forget="fifo"), r"forget='fifo' is not one of"),
+        (dict(init="ones"), r"init='ones' is not one of"),
+        (dict(scale=-1.0), r"scale=-1.0: the spread of init must be >= 0"),
+        (dict(scale=float("inf")), r"scale=inf must be a finite number"),
+        (dict(ttl=0), r"ttl=0 must be a positive number of steps"),
+        (dict(ways=0), r"ways=0 must be a positive integer"),
+        (dict(sketch_width=1000), r"sketch_width=1000 must be a power of two"),
+    ],
+)
+def test_bad_vocabulary_settings(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        jaxcache.DynamicVocabulary(**kwargs)
+
+
 def test_frequency_policy_needs_frequencies():
     cfg = jaxcache.CacheConfig(100, 4, 10, policy="frequency")
     with pytest.raises(ValueError, match="pass frequencies="):
@@ -153,6 +171,36 @@ def test_frequencies_of_wrong_shape():
 def test_bad_learning_rate(make, learning_rate, error, pattern):
     with pytest.raises(error, match=pattern):
         make(learning_rate)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "pattern"),
+    [
+        (
+            lambda: jaxcache.adagrad(0.1, eps=-1.0),
+            ValueError,
+            r"Adagrad\(eps=-1.0\): eps must be >= 0",
+        ),
+        (
+            lambda: jaxcache.rowwise_adagrad(0.1, initial_accumulator_value=-0.5),
+            ValueError,
+            r"RowwiseAdagrad\(initial_accumulator_value=-0.5\): .* >= 0.0 and finite",
+        ),
+        (
+            lambda: jaxcache.adam(0.1, b1=1.5),
+            ValueError,
+            r"Adam\(b1=1.5\): b1 must be .* < 1.0.* 0.9",
+        ),
+        (lambda: jaxcache.adam(0.1, b2=1.0), ValueError, r"Adam\(b2=1.0\)"),
+        (lambda: jaxcache.adam(0.1, eps=float("nan")), ValueError, r"Adam\(eps=nan\)"),
+        (lambda: jaxcache.adagrad(0.1, eps="small"), TypeError, r"takes a number.*1e-7"),
+    ],
+)
+def test_bad_optimizer_settings(make, error, pattern):
+    # Refused when built, as the learning rate is: a negative eps or a decay
+    # of 1 or more would train rows into NaN without an error.
+    with pytest.raises(error, match=pattern):
+        make()
 
 
 def test_mesh_without_the_rows_axis():

@@ -145,6 +145,10 @@ class DynamicVocabulary:
             raise ValueError(f"init={self.init!r} is not one of {', '.join(INITS)}.")
         if not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale)):
             raise ValueError(f"scale={self.scale!r} must be a finite number.")
+        if self.scale < 0:
+            raise ValueError(
+                f"scale={self.scale!r}: the spread of init must be >= 0; pass a value such as 0.01."
+            )
         ttl = self.ttl
         if ttl is not None and (
             isinstance(ttl, bool) or not isinstance(ttl, (int, np.integer)) or ttl < 1

@@ -68,6 +68,8 @@ class RowStateSpec(NamedTuple):
 
 # Every SparseOptimizer subclass, by the name checkpoints record.
 _REGISTRY: dict[str, type[SparseOptimizer]] = {}
+# A hyperparameter's range: ``low <= value < high``, and a value to suggest.
+Bounds = Mapping[str, tuple[float, float, str]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +105,9 @@ class SparseOptimizer:
 
     learning_rate: float
     registered_name: ClassVar[str] = ""
+    # Each hyperparameter's range, ``name: (low, high, example)``: ``low <=
+    # value < high``, checked at construction like the learning rate.
+    bounds: ClassVar[Bounds] = {}
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -138,6 +143,18 @@ class SparseOptimizer:
                 f"{name}(learning_rate={rate!r}): the learning rate must be > 0; pass a "
                 "positive step size such as 0.01."
             )
+        for field, (low, high, example) in self.bounds.items():
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(
+                    f"{name}({field}={value!r}) takes a number; pass one such as {example}."
+                )
+            if not low <= value < high:
+                upper = "finite" if high == float("inf") else f"< {high}"
+                raise ValueError(
+                    f"{name}({field}={value!r}): {field} must be >= {low} and {upper}; pass "
+                    f"a value such as {example}."
+                )
 
     def state_spec(self, features: int) -> dict[str, RowStateSpec]:
         """Per-row state arrays, by name."""
@@ -183,6 +200,10 @@ class Adagrad(SparseOptimizer):
 
     initial_accumulator_value: float = 0.1
     eps: float = 1e-7
+    bounds: ClassVar[Bounds] = {
+        "initial_accumulator_value": (0.0, float("inf"), "0.1"),
+        "eps": (0.0, float("inf"), "1e-7"),
+    }
 
     def state_spec(self, features):
         return {
@@ -216,6 +237,10 @@ class RowwiseAdagrad(SparseOptimizer):
 
     initial_accumulator_value: float = 0.0
     eps: float = 1e-8
+    bounds: ClassVar[Bounds] = {
+        "initial_accumulator_value": (0.0, float("inf"), "0.0"),
+        "eps": (0.0, float("inf"), "1e-8"),
+    }
 
     def state_spec(self, features):
         del features
@@ -252,6 +277,11 @@ class Adam(SparseOptimizer):
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
+    bounds: ClassVar[Bounds] = {
+        "b1": (0.0, 1.0, "0.9"),
+        "b2": (0.0, 1.0, "0.999"),
+        "eps": (0.0, float("inf"), "1e-8"),
+    }
 
     def state_spec(self, features):
         f32 = np.dtype(np.float32)
