@@ -259,6 +259,20 @@ def test_a_batch_with_more_new_ids_than_rows_is_refused_with_nothing_changed(pla
     assert cache.vocabulary.lookup(np.array([10, 11, 12, 13])).tolist() == [-1] * 4
 
 
+def test_unsigned_ids_past_int64_are_refused_with_nothing_changed(planner):
+    # 2^64 - 1 would wrap onto -1 and 2^63 + 5 onto a negative id: refused
+    # rather than cast (a padding id of -1 would drop the first in silence).
+    cache, state, before = _after_one_batch(100, 8, [1, 2, 3], planner)
+    ids = np.array([5, 2**64 - 1, 2**63 + 5], np.uint64)
+    with pytest.raises(ValueError, match=r"18446744073709551615 at index \(1,\).*view\(np.int64\)"):
+        cache.prepare(state, ids)
+    _assert_unchanged(before, _snapshot(cache))
+    state, _ = cache.prepare(state, np.array([5, 2**40], np.uint64))  # values int64 holds
+    assert cache.vocabulary.lookup(np.array([5, 2**40])).min() >= 0
+    with pytest.raises(ValueError, match="trace holds 18446744073709551615"):
+        jaxcache.sizing.replay_vocabulary(ids, rows=10)
+
+
 def test_a_batch_the_device_cache_refuses_takes_its_admission_back(planner):
     # The row budget admits 10 new ids, but 8 slots cannot hold them.
     cache, state, before = _after_one_batch(100, 8, [1, 2, 3], planner)

@@ -576,9 +576,10 @@ class DevicePlanner:
             finished plans (default: ``released``; see
             ``EmbeddingCache.stage_host``).
         """
-        array = validation.check_id_type(ids, "ids")
-        if self.vocabulary_spec is not None and array.dtype != np.int64:
-            array = array.astype(np.int64)  # raw ids travel as two words
+        if self.vocabulary_spec is None:
+            array = validation.check_id_type(ids, "ids")
+        else:  # raw ids travel as two words
+            array = validation.check_raw_ids(ids, "ids")
         words, wide = _id_words(array)
         n = self.layout.devices
         share = array.shape[0] // n

@@ -145,7 +145,7 @@ class RawIds:
             one (nothing changed); ``fits_after`` is the plan whose release
             would make room (``Vocabulary.admit``).
         """
-        array = validation.check_id_type(ids, "ids")
+        array = validation.check_raw_ids(ids, "ids")
         unique, inverse, counts = distinct_ids(array, self.config.padding_id)
         self.vocabulary.bonus = self.bonus()
         admission = self.vocabulary.admit(

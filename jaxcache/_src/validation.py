@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["check_frequencies", "check_id_type", "check_ids"]
+__all__ = ["check_frequencies", "check_id_type", "check_ids", "check_raw_ids"]
 
 
 def check_ids(ids: object, num_embeddings: int, padding_id: int | None, name: str) -> np.ndarray:
@@ -56,6 +56,33 @@ def check_id_type(ids: object, name: str) -> np.ndarray:
             f"wrap it as np.array([{name}])."
         )
     return array
+
+
+def check_raw_ids(ids: object, name: str) -> np.ndarray:
+    """Returns raw ids (any int64) as an ``int64`` NumPy array, or raises a
+    clear error. An unsigned 64-bit value of ``2^63`` or more has no int64 of
+    its own: converting it would wrap it onto a negative id (``2^64 - 1``
+    onto ``-1``, a common padding id), so it is refused, not cast.
+
+    Examples:
+      >>> check_raw_ids(np.array([7, 2**40], np.uint64), "ids").dtype
+      dtype('int64')
+      >>> try:
+      ...     check_raw_ids(np.array([7, 2**64 - 1], np.uint64), "ids")
+      ... except ValueError as error:
+      ...     print(str(error).split(";")[0])
+      ids holds 18446744073709551615 at index (1,), above the int64 raw ids take (1 such value(s))
+    """
+    array = check_id_type(ids, name)
+    if array.dtype.kind == "u" and array.size and int(array.max()) > np.iinfo(np.int64).max:
+        above = array > np.iinfo(np.int64).max
+        where = tuple(int(i) for i in np.argwhere(above)[0])
+        raise ValueError(
+            f"{name} holds {int(array[where])} at index {where}, above the int64 raw ids "
+            f"take ({int(above.sum())} such value(s)); pass {name}.view(np.int64) to keep "
+            "all 64 bits (each value then maps to one int64; none may equal padding_id)."
+        )
+    return array.astype(np.int64, copy=False)
 
 
 def check_frequencies(frequencies: object, num_embeddings: int, hint: str) -> np.ndarray:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxcache._src import validation
 from jaxcache._src.config import CacheConfig, DynamicVocabulary
 from jaxcache._src.planner import CapacityError, Planner
 from jaxcache._src.replay import _ratio, _split
@@ -78,7 +79,7 @@ def replay_vocabulary(
         raise ValueError(
             f"trace must be a non-empty 1-D or 2-D [steps, ids] array, got shape {array.shape}."
         )
-    batches = _split(array.astype(np.int64, copy=False), batch)
+    batches = _split(validation.check_raw_ids(array, "trace"), batch)
     vocab = Vocabulary.of(spec, int(rows))
     learner = BonusLearner.of(spec, vocab.rows)
     shared = spec.shared_row(int(rows))
