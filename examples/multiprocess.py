@@ -138,7 +138,10 @@ def run(args: argparse.Namespace) -> dict:
     vocabulary = None
     if args.raw_ids is not None:
         vocabulary = jaxcache.DynamicVocabulary(
-            forget=args.forget, admit_after=args.admit_after, default=args.default
+            forget=args.forget,
+            admit_after=args.admit_after,
+            default=args.default,
+            protect=args.lookahead,  # the pipeline's: it forgets as unpipelined steps would
         )
     rows = data.num_embeddings if args.raw_ids is None else args.raw_ids
     cfg = jaxcache.CacheConfig(

@@ -328,7 +328,8 @@ def make_raw_reference(
 ):
     """The full-table reference of a cache with raw ids: a ``VocabularyModel``
     gives rows by the same rules (rows held while a batch within
-    ``lookahead`` of the current one uses them), new rows start from
+    ``lookahead``, or ``DynamicVocabulary.protect``, of the current one uses
+    them), new rows start from
     ``hashed_rows`` with fresh optimizer state, ids without a row read
     padding or, with ``default="shared"``, the last row (zeros at first),
     then ``make_reference`` trains the rows. Returns ``(model, train,
@@ -364,7 +365,8 @@ def make_raw_reference(
         if learner is not None:
             learner.settle()
             vocab.bonus = learner.bonus
-        rows_u, new_ids, _ = vocab.admit(unique.tolist(), counts.tolist(), t, t - 1 - lookahead)
+        held = max(lookahead, spec.protect)  # plans before t whose rows t may not take
+        rows_u, new_ids, _ = vocab.admit(unique.tolist(), counts.tolist(), t, t - 1 - held)
         if learner is not None:
             learner.offer(unique.tolist(), counts.tolist(), t)
         rows_u = np.array(rows_u, np.int64)

@@ -103,12 +103,14 @@ def test_split_tables_checkpoint_and_resume_on_any_process_count(single, tmp_pat
 @pytest.mark.slow
 def test_raw_ids_on_two_processes_match_one_and_resume_on_one(tmp_path):
     # Raw ids through a vocabulary of 400 rows (the batches hold 1,338
-    # distinct ids): each process stores its half of the rows (and with the
+    # distinct ids; unpipelined, so that a batch may take the rows of the
+    # one before it: a pipeline would hold more than this budget gives a
+    # bucket): each process stores its half of the rows (and with the
     # device planner its devices hold their buckets of the vocabulary). Ids
     # seen once read a shared row, which one process stores and whose
     # lookups come from the devices of both. The bonus the vocabulary
     # forgets by is learned from the sample of both processes' devices.
-    raw = ["--raw-ids", "400", "--cache-fraction", "0.9", "--admit-after", "2"]
+    raw = ["--raw-ids", "400", "--cache-fraction", "0.9", "--admit-after", "2", "--lookahead", "0"]
     raw += ["--default", "shared", "--forget", "adaptive"]
     single = _run(*ONE, *raw, "--steps", "8", "--save", str(tmp_path / "one.npy"))
     assert single["forgotten_ids"] > 100 and single["refused_lookups"] > 100

@@ -49,6 +49,10 @@ def drift_batches(steps, *, window=150, shift=30, seed=0):
 
 
 def config(rows, capacity, opt, **vocabulary):
+    # Budgets here are tight: only the rows of batches in flight are held
+    # (``run_both`` raises ``protect`` to its look-ahead), unless a test
+    # says otherwise.
+    vocabulary.setdefault("protect", 0)
     return jaxcache.CacheConfig(
         rows,
         D,
@@ -67,18 +71,20 @@ def run_both(
     lookahead=0,
     mesh=None,
     seed=0,
-    reference_lookahead=None,
     table=None,
     planner="host",
     combiner=None,
     stream=raw_batches,
 ):
     batches = [{"ids": i, "y": y} for i, y in stream(steps, seed=seed)]
+    if cfg.vocabulary.protect < lookahead:
+        cfg = dataclasses.replace(
+            cfg, vocabulary=dataclasses.replace(cfg.vocabulary, protect=lookahead)
+        )
     table = jaxcache.HostTable(cfg, seed=3) if table is None else table
-    window = lookahead if reference_lookahead is None else reference_lookahead
     features = F if combiner is None else 1  # one pooled bag a sample
     reference, ref_train, vocab = make_raw_reference(
-        np.array(table.rows), cfg, features, lookahead=window, combiner=combiner
+        np.array(table.rows), cfg, features, lookahead=lookahead, combiner=combiner
     )
     cache = jaxcache.EmbeddingCache(cfg, table=table, mesh=mesh, planner=planner)
     model, train = make_cached(cache, features, combiner=combiner)
@@ -438,13 +444,35 @@ def test_more_unknown_ids_than_slots_read_the_default_row_when_not_training(plan
     assert cache.stats.last.refused_lookups == 30 and cache.vocabulary.size == 2
 
 
-def test_a_pipeline_waits_when_its_batches_in_flight_hold_the_rows_new_ids_need(planner):
-    # 150 rows hold about one batch's ids: with two batches staged ahead a
-    # new batch waits until the loop releases the ones before it, instead
-    # of failing. The least recently used ids go first, and those of the
-    # batches in flight are the most recent, so forgetting follows the
-    # unpipelined rules.
-    cfg = config(150, 150, OPTIMIZERS["adagrad"], policy="lru", ways=256)
-    run = run_both(cfg, lookahead=2, steps=10, reference_lookahead=0, planner=planner)
-    assert run[0].stats.total.forgotten_ids > 200
-    assert_same(*run)
+@pytest.mark.parametrize("rules", [dict(forget="lfu"), dict(forget="lru", ttl=1)])
+def test_forgetting_does_not_depend_on_the_look_ahead(planner, rules):
+    # The rows of the two batches before each batch are held whether or not
+    # they are in flight (protect=2, the default), so a pipeline of
+    # look-ahead 0, 1 or 2 forgets the same ids: the same rows, bit for bit,
+    # and the dict reference's.
+    cfg = config(300, 300, OPTIMIZERS["adagrad"], policy="lru", ways=256, protect=2, **rules)
+    runs = [
+        run_both(cfg, lookahead=k, steps=12, planner=planner, stream=drift_batches) for k in (0, 2)
+    ]
+    assert runs[0][0].stats.total.forgotten_ids > 100
+    for run in runs:
+        assert_same(*run)
+        assert run[0].stats.total == runs[0][0].stats.total
+    (ids, rows, state), (ids_2, rows_2, state_2) = (
+        run[0].export_ids(run[1].embed.get_state()) for run in runs
+    )
+    np.testing.assert_array_equal(ids, ids_2)
+    np.testing.assert_array_equal(rows, rows_2)
+    for name in state:
+        np.testing.assert_array_equal(state[name], state_2[name])
+
+
+def test_a_look_ahead_past_what_the_vocabulary_protects_is_refused(planner):
+    cfg = config(400, 400, OPTIMIZERS["sgd"], protect=1)
+    cache = jaxcache.EmbeddingCache(cfg, planner=planner)
+    model, _ = make_cached(cache, F)
+    batches = [{"ids": ids} for ids, _ in raw_batches(2)]
+    with pytest.raises(ValueError, match=r"DynamicVocabulary\(protect=2\) or more"):
+        jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=2)
+    with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=2, train=False) as pipeline:
+        assert len(list(pipeline)) == 2  # evaluation admits no id: nothing to protect

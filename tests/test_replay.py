@@ -437,7 +437,7 @@ def test_vocabulary_replay_predicts_what_training_with_raw_ids_does(tmp_path, ca
     path = tmp_path / "raw.npy"
     np.save(path, np.stack([ids.reshape(-1) for ids in batches]))
     args = ["vocabulary", str(path), "--rows", "130", "--admit-after", "2", "--capacity", "130"]
-    args += ["--policy", "lru", "--padding-id", str(PAD), "--default", default]
+    args += ["--policy", "lru", "--padding-id", str(PAD), "--default", default, "--protect", "0"]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out) == out
 
@@ -464,7 +464,7 @@ def test_vocabulary_replay_learns_the_bonus_a_cache_learns(tmp_path, capsys):
     )
     path = tmp_path / "raw.npy"
     np.save(path, trace)
-    args = ["vocabulary", str(path), "--rows", "200", "--padding-id", str(PAD)]
+    args = ["vocabulary", str(path), "--rows", "200", "--padding-id", str(PAD), "--protect", "0"]
     assert main([*args, "--forget", "adaptive"]) == 0
     assert json.loads(capsys.readouterr().out) == out
 
@@ -479,20 +479,20 @@ def test_vocabulary_replay_refuses_a_bonus_out_of_range(tmp_path, capsys):
 
 
 def test_vocabulary_command_takes_every_forgetting_rule(tmp_path, capsys):
-    # --forget, --bonus, --ttl and --ways reach the vocabulary the command
-    # replays: it prints what the Python API says for the same rules.
+    # --forget, --bonus, --ttl, --ways and --protect reach the vocabulary the
+    # command replays: it prints what the Python API says for the same rules.
     from tests.test_raw_ids import PAD, raw_batches
 
     trace = np.stack([ids.reshape(-1) for ids, _ in raw_batches(12, seed=4)])
     path = tmp_path / "raw.npy"
     np.save(path, trace)
-    vocabulary = jaxcache.DynamicVocabulary(forget="lrfu", bonus=2, ttl=3, ways=16)
+    vocabulary = jaxcache.DynamicVocabulary(forget="lrfu", bonus=2, ttl=3, ways=16, protect=1)
     expected = jaxcache.sizing.replay_vocabulary(
         trace, rows=600, vocabulary=vocabulary, padding_id=PAD
     )
     assert expected["forgotten_ids"] > 0
     args = ["vocabulary", str(path), "--rows", "600", "--padding-id", str(PAD)]
-    args += ["--forget", "lrfu", "--bonus", "2", "--ttl", "3", "--ways", "16"]
+    args += ["--forget", "lrfu", "--bonus", "2", "--ttl", "3", "--ways", "16", "--protect", "1"]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out) == expected
     assert main([*args[:6], "--forget", "lru"]) == 0  # another rule, another count

@@ -151,6 +151,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--ways", type=_positive_int, default=64, help="the most rows of a bucket"
     )
     vocabulary_parser.add_argument(
+        "--protect",
+        type=_nonnegative_int,
+        default=2,
+        help="batches before each batch whose rows its new ids may not take (at least the "
+        "training pipeline's look-ahead)",
+    )
+    vocabulary_parser.add_argument(
         "--default",
         choices=DEFAULTS,
         default="zeros",
@@ -176,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ttl=args.ttl,
                 ways=args.ways,
                 default=args.default,
+                protect=args.protect,
             )
         _check_vocabulary_capacity(vocabulary_parser, args.capacity, args.rows)
         try:
@@ -332,6 +340,16 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
     return value
 
 

@@ -78,6 +78,13 @@ class DynamicVocabulary:
       ttl: also forget the ids no batch looked up in the last ``ttl``
         steps, even while rows are free (their rows count as free), under
         any ``forget`` rule; ``None``: only when a bucket is full.
+      protect: the rows used by the ``protect`` batches before a batch are
+        never given to its new ids (nor forgotten by ``ttl``), whether or
+        not those batches are still in flight. A pipeline
+        (``jaxcache.prefetch``) of look-ahead up to ``protect`` then
+        forgets what unpipelined steps forget: which ids hold rows depends
+        on the batches and the budget alone. ``prefetch`` refuses a larger
+        look-ahead. Default 2, its default look-ahead.
       seed: of the first values and of the sketch's hashes.
       sketch_width: counters per row of the admission sketch (a power of
         two; used with ``admit_after > 1``).
@@ -94,10 +101,11 @@ class DynamicVocabulary:
       (16, [15, 0, -1])
       >>> vocabulary.bucket_of(np.array([10**15, -7])).tolist()
       [15, 0]
-      >>> # Two rows for ids 7 (three lookups) and 9 (one), then a new id, 5:
+      >>> # Two rows for ids 7 (three lookups) and 9 (one), then a new id, 5
+      >>> # (protect=0: the batch before it is not held, as with no pipeline):
       >>> # lru takes the lower row of two used as long ago, lrfu id 9's.
       >>> for rule in ("lru", "lrfu"):
-      ...     spec = jaxcache.DynamicVocabulary(forget=rule, ways=2)
+      ...     spec = jaxcache.DynamicVocabulary(forget=rule, ways=2, protect=0)
       ...     cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(2, 4, 2, vocabulary=spec))
       ...     state, _ = cache.prepare(cache.init_state(), np.array([7, 7, 7, 9]))
       ...     state, _ = cache.prepare(state, np.array([5]))
@@ -116,6 +124,7 @@ class DynamicVocabulary:
     sketch_width: int = 1 << 20
     ttl: int | None = None
     ways: int = 64
+    protect: int = 2
 
     def __post_init__(self) -> None:
         after = self.admit_after
@@ -157,6 +166,12 @@ class DynamicVocabulary:
         ways = self.ways
         if isinstance(ways, bool) or not isinstance(ways, (int, np.integer)) or ways < 1:
             raise ValueError(f"ways={ways!r} must be a positive integer, such as 64.")
+        protect = self.protect
+        if isinstance(protect, bool) or not isinstance(protect, (int, np.integer)) or protect < 0:
+            raise ValueError(
+                f"protect={protect!r} must be an integer >= 0: the batches before a batch "
+                "whose rows its new ids may not take (at least the pipeline's look-ahead)."
+            )
         width = self.sketch_width
         if (
             isinstance(width, bool)

@@ -217,6 +217,8 @@ class DevicePlanner:
         self._dispatched: dict[int, Dispatched] = {}  # not yet learned from (adaptive)
         self._learning = threading.Lock()
         self._admit_finished = -1  # the vocabulary's bound at the latest plan
+        # Plans before each plan whose vocabulary rows it holds (raw ids).
+        self._protect = 0 if config.vocabulary is None else int(config.vocabulary.protect)
         mirror = self._new_mirror()
         self.state: PlanState
         self.learners: list[AdaptivePolicy] = []
@@ -562,7 +564,6 @@ class DevicePlanner:
         *,
         train: bool = True,
         released: int | None = None,
-        admit_released: int | None = None,
     ) -> Dispatched:
         """Dispatches the plan of a batch (asynchronous; ``collect`` reads it).
 
@@ -571,10 +572,9 @@ class DevicePlanner:
             several processes, the same in every process).
           train: the batch will update its rows.
           released: plan as if only the plans up to this index were finished
-            (at most ``self.released``; default: all released).
-          admit_released: with raw ids, the vocabulary's own bound of
-            finished plans (default: ``released``; see
-            ``EmbeddingCache.stage_host``).
+            (at most ``self.released``; default: all released). With raw
+            ids the vocabulary also holds the rows of the
+            ``DynamicVocabulary.protect`` plans before this one.
         """
         if self.vocabulary_spec is None:
             array = validation.check_id_type(ids, "ids")
@@ -591,7 +591,7 @@ class DevicePlanner:
             index = self.next_index
             finished = self.released if released is None else min(int(released), self.released)
             self._finished = max(self._finished, finished)
-            admit = finished if admit_released is None else min(int(admit_released), self.released)
+            admit = min(finished, index - 1 - self._protect)
             program = device_plan.make_plan(
                 self._spec(wide, array.size // n, train), self.mesh, self.axis
             )

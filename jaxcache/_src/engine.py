@@ -506,7 +506,6 @@ class EmbeddingCache:
         *,
         train: bool = True,
         released: int | None = None,
-        admit_released: int | None = None,
     ) -> Dispatched:
         """Dispatches the device plan of a batch (the device planner; the
         thread that dispatches the training steps, in batch order).
@@ -519,8 +518,6 @@ class EmbeddingCache:
           ids: integer ids ``[B, ...]``.
           train: the step will update these rows.
           released: plan as if only plans up to this index were finished.
-          admit_released: with raw ids, the vocabulary's bound (as for
-            ``stage_host``).
         """
         if not isinstance(self.planner, DevicePlanner):
             raise RuntimeError(
@@ -529,9 +526,7 @@ class EmbeddingCache:
             )
         self.stager.check_batch(np.shape(ids))
         with self.stats.timers.time("plan"):
-            return self.planner.dispatch(
-                ids, train=train, released=released, admit_released=admit_released
-            )
+            return self.planner.dispatch(ids, train=train, released=released)
 
     def gather(self, planned: DeviceStep | Dispatched, *, defer: bool = False) -> DeviceStaged:
         """The host phases of a step planned on the device: the plan's lists
@@ -587,7 +582,6 @@ class EmbeddingCache:
         size: int | None = None,
         released: int | None = None,
         defer: bool = False,
-        admit_released: int | None = None,
     ) -> HostStaged:
         """``stage`` without the transfer: the padded host arrays of a step.
 
@@ -598,15 +592,14 @@ class EmbeddingCache:
             form needs one fixed shape, ``HostCallbacks.size``); a batch with more
             distinct ids is refused. Default: buckets.
           released: plan as if only plans up to this index were finished
-            (see ``Planner.plan``).
+            (see ``Planner.plan``). With raw ids the vocabulary also holds
+            the rows of the ``DynamicVocabulary.protect`` plans before this
+            one, so that which ids it forgets does not depend on how many
+            plans are in flight.
           defer: a row to fetch whose write-back from an earlier plan has
             not landed is left for ``to_device`` (or the host-callback form's
             stage callback) to read, once that plan's swap ran, instead of
             waiting here for it.
-          admit_released: with raw ids, the bound of ``released`` for the
-            vocabulary (default: ``released``). A pipeline keeps it where
-            its look-ahead puts it when only the device cache made it wait,
-            so that which ids are forgotten never depends on the capacity.
 
         Returns:
           A ``HostStaged``.
@@ -616,9 +609,7 @@ class EmbeddingCache:
         if isinstance(self.planner, DevicePlanner):
             if size is not None:
                 self.callbacks.check()  # refuses: the callback form plans on the host
-            dispatched = self.dispatch(
-                ids, train=train, released=released, admit_released=admit_released
-            )
+            dispatched = self.dispatch(ids, train=train, released=released)
             try:
                 return self.gather(dispatched, defer=defer)  # type: ignore[return-value]
             except (ValueError, CapacityError):
@@ -630,7 +621,6 @@ class EmbeddingCache:
             size=size,
             released=released,
             defer=defer,
-            admit_released=admit_released,
         )
 
     def to_device(self, host: HostStaged | DeviceStaged) -> Staged:

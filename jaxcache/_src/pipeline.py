@@ -225,6 +225,17 @@ class Prefetcher(Iterator[dict[str, Any]]):
                 "two batch keys map to the same cache; concatenate their ids into one array "
                 "(one plan per table per step)."
             )
+        for key, holder in tables.items():
+            vocabulary = holder.cache.config.vocabulary
+            if train and vocabulary is not None and lookahead > vocabulary.protect:
+                raise ValueError(
+                    f"lookahead={lookahead} keeps {lookahead} batches in flight, but the "
+                    f"vocabulary of tables[{key!r}] holds the rows of the {vocabulary.protect} "
+                    "before each batch (DynamicVocabulary.protect): new ids could not take "
+                    "the rows the others hold as they would unpipelined. Build it with "
+                    f"DynamicVocabulary(protect={lookahead}) or more, or pass "
+                    f"lookahead={vocabulary.protect}."
+                )
         self.lookahead = lookahead
         self.train = train
         self.callback = callback
@@ -399,16 +410,11 @@ class Prefetcher(Iterator[dict[str, Any]]):
         # Planning with that bound, not with whatever the loop has released
         # by now, makes every plan independent of thread timing, so the
         # processes of a multi-process run choose the same slots.
-        finished = admit = planner.next_index - 1 - self.lookahead
+        finished = planner.next_index - 1 - self.lookahead
         while True:
             try:
                 return cache.stage_host(
-                    ids,
-                    train=self.train,
-                    size=size,
-                    released=finished,
-                    defer=True,
-                    admit_released=admit,
+                    ids, train=self.train, size=size, released=finished, defer=True
                 )
             except CapacityError as error:
                 if error.fits_after is None or error.fits_after >= planner.next_index:
@@ -419,8 +425,6 @@ class Prefetcher(Iterator[dict[str, Any]]):
                             raise PipelineStopped("stopped while waiting for capacity") from None
                         self._released.wait(timeout=_POLL_SECONDS)
                 finished = max(finished, error.fits_after)
-                if error.rows_needed is not None:  # the vocabulary's rows, not the slots
-                    admit = max(admit, error.fits_after)
 
     # ------------------------------------------------------ device planners
     def _feed(self) -> None:
@@ -507,14 +511,10 @@ class Prefetcher(Iterator[dict[str, Any]]):
         for later, batch in self._planned:
             if later < index:
                 continue
-            finished = admit = cache.planner.next_index - 1 - self.lookahead
+            finished = cache.planner.next_index - 1 - self.lookahead
             if later == index:
                 finished = max(finished, int(error.fits_after))
-                if error.rows_needed is not None:  # the vocabulary's rows, not the slots
-                    admit = max(admit, int(error.fits_after))
-            dispatched = cache.dispatch(
-                _ids(batch, key), train=self.train, released=finished, admit_released=admit
-            )
+            dispatched = cache.dispatch(_ids(batch, key), train=self.train, released=finished)
             self._work.put(_Work(later, batch, {key: dispatched}, merge=True))
         return None
 

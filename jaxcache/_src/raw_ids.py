@@ -106,15 +106,13 @@ class RawIds:
         train: bool,
         released: int | None,
         max_distinct: int | None,
-        admit_released: int | None = None,
     ) -> tuple[StepPlan, np.ndarray, dict[str, int]]:
         """Plans a batch of raw ids (steps 1-4 of the module; arguments as
-        for ``Partitions.plan``, ``admit_released`` the vocabulary's bound as
-        for ``EmbeddingCache.stage_host``): its ``StepPlan``, its rows, and
-        its vocabulary's statistics (``StepStats`` fields). All or nothing."""
+        for ``Partitions.plan``): its ``StepPlan``, its rows, and its
+        vocabulary's statistics (``StepStats`` fields). All or nothing."""
         finished = partitions.released
-        if admit_released is not None:
-            finished = min(finished, int(admit_released))
+        if released is not None:
+            finished = min(finished, int(released))
         translated = self.translate(
             ids, index=partitions.next_index, finished=finished, train=train
         )

@@ -189,7 +189,6 @@ class Stager:
         size: int | None = None,
         released: int | None = None,
         defer: bool = False,
-        admit_released: int | None = None,
     ) -> HostStaged:
         """Plans, routes and gathers one batch (see ``EmbeddingCache.stage_host``)."""
         timers = self.stats.timers
@@ -212,7 +211,6 @@ class Stager:
                         train=train,
                         released=released,
                         max_distinct=size,
-                        admit_released=released if admit_released is None else admit_released,
                     )
                 sizes = self._sizes(step, rows, size)
             # One map for the route and the moves: the ledger's part and the

@@ -26,8 +26,8 @@ a stale id when its bucket is full, so that no two live ids share a row.
   (``"lfu"``), or ``256 * max(last use - plan, LRFU_AGE_FLOOR) + bonus *
   log2_fixed(lookups)`` (``"lrfu"``, and ``"adaptive"``, whose ``bonus``
   its owner sets before each admission: ``vocabulary_learner``). Held rows
-  (used by a plan after ``finished``, or by the batch itself) are never
-  taken.
+  (used by a plan after ``finished``, by one of the ``protect`` plans before
+  this one, or by the batch itself) are never taken.
 - **Expiry** (``ttl``): an id no plan looked up in the last ``ttl`` plans
   and no batch in flight uses has expired: it has no row, and its way
   counts as free. Expiry is read from each row's last use when the row is
@@ -235,6 +235,8 @@ class Vocabulary:
       sketch_width: counters per row of the admission sketch over all
         buckets (a power of two; with ``admit_after > 1``).
       seed: of the hashes.
+      protect: rows used by the ``protect`` plans before a plan are held
+        for it, whatever ``finished`` says (``DynamicVocabulary.protect``).
 
     Examples:
       >>> vocab = Vocabulary(2)
@@ -256,6 +258,7 @@ class Vocabulary:
         ttl: int | None = None,
         sketch_width: int = 1 << 20,
         seed: int = 0,
+        protect: int = 0,
     ) -> None:
         if isinstance(rows, bool) or not isinstance(rows, int) or not 0 < rows <= _INT32_MAX:
             raise ValueError(f"rows={rows!r} must be an integer in [1, 2^31 - 1].")
@@ -274,7 +277,10 @@ class Vocabulary:
             raise ValueError(f"ttl={ttl!r} must be a positive number of plans, or None.")
         if sketch_width < 1 or sketch_width & (sketch_width - 1):
             raise ValueError(f"sketch_width={sketch_width} must be a power of two.")
+        if isinstance(protect, bool) or not isinstance(protect, int) or protect < 0:
+            raise ValueError(f"protect={protect!r} must be an integer >= 0.")
         self.rows = rows
+        self.protect = protect
         self.admit_after = admit_after
         self.forget = forget
         self.bonus = bonus
@@ -313,6 +319,7 @@ class Vocabulary:
             ttl=None if spec.ttl is None else int(spec.ttl),
             sketch_width=int(spec.sketch_width),
             seed=int(spec.seed),
+            protect=int(spec.protect),
         )
 
     # ------------------------------------------------------------------ reads
@@ -393,7 +400,8 @@ class Vocabulary:
         Known ids keep their rows; an unknown id seen ``admit_after`` times
         (this batch's lookups included) gets a way of its bucket (see the
         module). Rows used by plans after ``finished`` (default ``step -
-        1``: none in flight) are held. All or nothing. With ``new=False`` (a
+        1``: none in flight), or by the ``protect`` plans before ``step``,
+        are held. All or nothing. With ``new=False`` (a
         batch that trains nothing) no id is admitted or counted.
         ``distinct=True``: the caller vouches that ``ids`` are distinct
         (``distinct_ids``).
@@ -402,7 +410,8 @@ class Vocabulary:
           CapacityError: a bucket has more ids to admit than rows it can
             free; the vocabulary, sketch included, is as it was.
             ``fits_after`` is the plan whose release would make room, or
-            ``None`` when none would.
+            ``None`` when none would (held by ``protect``, releases do not
+            free a row).
         """
         ids = np.ascontiguousarray(ids, np.int64).reshape(-1)
         counts = np.ascontiguousarray(counts, np.int64).reshape(-1)
@@ -411,7 +420,8 @@ class Vocabulary:
         if not distinct and np.unique(ids).size != ids.size:
             raise ValueError("ids must be distinct: pass a batch's distinct ids and their lookups.")
         step = int(step)
-        finished = step - 1 if finished is None else min(int(finished), step - 1)
+        bound = step - 1 - self.protect
+        finished = bound if finished is None else min(int(finished), bound)
         clock = (step, finished)
         rows = self._find(ids)
         returning = np.full(ids.size, -1, np.int64)
@@ -451,7 +461,7 @@ class Vocabulary:
         if failed:
             if cells is not None and added is not None:
                 _sketch_add(self.sketch, cells, -added)
-            raise self._refusal(group_of, short)
+            raise self._refusal(group_of, short, bound)
         new_rows = np.where(back >= 0, back, 0)
         new_rows[np.flatnonzero(back < 0)[order]] = placed
         known_rows = rows[known]
@@ -486,23 +496,26 @@ class Vocabulary:
             undo,
         )
 
-    def _refusal(self, group_of: np.ndarray, short: np.ndarray) -> CapacityError:
-        """The error of an admission that some bucket cannot hold."""
+    def _refusal(self, group_of: np.ndarray, short: np.ndarray, bound: int) -> CapacityError:
+        """The error of an admission that some bucket cannot hold; a release
+        past ``bound`` (``protect``) would not make room."""
         failing = np.flatnonzero(short[:, 0] > short[:, 1])
         worst = failing[np.argmax(short[failing, 0] - short[failing, 1])]
         needed, available = int(short[worst, 0]), int(short[worst, 1])
         bucket = int(group_of[worst])
         ways = self.ways_of(bucket)
         where = "" if self.buckets == 1 else f" of bucket {bucket} (of {self.buckets})"
+        held = f"the batch or the {self.protect} before it" if self.protect else "the batch"
         error = CapacityError(
             f"the batch has {needed} new ids to admit but only {available} of the {ways} "
-            f"rows{where} can take one ({ways - available} are held by batches in flight or "
-            "by the batch); raise num_embeddings, use smaller batches or a shorter "
-            "look-ahead, or admit new ids later (admit_after)."
+            f"rows{where} can take one ({ways - available} are held by {held}, or by batches "
+            "in flight); raise num_embeddings, use smaller batches, protect fewer batches "
+            "(DynamicVocabulary(protect=...), at least the look-ahead), or admit new ids "
+            "later (admit_after)."
         )
         error.rows_needed, error.rows_available = needed, available
         after = short[failing, 2]
-        error.fits_after = None if (after < 0).any() else int(after.max())
+        error.fits_after = None if (after < 0).any() or after.max() > bound else int(after.max())
         return error
 
     def revert(self, admission: Admission) -> None:

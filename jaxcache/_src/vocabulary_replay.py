@@ -67,7 +67,8 @@ def replay_vocabulary(
     Examples:
       >>> import numpy as np
       >>> trace = np.array([[5, -9], [7, 5], [8, -9], [5, 7]])
-      >>> out = replay_vocabulary(trace, rows=2)
+      >>> spec = DynamicVocabulary(protect=0)  # unpipelined steps: no batch held
+      >>> out = replay_vocabulary(trace, rows=2, vocabulary=spec)
       >>> out["new_ids"], out["forgotten_ids"], out["readmitted_ids"], out["rows_to_forget_nothing"]
       (7, 5, 3, 4)
     """
