@@ -84,6 +84,36 @@ def test_producer_error_surfaces_in_the_loop_with_its_traceback():
     embed.flush()  # the host table is consistent
 
 
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        (np.array([[1.0, 2.0]] * B), TypeError),  # refused on the host
+        (np.array([[1, -5]] * B), ValueError),  # a value, found where it is planned
+        (np.array([[1, 2]] * (B + 1)), ValueError),  # does not split over 2 devices
+    ],
+)
+def test_a_bad_batch_is_raised_after_the_batches_before_it(bad, error):
+    # With either planner, however the error is found, the loop gets every
+    # batch before the bad one, then the error; what was planned is applied,
+    # and a new pipeline goes on from there.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("rows",))
+    cfg = jaxcache.CacheConfig(N, D, 600, optimizer=jaxcache.sgd(0.1), padding_id=-1)
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, mesh=mesh))
+    good = [{"ids": batch["ids"]} for batch in _batches(4)]
+    taken = 0
+    with pytest.raises(error):
+        with jaxcache.prefetch(
+            [*good[:3], {"ids": bad}, good[3]], {"ids": embed}, lookahead=2
+        ) as p:
+            for batch in p:
+                embed(batch["ids"])
+                taken += 1
+    assert taken == 3
+    with jaxcache.prefetch(good, {"ids": embed}, lookahead=1) as pipeline:
+        assert len([embed(batch["ids"]) for batch in pipeline]) == 4
+    embed.flush()
+
+
 def _no_prefetch_threads(within=1.0):
     """Whether every producer thread ends within ``within`` seconds (it may
     still be between its last check of the stop flag and its return)."""

@@ -576,10 +576,7 @@ class DevicePlanner:
             ids the vocabulary also holds the rows of the
             ``DynamicVocabulary.protect`` plans before this one.
         """
-        if self.vocabulary_spec is None:
-            array = validation.check_id_type(ids, "ids")
-        else:  # raw ids travel as two words
-            array = validation.check_raw_ids(ids, "ids")
+        array = self.checked_ids(ids)
         words, wide = _id_words(array)
         n = self.layout.devices
         share = array.shape[0] // n
@@ -611,6 +608,13 @@ class DevicePlanner:
         if not self.blocks.host_is_device:
             out.info.copy_to_host_async()
         return dispatched
+
+    def checked_ids(self, ids: np.ndarray) -> np.ndarray:
+        """``ids`` as a NumPy integer array, or the host's error (type,
+        rank, raw ids past int64); their values are checked in the plan."""
+        if self.vocabulary_spec is None:
+            return validation.check_id_type(ids, "ids")
+        return validation.check_raw_ids(ids, "ids")  # they travel as two words
 
     def collect(self, dispatched: Dispatched) -> DeviceStep:
         """Reads a dispatched plan's counts and this process's lists (blocks

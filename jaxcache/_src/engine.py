@@ -519,14 +519,23 @@ class EmbeddingCache:
           train: the step will update these rows.
           released: plan as if only plans up to this index were finished.
         """
+        self.check_dispatch(ids)
+        assert isinstance(self.planner, DevicePlanner)
+        with self.stats.timers.time("plan"):
+            return self.planner.dispatch(ids, train=train, released=released)
+
+    def check_dispatch(self, ids: np.ndarray) -> None:
+        """Raises the error ``dispatch`` would raise on the host for ``ids``
+        before anything is dispatched (a batch that does not split over the
+        devices, ids of a wrong type); values are checked in the plan. A
+        pipeline checks every table of a batch before it dispatches any."""
         if not isinstance(self.planner, DevicePlanner):
             raise RuntimeError(
                 'dispatch plans on the device: build the cache with planner="device", or '
                 "stage the batch with stage_host."
             )
+        self.planner.checked_ids(ids)
         self.stager.check_batch(np.shape(ids))
-        with self.stats.timers.time("plan"):
-            return self.planner.dispatch(ids, train=train, released=released)
 
     def gather(self, planned: DeviceStep | Dispatched, *, defer: bool = False) -> DeviceStaged:
         """The host phases of a step planned on the device: the plan's lists

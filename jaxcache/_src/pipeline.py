@@ -479,10 +479,19 @@ class Prefetcher(Iterator[dict[str, Any]]):
                 self._source_done = True
                 self._work.put(_Failure(item.error, {}))
                 return
-            dispatched = {}
-            for key, cache in self._caches.items():
-                if isinstance(cache.planner, DevicePlanner):
-                    dispatched[key] = self._dispatch(cache, item, key)
+            planned = {
+                key: cache
+                for key, cache in self._caches.items()
+                if isinstance(cache.planner, DevicePlanner)
+            }
+            try:  # every table's ids, before any plan: a refusal leaves none half-made
+                for key, cache in planned.items():
+                    cache.check_dispatch(_ids(item, key))
+            except Exception as error:  # raised in order, after the batches before it
+                self._source_done = True
+                self._work.put(_Failure(error, {}))
+                return
+            dispatched = {key: self._dispatch(cache, item, key) for key, cache in planned.items()}
             self._planned.append((index, item))
             self._work.put(_Work(index, item, dispatched))
 
