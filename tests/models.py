@@ -377,15 +377,20 @@ def make_raw_reference(
                 np.array(new_ids, np.int64), rows.shape[1], seed=spec.seed, init=spec.init,
                 scale=spec.scale,
             )  # fmt: skip
+            # On host copies: an eager ``.at[].set`` compiles a program for
+            # every count of new ids.
             embed = model.embed
-            embed.table.set_value(embed.table[...].at[new_rows].set(first))
+            old = embed.table[...]
+            table = np.array(old)
+            table[new_rows] = first
+            embed.table.set_value(jax.device_put(table, old.sharding))
             specs = config.optimizer.state_spec(rows.shape[1])
-            embed.opt_state.set_value(
-                {
-                    k: v.at[new_rows].set(specs[k].init)
-                    for k, v in embed.opt_state.get_value().items()
-                }
-            )
+            state = {}
+            for k, v in embed.opt_state.get_value().items():
+                state[k] = np.array(v)
+                state[k][new_rows] = specs[k].init
+                state[k] = jax.device_put(state[k], v.sharding)
+            embed.opt_state.set_value(state)
         if shared is not None:
             rows_u = np.where(rows_u < 0, shared, rows_u)
         mapped = np.full(ids.shape, -1, np.int64)
