@@ -19,8 +19,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 # halves the time of a test that compiles the device planner's programs (39
 # against 24 s for one sharded training test), and XLA:CPU's older loop
 # emitters compile the device planner's plan in half the time of its fusion
-# emitters (0.67 against 1.34 s; the raw-id and sharding tests 131 against
-# 205 s on 2 cores). Neither changes a result a test compares: XLA's own
+# emitters. Neither changes a result a test compares: XLA's own
 # passes still run, and a test's cache and its reference compile alike. The
 # programs the tests start inherit them; benchmarks run without them.
 _TEST_FLAGS = {

@@ -323,6 +323,14 @@ class LearnerModel:
             self.choice = best
 
 
+def _set_rows(array: jax.Array, rows: np.ndarray, values) -> jax.Array:
+    """``array`` with ``rows`` set to ``values``, on a host copy: an eager
+    ``.at[].set`` would compile a program for every count of rows."""
+    copy = np.array(array)
+    copy[rows] = values
+    return jax.device_put(copy, array.sharding)
+
+
 def make_raw_reference(
     rows, config: jaxcache.CacheConfig, num_features: int, *, lookahead=0, combiner=None
 ):
@@ -377,20 +385,15 @@ def make_raw_reference(
                 np.array(new_ids, np.int64), rows.shape[1], seed=spec.seed, init=spec.init,
                 scale=spec.scale,
             )  # fmt: skip
-            # On host copies: an eager ``.at[].set`` compiles a program for
-            # every count of new ids.
             embed = model.embed
-            old = embed.table[...]
-            table = np.array(old)
-            table[new_rows] = first
-            embed.table.set_value(jax.device_put(table, old.sharding))
+            embed.table.set_value(_set_rows(embed.table[...], new_rows, first))
             specs = config.optimizer.state_spec(rows.shape[1])
-            state = {}
-            for k, v in embed.opt_state.get_value().items():
-                state[k] = np.array(v)
-                state[k][new_rows] = specs[k].init
-                state[k] = jax.device_put(state[k], v.sharding)
-            embed.opt_state.set_value(state)
+            embed.opt_state.set_value(
+                {
+                    k: _set_rows(v, new_rows, specs[k].init)
+                    for k, v in embed.opt_state.get_value().items()
+                }
+            )
         if shared is not None:
             rows_u = np.where(rows_u < 0, shared, rows_u)
         mapped = np.full(ids.shape, -1, np.int64)
