@@ -37,6 +37,7 @@ Prints a summary, then as its last line one JSON object with the results
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import _common  # examples/_common.py: the flags, data and summary of the DLRM examples
@@ -45,14 +46,14 @@ from flax import nnx
 import jaxcache
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = _common.parse_args(__doc__, argv, host_callback=True)
-    started = _common.start()
-    data = _common.load_data(args)
-
-    # One table for all sparse features, in host memory with its optimizer
-    # state; --cache-fraction of its rows on the device, updated there by the
-    # sparse row optimizer and written back when evicted.
+def build_cache(
+    args: argparse.Namespace, data: _common.Data, **placement
+) -> jaxcache.EmbeddingCache:
+    """The example's cache: one table for all sparse features, in host memory
+    with its optimizer state; ``--cache-fraction`` of its rows on the device,
+    updated there by the sparse row optimizer and written back when evicted.
+    ``placement``: ``mesh`` and ``axis`` to split its rows over devices
+    (``dlrm_pjit.py``, ``dlrm_pmap.py``)."""
     row_optimizer = (
         jaxcache.rowwise_adagrad(args.row_learning_rate)
         if args.optimizer == "adagrad"
@@ -69,9 +70,17 @@ def main(argv: list[str] | None = None) -> dict:
     )
     table = jaxcache.HostTable(config, seed=args.seed)
     if args.full_table:  # the baseline: every row on the device
-        cache = jaxcache.EmbeddingCache.full_table(config, table=table)
-    else:  # the policy starts from the ids' counts in training data (--profile-batches)
-        cache = jaxcache.EmbeddingCache(config, table=table, frequencies=data.frequencies)
+        return jaxcache.EmbeddingCache.full_table(config, table=table, **placement)
+    # The policy starts from the ids' counts in training data (--profile-batches).
+    return jaxcache.EmbeddingCache(config, table=table, frequencies=data.frequencies, **placement)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _common.parse_args(__doc__, argv, host_callback=True)
+    started = _common.start()
+    data = _common.load_data(args)
+
+    cache = build_cache(args, data)
 
     # The model holds the cache's device rows in its embedding module.
     embed = jaxcache.nnx.CachedEmbed(cache, combiner="sum" if args.multi_hot else None)

@@ -46,6 +46,7 @@ import functools
 import sys
 
 import _common  # examples/_common.py: the flags, data and summary of the DLRM examples
+import dlrm  # examples/dlrm.py: its cache
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -171,26 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     data = _common.load_data(args)
 
     # The cache of dlrm.py, its rows split over the mesh: C / n slots per device.
-    row_optimizer = (
-        jaxcache.rowwise_adagrad(args.row_learning_rate)
-        if args.optimizer == "adagrad"
-        else jaxcache.adam(args.row_learning_rate)
-    )
-    config = jaxcache.CacheConfig(
-        num_embeddings=data.num_embeddings,
-        features=args.features,
-        capacity=args.cache_fraction,
-        policy=args.policy,
-        optimizer=row_optimizer,
-        padding_id=data.padding_id,
-    )
-    table = jaxcache.HostTable(config, seed=args.seed)
-    if args.full_table:
-        cache = jaxcache.EmbeddingCache.full_table(config, table=table, mesh=mesh, axis=AXIS)
-    else:
-        cache = jaxcache.EmbeddingCache(
-            config, table=table, frequencies=data.frequencies, mesh=mesh, axis=AXIS
-        )
+    cache = dlrm.build_cache(args, data, mesh=mesh, axis=AXIS)
     embed = jaxcache.nnx.CachedEmbed(cache, combiner="sum" if args.multi_hot else None)
 
     # The dense DLRM takes the rows looked up before the pmapped step.
