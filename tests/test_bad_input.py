@@ -64,6 +64,33 @@ def test_bad_ids_raise_before_any_change(cache_and_state, ids, error, pattern):
     assert cache.stats.last.hits == 2
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize(
+    ("ids", "padding_id"),
+    [
+        (np.array([[1, np.iinfo(np.int64).min]]), None),  # the host loops' "no padding"
+        (np.array([[1, 2**64 - 1]], np.uint64), -1),  # would wrap onto the padding id
+    ],
+)
+def test_ids_that_could_pass_for_padding_are_refused(planner, devices, ids, padding_id):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("rows",))
+    cfg = jaxcache.CacheConfig(100, 4, 8, padding_id=padding_id)
+    cache = jaxcache.EmbeddingCache(cfg, planner=planner, mesh=mesh)
+    state = cache.init_state()
+    snapshot = _snapshot(cache)
+    with pytest.raises(ValueError, match=rf"holds {ids[0, 1]} at index \(0, 1\), outside"):
+        cache.prepare(state, np.repeat(ids, 2, axis=0))
+    _assert_unchanged(cache, snapshot)
+
+
+def test_a_batch_of_empty_bags_looks_up_nothing(planner):
+    cfg = jaxcache.CacheConfig(100, 4, 8, padding_id=-1)
+    cache = jaxcache.EmbeddingCache(cfg, planner=planner)
+    state, lookup = cache.prepare(cache.init_state(), np.zeros((3, 0), np.int64))
+    assert jaxcache.device.lookup_rows(state.rows, lookup).shape == (3, 0, 4)
+    assert cache.stats.last.lookups == 0
+
+
 @pytest.mark.parametrize("capacity", [16, 32, 64])
 def test_a_batch_too_large_for_a_device_counts_the_ids_homed_there(planner, capacity):
     # 4 devices; the batch's 64 ids overfill the device of most of them,

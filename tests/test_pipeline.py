@@ -114,6 +114,30 @@ def test_a_bad_batch_is_raised_after_the_batches_before_it(bad, error):
     embed.flush()
 
 
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_a_batch_one_table_refuses_leaves_the_other_tables_whole(lookahead):
+    # The tables staged before the refusing one have planned the batch: their
+    # plans are applied (rows come in, untrained), never left half-made.
+    def embed(name):
+        cfg = jaxcache.CacheConfig(100, 4, 16, name=name)
+        return jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, seed=0))
+
+    a, b = embed("a"), embed("b")
+    truth = jaxcache.HostTable(a.cache.config, seed=0).rows
+    good = {"a": np.array([[1, 2]]), "b": np.array([[3, 4]])}
+    bad = {"a": np.array([[5, 6]]), "b": np.array([[7, 100]])}  # 100: outside table b
+    with pytest.raises(ValueError, match="holds 100"):
+        with jaxcache.prefetch([good, bad], {"a": a, "b": b}, lookahead=lookahead) as pipeline:
+            for _ in pipeline:
+                pass
+    assert a.cache.stats.steps == 2 and b.cache.stats.steps == 1
+    again = {"a": np.array([[5, 6]]), "b": np.array([[3, 4]])}
+    with jaxcache.prefetch([again], {"a": a, "b": b}, lookahead=lookahead) as pipeline:
+        rows = [np.asarray(a(batch["a"]))[0] for batch in pipeline]
+    np.testing.assert_array_equal(rows[0], truth[[5, 6]])
+    np.testing.assert_array_equal(a.export()[0], truth)
+
+
 def _no_prefetch_threads(within=1.0):
     """Whether every producer thread ends within ``within`` seconds (it may
     still be between its last check of the stop flag and its return)."""

@@ -424,6 +424,8 @@ class Partitions:
             real = np.array([plan.lookups], np.int64)
             return StepPlan(plan.index, array.shape, (plan,), None, sent, real, None, None)
         n = self.layout.devices
+        cfg = self.config
+        validation.check_host_ids(array, cfg.num_embeddings, cfg.padding_id, "ids")
         flat = kernels.as_index_array(array)
         split, sent_out = self._split(array, flat)
         stamp = self._source_stamp

@@ -330,9 +330,12 @@ class Prefetcher(Iterator[dict[str, Any]]):
         if self.callback:  # the step's callback plans on the spot
             return batch, {}
         staged: dict[str, Staged] = {}
-        for key, cache in self._caches.items():
-            cache.lifecycle.release_all()
-            staged[key] = cache.stage(_ids(batch, key), train=self.train)
+        try:
+            for key, cache in self._caches.items():
+                cache.lifecycle.release_all()
+                staged[key] = cache.stage(_ids(batch, key), train=self.train)
+        except Exception as error:  # the tables staged before it are applied
+            return _Failure(error, staged)
         return batch, staged
 
     def _apply(self, staged: Mapping[str, Staged | HostStaged | DeviceStaged]) -> dict[str, Lookup]:

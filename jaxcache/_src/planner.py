@@ -465,7 +465,8 @@ class Planner:
         must come before the next batch is checked. Arguments and errors as
         for ``plan`` (after an error nothing has changed)."""
         cfg = self.config
-        array = validation.check_id_type(ids, "ids")  # the values: in the loop below
+        # The values: in the loop below, but for those it would take for padding.
+        array = validation.check_host_ids(ids, cfg.num_embeddings, cfg.padding_id, "ids")
         flat = kernels.as_index_array(array)
         pad = _NO_PAD if cfg.padding_id is None else cfg.padding_id
         self._stamp += 1  # the hits are marked protected as they are found

@@ -306,12 +306,13 @@ def build_route(
                         out_inverse[at] = n * k + position(slots)
     full_overflow = np.full(overflow_size, n * cl, np.int32)
     full_overflow[: overflow.size] = overflow
-    share = flat.size // n  # the rows of this process's sources
+    share = flat.size // n  # the entries of this process's sources
     mine = out_inverse[layout.own[0] * share : (layout.own[-1] + 1) * share]
+    rows = step.shape[0] // n * (layout.own[-1] + 1 - layout.own[0])  # known when bags are empty
     return HostRoute(
         requests,
         full_overflow,
-        mine.reshape(-1, *step.shape[1:]),
+        mine.reshape(rows, *step.shape[1:]),
         owner_slots,
         owner_inverse,
         0 if not overflow.size else _overflowed(step, layout, k),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["check_frequencies", "check_id_type", "check_ids", "check_raw_ids"]
+__all__ = ["check_frequencies", "check_host_ids", "check_id_type", "check_ids", "check_raw_ids"]
 
 
 def check_ids(ids: object, num_embeddings: int, padding_id: int | None, name: str) -> np.ndarray:
@@ -55,6 +55,34 @@ def check_id_type(ids: object, name: str) -> np.ndarray:
             f"{name} must have rank >= 1 (e.g. [batch] or [batch, bag]), got a scalar; "
             f"wrap it as np.array([{name}])."
         )
+    return array
+
+
+def check_host_ids(
+    ids: object, num_embeddings: int, padding_id: int | None, name: str
+) -> np.ndarray:
+    """``check_id_type``, and the bad values the host planner's compiled loops
+    would take for padding (they check the others as they read the ids): an
+    unsigned value past int64, which converting would wrap onto a negative
+    id (``2^64 - 1`` onto ``-1``), and with no padding id the int64 minimum,
+    their stand-in for none. One vectorized pass over an int64 or uint64
+    batch.
+
+    Examples:
+      >>> try:
+      ...     check_host_ids(np.array([3, np.iinfo(np.int64).min]), 10, None, "ids")
+      ... except ValueError as error:
+      ...     print(str(error).split(";")[0])
+      ids holds -9223372036854775808 at index (1,), outside [0, 10) (1 bad value(s))
+    """
+    array = check_id_type(ids, name)
+    if array.size and array.dtype.itemsize == 8:
+        if array.dtype.kind == "u":
+            suspect = int(array.max()) > np.iinfo(np.int64).max
+        else:
+            suspect = padding_id is None and int(array.min()) == np.iinfo(np.int64).min
+        if suspect:
+            check_ids(array, num_embeddings, padding_id, name)  # raises, naming the value
     return array
 
 
