@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -175,6 +177,28 @@ def test_frequencies_of_wrong_shape():
         ValueError, match=r"shape \(100,\), one count per table row, got int64 \(99,\)"
     ):
         jaxcache.EmbeddingCache(cfg, frequencies=np.zeros(99, np.int64))
+    counts = np.full(100, 2**64 - 1, np.uint64)  # would wrap onto -1 as int64
+    with pytest.raises(ValueError, match=r"hold 18446744073709551615, past the int64"):
+        jaxcache.EmbeddingCache(cfg, frequencies=counts)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"seed": -1}, r"seed=-1 must be an integer >= 0"),
+        ({"shards": 0}, r"shards=0 must be an integer >= 1 \(default 16\)"),
+        ({"segment_bytes": -1}, r"segment_bytes=-1 must be an integer >= 1"),
+        ({"disk_spare": float("nan")}, r"disk_spare=nan must be a fraction >= 0"),
+    ],
+)
+def test_bad_table_settings(tmp_path, kwargs, pattern):
+    cfg = jaxcache.CacheConfig(100, 4, 10)
+    with pytest.raises(ValueError, match=pattern):
+        jaxcache.TieredTable(cfg, tmp_path / "table", **kwargs)
+    assert not (tmp_path / "table").exists()  # refused before any file
+    if "seed" in kwargs:
+        with pytest.raises(ValueError, match=pattern):
+            jaxcache.EmbeddingCache(cfg, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -187,6 +211,7 @@ def test_frequencies_of_wrong_shape():
             r"Adam\(learning_rate=-1.0\): the learning rate must be > 0",
         ),
         (jaxcache.rowwise_adagrad, 0, ValueError, r"RowwiseAdagrad\(learning_rate=0\): .* > 0"),
+        (jaxcache.sgd, float("inf"), ValueError, r"SGD\(learning_rate=inf\): .* finite"),
         (
             jaxcache.sgd,
             optax.constant_schedule(0.1),
@@ -260,6 +285,22 @@ def test_host_rows_of_wrong_shape():
     cfg = jaxcache.CacheConfig(100, 4, 10)
     with pytest.raises(ValueError, match=r"shape \(100, 3\) but the config needs \(100, 4\)"):
         jaxcache.HostTable(cfg, rows=np.zeros((100, 3), np.float32))
+
+
+@pytest.mark.parametrize(
+    ("table", "pattern"),
+    [
+        ({"num_embeddings": 99}, "num_embeddings is 99 but the cache's config has 100"),
+        ({"features": 8}, "features is 8 but the cache's config has 4"),
+        ({"dtype": "bfloat16"}, "dtype is bfloat16 but the cache's config has float32"),
+        ({"optimizer": jaxcache.sgd(0.1)}, r"row state is \{\} but .*'accumulator'"),
+    ],
+)
+def test_a_table_built_for_another_config_is_refused(table, pattern):
+    cfg = jaxcache.CacheConfig(100, 4, 8, optimizer=jaxcache.adagrad(0.1))
+    other = jaxcache.HostTable(dataclasses.replace(cfg, **table))
+    with pytest.raises(ValueError, match=pattern + ".*from the same config"):
+        jaxcache.EmbeddingCache(cfg, table=other)
 
 
 def test_lookup_for_another_table_is_refused():

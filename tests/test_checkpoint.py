@@ -464,6 +464,33 @@ def test_mismatches_are_refused_before_anything_changes(tmp_path):
     np.testing.assert_array_equal(target[0].embed.cache.table.rows, rows)
 
 
+@pytest.mark.parametrize("name", ["..", ".", "x" * 129])
+def test_a_table_name_that_cannot_name_a_directory_is_refused(tmp_path, name):
+    embed = jaxcache.nnx.CachedEmbed(_cache(name=name))
+    with pytest.raises(ValueError, match="cannot name a directory"):
+        jaxcache.Checkpointer(tmp_path).save(1, caches=[embed])
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("change", [{"seed": 1}, {"ways": 32}, {"default": "shared"}])
+def test_raw_ids_restore_only_into_the_vocabulary_that_placed_them(tmp_path, change):
+    # The seed and ways place an id in its bucket, the default may take a
+    # row: another value would not find the saved ids in their rows.
+    def embed(**fields):
+        vocabulary = jaxcache.DynamicVocabulary(**fields)
+        return jaxcache.nnx.CachedEmbed(_cache(capacity=64, vocabulary=vocabulary))
+
+    saved = embed()
+    saved.prepare(np.arange(40) * 7919)
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(1, caches=[saved])
+    target = embed(**change)
+    (field,) = change
+    with pytest.raises(ValueError, match=rf"vocabulary has {field}=.*Checkpointer.cache_config"):
+        checkpointer.restore(caches=[target])
+    assert target.cache.vocabulary.size == 0
+
+
 def test_a_corrupt_table_state_is_refused_before_any_table_changes(tmp_path):
     saved = [jaxcache.nnx.CachedEmbed(_cache("lfu", name=name)) for name in ("users", "items")]
     for embed in saved:

@@ -192,11 +192,8 @@ class EmbeddingCache:
         partitions_per_device: int | None = None,
         planner: str | None = None,
     ) -> None:
-        if table is not None and table.config.num_embeddings != config.num_embeddings:
-            raise ValueError(
-                f"table has {table.config.num_embeddings} rows but config.num_embeddings is "
-                f"{config.num_embeddings}; build the HostTable from the same config."
-            )
+        if table is not None:
+            _check_table(table.config, config)
         if mesh is None:
             mesh = Mesh(np.array(jax.devices()[:1]), (axis,))
         if axis not in mesh.shape:
@@ -1104,3 +1101,26 @@ def _copy_read_out(
     kernels.copy_rows(fetch_rows, at, local_data(rows), read)
     for name, values in opt.items():
         kernels.copy_rows(fetch_opt[name], at, local_data(values), read)
+
+
+def _check_table(held: CacheConfig, config: CacheConfig) -> None:
+    """Raises unless a table built from ``held`` stores the rows and row
+    state that a cache of ``config`` moves: their count, width, dtype, and
+    each state array's name, shape and dtype."""
+
+    def layout(cfg: CacheConfig) -> dict[str, Any]:
+        spec = cfg.optimizer.state_spec(cfg.features)
+        return {
+            "num_embeddings": cfg.num_embeddings,
+            "features": cfg.features,
+            "dtype": np.dtype(cfg.dtype).name,
+            "row state": {k: (v.shape, np.dtype(v.dtype).name) for k, v in sorted(spec.items())},
+        }
+
+    mine, theirs = layout(config), layout(held)
+    for key, value in mine.items():
+        if theirs[key] != value:
+            raise ValueError(
+                f"the table's {key} is {theirs[key]} but the cache's config has {value}; "
+                "build the HostTable (or TieredTable) from the same config."
+            )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -145,6 +145,7 @@ class HostTable:
         copy: bool = True,
         shard: tuple[int, int] | None = None,
     ) -> None:
+        _check_count("seed", seed, 0, low=0)
         self.config = config
         self.shard = _check_shard(shard)
         index, count = self.shard
@@ -305,6 +306,12 @@ def _check_shard(shard: tuple[int, int] | None) -> tuple[int, int]:
             "jaxcache.host.process_shard(mesh) or leave it out for the whole table."
         )
     return index, count
+
+
+def _check_count(name: str, value: Any, default: Any, low: int = 1) -> None:
+    """Raises unless ``value`` is an integer of at least ``low``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name}={value!r} must be an integer >= {low} (default {default}).")
 
 
 def _check_rows(rows: np.ndarray | None, config: CacheConfig) -> np.ndarray | None:

@@ -138,10 +138,10 @@ class SparseOptimizer:
                 f"{type(rate).__name__}; pass a positive number such as 0.01 (optax schedules "
                 "are for the dense parameters)."
             )
-        if not rate > 0:
+        if not 0 < rate < float("inf"):
             raise ValueError(
-                f"{name}(learning_rate={rate!r}): the learning rate must be > 0; pass a "
-                "positive step size such as 0.01."
+                f"{name}(learning_rate={rate!r}): the learning rate must be > 0 and finite; "
+                "pass a positive step size such as 0.01."
             )
         for field, (low, high, example) in self.bounds.items():
             value = getattr(self, field)

@@ -49,7 +49,8 @@ __all__ = [
 
 #: The version of the record; a table saved in another is refused.
 FORMAT = 1
-_TABLE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+# A directory of its own: not "." or "..", and short enough for any file system.
+_TABLE_NAME = re.compile(r"(?!\.+\Z)[A-Za-z0-9_.-]{1,128}")
 # Entries of table.json that describe the record; the others are the cache's state.
 _RECORD_KEYS = ("format", "config", "devices", "shards", "arrays")
 
@@ -58,7 +59,8 @@ def check_name(name: str) -> None:
     """Raises ``ValueError`` unless a table's name can name its directory."""
     if not _TABLE_NAME.fullmatch(name):
         raise ValueError(
-            f"table name {name!r} cannot name a file; use letters, digits, '_', '-' or '.'."
+            f"table name {name!r} cannot name a directory; use 1 to 128 letters, digits, "
+            "'_', '-' or '.' (not dots alone)."
         )
 
 
@@ -249,6 +251,18 @@ def _check_compatible(name: str, meta: dict[str, Any], cache: EmbeddingCache) ->
                 f"{getattr(config, field)!r}; build the cache from "
                 f"Checkpointer.cache_config({name!r}) (capacity, policy and devices may differ)."
             )
+    vocabulary = saved.get("vocabulary")
+    if vocabulary is not None and config.vocabulary is not None:
+        # Where each id's row is (its bucket hashes with the seed over the
+        # buckets ``ways`` makes), and whether a row is the shared default.
+        for field in ("seed", "ways", "default"):
+            if vocabulary[field] != getattr(config.vocabulary, field):
+                raise ValueError(
+                    f"table {name!r}: the checkpoint's vocabulary has {field}="
+                    f"{vocabulary[field]!r} but the cache's has "
+                    f"{getattr(config.vocabulary, field)!r}, and the saved rows are laid out for "
+                    f"the saved value; build the cache from Checkpointer.cache_config({name!r})."
+                )
     row_state = _row_state_json(config)
     if row_state and row_state != saved["row_state"]:
         raise ValueError(

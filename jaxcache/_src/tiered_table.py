@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 import re
 from collections.abc import Iterator
@@ -34,7 +35,13 @@ import numpy as np
 
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.dram_tier import DramTier, Fields, TierStats, fields, pack
-from jaxcache._src.host_table import HostTable, Initializer, _check_rows, _check_shard
+from jaxcache._src.host_table import (
+    HostTable,
+    Initializer,
+    _check_count,
+    _check_rows,
+    _check_shard,
+)
 from jaxcache._src.kernels import as_index_array
 from jaxcache._src.row_log import DiskStats, RowLog
 
@@ -181,6 +188,15 @@ class TieredTable(HostTable):
         segment_bytes: int = 64 << 20,
         disk_spare: float = 0.5,
     ) -> None:
+        _check_count("seed", seed, 0, low=0)
+        _check_count("shards", shards, 16)
+        _check_count("segment_bytes", segment_bytes, 64 << 20)
+        spare_ok = isinstance(disk_spare, numbers.Real) and not isinstance(disk_spare, bool)
+        if not (spare_ok and 0 <= disk_spare < math.inf):
+            raise ValueError(
+                f"disk_spare={disk_spare!r} must be a fraction >= 0 of the table's size "
+                "(default 0.5)."
+            )
         self.config = config
         self.shard = _check_shard(shard)
         index, count = self.shard

@@ -129,4 +129,9 @@ def check_frequencies(frequencies: object, num_embeddings: int, hint: str) -> np
         )
     if counts.size and counts.min() < 0:
         raise ValueError(f"frequencies must be >= 0 (access counts), got {int(counts.min())}.")
+    if counts.size and int(counts.max()) > np.iinfo(np.int64).max:
+        raise ValueError(
+            f"frequencies hold {int(counts.max())}, past the int64 counts are kept in; "
+            "pass counts below 2**63."
+        )
     return counts.astype(np.int64)
