@@ -69,6 +69,38 @@ def test_window_larger_than_capacity_shrinks_instead_of_failing(lookahead):
     np.testing.assert_array_equal(np.array(losses), np.array(base_losses))
 
 
+def _train_tables(capacities, lookahead, batches):
+    """One model per table, all fed by one pipeline; each table's rows."""
+    models = {}
+    for key, capacity in capacities.items():
+        cfg = jaxcache.CacheConfig(N, D, capacity, policy="lru", name=key)
+        cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, seed=1))
+        models[key] = make_cached(cache, F)
+    tables = {key: model.embed for key, (model, _) in models.items()}
+    with jaxcache.prefetch(batches, tables, lookahead=lookahead) as pipeline:
+        for batch in pipeline:
+            for key, (_, train) in models.items():
+                train.with_lookup(batch[key], batch["y"])
+    return {key: model.embed.export()[0] for key, (model, _) in models.items()}
+
+
+@pytest.mark.parametrize("lookahead", [1, 2, 4])
+def test_tables_that_wait_for_room_in_the_same_and_in_later_batches(lookahead):
+    # Tables a and b fit one batch, so both wait for room in the same
+    # batches; c fits two, so it waits in others. Each batch goes out with
+    # every table's rows, planned as without look-ahead.
+    streams = {key: _batches(10, seed=seed) for key, seed in (("a", 3), ("b", 4), ("c", 5))}
+    batches = [
+        {"y": streams["a"][i]["y"], **{key: s[i]["ids"] for key, s in streams.items()}}
+        for i in range(10)
+    ]
+    capacities = {"a": 130, "b": 130, "c": 260}
+    rows = _train_tables(capacities, lookahead, batches)
+    base = _train_tables(capacities, 0, batches)
+    for key in capacities:
+        np.testing.assert_array_equal(rows[key], base[key])
+
+
 def test_producer_error_surfaces_in_the_loop_with_its_traceback():
     def source():
         yield {"ids": np.array([[1, 2]])}

@@ -143,14 +143,12 @@ class _Work(NamedTuple):
 
 
 class _Refused(NamedTuple):
-    """A device plan failed: ``error`` for table ``key`` of batch ``index``
-    of the pipeline, the table's plan ``plan`` (the batch's other tables
+    """Device plans of batch ``index`` of the pipeline failed: for each
+    table that refused, ``(key, plan, error)`` (the batch's other tables
     wait in the stager's partials)."""
 
     index: int  # type: ignore[assignment]  # the field shadows tuple.index
-    key: str
-    plan: int
-    error: BaseException
+    refusals: tuple[tuple[str, int, BaseException], ...]
 
 
 class Prefetcher(Iterator[dict[str, Any]]):
@@ -260,6 +258,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         self._multi_process = any(c.shard[1] > 1 for c in caches)
         self._taken = 0  # batches handed out
         self._planned: list[tuple[int, Mapping[str, Any]]] = []  # dispatched, not handed out
+        self._deferred: dict[int, _Refused] = {}  # refusals of batches after the next
         self._pulled: queue.Queue[Any] = queue.Queue(maxsize=lookahead + 1)
         self._work: queue.Queue[Any] = queue.Queue()
         self._partials: dict[int, dict[str, Staged | HostStaged | DeviceStaged]] = {}
@@ -449,14 +448,23 @@ class Prefetcher(Iterator[dict[str, Any]]):
         """The loop's part for device-planned tables: dispatches the plans of
         every batch up to ``lookahead`` past the one it hands out now (a
         fixed point in the step sequence, so several processes dispatch
-        their collectives in the same order), then takes that one."""
+        their collectives in the same order), then takes that one.
+
+        A refusal of a later batch waits until that batch is next: planning
+        it again earlier would count the rows of batches not yet handed out
+        as released."""
         self._dispatch_until(self._taken + self.lookahead)
         while True:
-            item = self._take()
+            item = self._deferred.pop(self._taken, None)
+            if item is None:
+                item = self._take()
             if not isinstance(item, _Refused):
                 if not isinstance(item, (_End, _Failure)):
                     self._planned.pop(0)
                 return item
+            if item.index > self._taken:
+                self._deferred[item.index] = item
+                continue
             failure = self._plan_again(item)
             if failure is not None:
                 return failure
@@ -505,29 +513,38 @@ class Prefetcher(Iterator[dict[str, Any]]):
         return cache.dispatch(_ids(batch, key), train=self.train, released=finished)
 
     def _plan_again(self, refused: _Refused) -> _Failure | None:
-        """A device plan found no room next to the batches in flight: plans
-        it again, now that the plan it waits for is released (the loop takes
-        batches in order, so every earlier one is), and every later plan of
-        its table (each did nothing after the failure). Another error, or a
-        batch that cannot fit, ends the loop: the ``_Failure`` to raise."""
-        error, key, index = refused.error, refused.key, refused.index
-        cache = self._caches[key]
-        assert isinstance(cache.planner, DevicePlanner)
-        cache.planner.rollback(refused.plan)
-        if (
-            not isinstance(error, CapacityError)
-            or error.fits_after is None
-            or error.fits_after >= refused.plan
-        ):
-            return _Failure(error, self._partials.pop(index, {}))
+        """Device plans found no room next to the batches in flight: plans
+        each refused table again, now that the plan it waits for is released
+        (the loop takes batches in order, so every earlier one is), and every
+        later plan of those tables (each did nothing after the failure).
+        Another error, or a batch that cannot fit, ends the loop: the
+        ``_Failure`` to raise."""
+        index = refused.index
+        waits: dict[str, int] = {}
+        for key, plan, error in refused.refusals:
+            planner = self._caches[key].planner
+            assert isinstance(planner, DevicePlanner)
+            planner.rollback(plan)
+            if (
+                not isinstance(error, CapacityError)
+                or error.fits_after is None
+                or error.fits_after >= plan
+            ):
+                return _Failure(error, self._partials.pop(index, {}))
+            waits[key] = int(error.fits_after)
         for later, batch in self._planned:
             if later < index:
                 continue
-            finished = cache.planner.next_index - 1 - self.lookahead
-            if later == index:
-                finished = max(finished, int(error.fits_after))
-            dispatched = cache.dispatch(_ids(batch, key), train=self.train, released=finished)
-            self._work.put(_Work(later, batch, {key: dispatched}, merge=True))
+            dispatched = {}
+            for key, fits_after in waits.items():
+                cache = self._caches[key]
+                finished = cache.planner.next_index - 1 - self.lookahead
+                if later == index:
+                    finished = max(finished, fits_after)
+                dispatched[key] = cache.dispatch(
+                    _ids(batch, key), train=self.train, released=finished
+                )
+            self._work.put(_Work(later, batch, dispatched, merge=True))
         return None
 
     def _stage_planned(self) -> None:
@@ -560,26 +577,31 @@ class Prefetcher(Iterator[dict[str, Any]]):
                 last = None
 
     def _stage_work(self, work: _Work) -> None:
+        """Stages what ``work`` holds; the batch goes to the loop once every
+        table is staged. Until then it waits in ``_partials``: for a refused
+        table (the loop plans it again), or for a table whose plan was
+        skipped after an earlier refusal."""
         staged = self._partials.pop(work.index, {}) if work.merge else {}
-        refused: _Refused | None = None
-        waiting = False
+        refusals: list[tuple[str, int, BaseException]] = []
         try:
             for key, cache in self._caches.items():
                 if key in work.dispatched:
+                    plan = work.dispatched[key]
                     try:
-                        staged[key] = cache.gather(work.dispatched[key], defer=True)
+                        staged[key] = cache.gather(plan, defer=True)
                     except PlanSkipped:
-                        waiting = True  # planned again after an earlier refusal
+                        pass  # planned again after an earlier refusal
                     except (ValueError, CapacityError) as error:
-                        refused = _Refused(work.index, key, work.dispatched[key].index, error)
+                        refusals.append((key, plan.index, error))
                 elif not work.merge:
                     staged[key] = self._stage_with_retry(cache, _ids(work.batch, key))
         finally:
-            if refused is not None or waiting:
+            complete = len(staged) == len(self._caches)
+            if not complete:
                 self._partials[work.index] = staged
-        if refused is not None:
-            self._queue.put(refused)
-        elif not waiting:
+        if refusals:
+            self._queue.put(_Refused(work.index, tuple(refusals)))
+        elif complete:
             self._queue.put((work.batch, staged))
 
     def _finish_planned(self) -> None:
