@@ -376,6 +376,20 @@ BAD_INPUT = [
         ["{d}/trace.npy", "--batch", "2", "--capacity", "2", "--plot", "{d}/no/curve.png"],
         "argument --plot: no such folder",
     ),
+    (
+        ["{d}/trace.npy", "--batch", "2", "--capacity", "2", "--plot", "{d}/"],
+        "is a folder; give a file in it",
+    ),
+    (["{d}/trace.npy", "--batch", "2", "--capacity", "nan"], "a fraction of the table such as"),
+    (["{d}/trace.npy", "--batch", "2", "--capacity", "inf"], "a fraction of the table such as"),
+    (
+        ["{d}/trace.npy", "--batch", "2", "--capacity", "2", "--dram-budget", "infG"],
+        "expected a byte count such as 512M",
+    ),
+    (
+        ["{d}/trace.npy", "--batch", "2", "--capacity", "2", "--dram-budget", "nanG"],
+        "expected a byte count such as 512M",
+    ),
 ]
 
 
@@ -504,6 +518,7 @@ def test_vocabulary_command_takes_every_forgetting_rule(tmp_path, capsys):
     [
         (["--rows", "30", "--capacity", "40"], "--capacity", "40 is not a cache of 1 to 30 rows"),
         (["--rows", "30", "--capacity", "1.5"], "--capacity", "1.5 is not a cache of 1 to 30 rows"),
+        (["--rows", "30", "--capacity", "nan"], "--capacity", "a fraction of the table such as"),
         (["--rows", "8"], "--rows", "batch 0: the batch has 10 new ids to admit but only 8"),
         (["--rows", "30", "--capacity", "5"], "--capacity", "the batch has 10 distinct ids"),
     ],

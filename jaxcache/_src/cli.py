@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import pickle
 import sys
@@ -286,6 +287,11 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def _check_plot(parser: argparse.ArgumentParser, path: str) -> None:
     """Fails before the replay if ``--plot`` cannot be written."""
     folder = os.path.dirname(path) or "."
+    if not os.path.basename(path) or os.path.isdir(path):
+        parser.error(
+            f"argument --plot: {path!r} is a folder; give a file in it, such as "
+            f"{os.path.join(path, 'curve.png')!r}."
+        )
     if not os.path.isdir(folder):
         parser.error(f"argument --plot: no such folder {folder!r}; create it or pick another path.")
     try:
@@ -362,7 +368,7 @@ def _bytes(text: str) -> int:
         value = float(number[: len(number) - len(unit)]) * units[unit]
     except ValueError:
         value = 0
-    if value < 1:
+    if not math.isfinite(value) or value < 1:
         raise argparse.ArgumentTypeError(f"expected a byte count such as 512M or 64G, got {text!r}")
     return int(value)
 
@@ -371,9 +377,11 @@ def _capacity(text: str) -> int | float:
     """A row count (``"5000"``) or a fraction of the table (``"0.02"``)."""
     for kind in (int, float):
         try:
-            return kind(text)
+            value = kind(text)
         except ValueError:
-            pass
+            continue
+        if math.isfinite(value):
+            return value
     raise argparse.ArgumentTypeError(
         f"expected a row count such as 5000 or a fraction of the table such as 0.02, got {text!r}"
     )
