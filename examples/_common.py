@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import pathlib
 import sys
 import time
@@ -179,8 +180,10 @@ def parse_args(
     args.callback_rows = getattr(args, "callback_rows", None)
     _check(parser, args)
     dense, rows = LEARNING_RATES[args.optimizer]
-    args.learning_rate = args.learning_rate or dense
-    args.row_learning_rate = args.row_learning_rate or rows
+    if args.learning_rate is None:
+        args.learning_rate = dense
+    if args.row_learning_rate is None:
+        args.row_learning_rate = rows
     return args
 
 
@@ -192,6 +195,17 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error(f"--devices={args.devices} must be at least 1.")
     if args.lookahead < 0:
         parser.error(f"--lookahead={args.lookahead} must be 0 (unpipelined) or more, e.g. 2.")
+    for name in ("learning_rate", "row_learning_rate"):
+        value = getattr(args, name)
+        if value is not None and not 0 <= value < math.inf:
+            parser.error(f"--{name.replace('_', '-')}={value} must be a finite rate >= 0.")
+    if args.profile_batches < 0:
+        parser.error(f"--profile-batches={args.profile_batches} must be 0 (no profile) or more.")
+    if args.profile_batches == 0 and args.policy == "frequency" and not args.full_table:
+        parser.error(
+            "--profile-batches=0 leaves --policy frequency without the counts it ranks rows "
+            "by; count some batches (e.g. 20) or pick --policy adaptive, lfu or lru."
+        )
     if args.callback_rows is not None:
         if not args.host_callback:
             parser.error("--callback-rows sizes the host-callback form; add --host-callback.")

@@ -179,12 +179,23 @@ def example(monkeypatch):
         (["--manual-dir", "."], "--manual-dir is only for Criteo files"),
         (["--callback-rows", "64"], "--callback-rows sizes the host-callback form"),
         (["--host-callback", "--callback-rows", "0"], "--callback-rows=0 must be at least 1"),
+        (["--profile-batches", "-1"], "--profile-batches=-1 must be 0"),
+        (["--profile-batches", "0"], "leaves --policy frequency without the counts"),
+        (["--learning-rate", "nan"], "--learning-rate=nan must be a finite rate"),
+        (["--row-learning-rate", "-1"], "--row-learning-rate=-1.0 must be a finite rate"),
     ],
 )
 def test_bad_flags_are_refused(example, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:
         example.main(flags)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_learning_rate_of_zero_is_kept(example):
+    args = example._common.parse_args("", ["--learning-rate", "0", "--row-learning-rate", "0"])
+    assert args.learning_rate == 0 and args.row_learning_rate == 0
+    default = example._common.parse_args("", [])
+    assert default.learning_rate > 0 and default.row_learning_rate > 0
 
 
 def test_many_device_examples_train_the_one_device_model(runs, many_device_runs):
