@@ -81,7 +81,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="zeros",
         help="with --raw-ids: what an id without a row reads",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name in ("num_processes", "devices_per_process", "steps", "batch_size", "admit_after"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1.")
+    if args.lookahead < 0:
+        parser.error(f"--lookahead={args.lookahead} must be 0 (unpipelined) or more, e.g. 2.")
+    for name in ("scale", "cache_fraction"):
+        if not 0 < getattr(args, name) <= 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be in (0, 1].")
+    if args.process_id is not None and not 0 <= args.process_id < args.num_processes:
+        parser.error(f"--process-id={args.process_id} must be in [0, --num-processes).")
+    if args.raw_ids is not None and args.raw_ids < 1:
+        parser.error(f"--raw-ids={args.raw_ids} must be a row budget of at least 1.")
+    return args
 
 
 def _free_port() -> int:

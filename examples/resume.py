@@ -55,8 +55,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dump", help="write the final state to this .npz file")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.every < 1:
-        parser.error("--steps and --every must be at least 1.")
+    for name in ("steps", "every", "batch_size", "features", "max_to_keep"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1.")
+    if args.lookahead < 0:
+        parser.error(f"--lookahead={args.lookahead} must be 0 (unpipelined) or more, e.g. 2.")
+    for name in ("scale", "cache_fraction"):
+        if not 0 < getattr(args, name) <= 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be in (0, 1].")
     return args
 
 

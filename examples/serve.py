@@ -38,6 +38,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.batches < 1 or args.batch_size < 1 or args.warmup < 0:
         parser.error("--batches and --batch-size must be at least 1, --warmup at least 0.")
+    if args.lookahead < 0:
+        parser.error(f"--lookahead={args.lookahead} must be 0 (unpipelined) or more, e.g. 2.")
+    if not 0 < args.capacity <= 1:
+        parser.error(f"--capacity={args.capacity} must be a fraction of the table in (0, 1].")
     return args
 
 
@@ -48,8 +52,11 @@ def main(argv: list[str] | None = None) -> dict:
         directory = tempfile.mkdtemp(prefix="jaxcache-serve-")
         print(f"no --checkpoint given: training a tiny model first, in {directory}")
         resume.main(["--checkpoint-dir", directory, "--steps", "20", "--every", "20"])
-    checkpointer = jaxcache.Checkpointer(directory, read_only=True)
-    info = checkpointer.info(args.step)
+    try:
+        checkpointer = jaxcache.Checkpointer(directory, read_only=True)
+        info = checkpointer.info(args.step)
+    except (FileNotFoundError, ValueError) as error:
+        raise SystemExit(f"serve.py: --checkpoint/--step: {error}") from None
     options = info.extra["model"]
     data = jaxcache.synthetic.SyntheticCriteo(
         scale=options["scale"], batch_size=args.batch_size, seed=options["seed"]

@@ -214,3 +214,36 @@ def test_many_device_examples_train_the_one_device_model(runs, many_device_runs)
         for key in ("loss", "last_loss", "eval_loss"):
             assert abs(x[key] - y[key]) <= 1e-5, (a, b, key)
         assert abs(x["auc"] - y["auc"]) <= 1e-4, (a, b)
+
+
+@pytest.mark.parametrize(
+    ("name", "flags", "message"),
+    [
+        ("resume", ["--max-to-keep", "0"], "--max-to-keep must be at least 1"),
+        ("resume", ["--lookahead", "-1"], "--lookahead=-1 must be 0"),
+        ("resume", ["--cache-fraction", "2"], "--cache-fraction=2.0 must be in (0, 1]"),
+        ("serve", ["--lookahead", "-1"], "--lookahead=-1 must be 0"),
+        ("serve", ["--capacity", "0"], "--capacity=0.0 must be a fraction"),
+        ("multiprocess", ["--num-processes", "0"], "--num-processes must be at least 1"),
+        ("multiprocess", ["--process-id", "2"], "--process-id=2 must be in [0, --num-processes)"),
+        ("multiprocess", ["--raw-ids", "0"], "--raw-ids=0 must be a row budget"),
+    ],
+)
+def test_other_examples_refuse_bad_flags(monkeypatch, capsys, name, flags, message):
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))
+    path = EXAMPLE.parent / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exit_info:
+        module.parse_args(flags)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_serve_names_a_missing_checkpoint_step(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))
+    spec = importlib.util.spec_from_file_location("serve_example", EXAMPLE.parent / "serve.py")
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    with pytest.raises(SystemExit, match="--checkpoint/--step: no checkpoint in"):
+        serve.main(["--checkpoint", str(tmp_path)])
