@@ -404,6 +404,17 @@ def test_cli_bad_input_exits_2_with_a_message(files, capsys, argv, message):
     assert "Traceback" not in captured.err
 
 
+def test_cli_names_a_table_too_large_to_replay(tmp_path, capsys):
+    # The largest id sets the table's size: 10^15 rows cannot be replayed.
+    path = tmp_path / "huge.npy"
+    np.save(path, np.array([[1, 10**15]], dtype=np.int64))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["replay", str(path), "--batch", "1", "--capacity", "2"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert f"a table of {10**15 + 1} rows needs more memory" in err, err
+
+
 def test_console_script_runs(files):
     command = [sys.executable, "-m", "jaxcache._src.cli", "replay", str(files / "trace.npy")]
     done = subprocess.run(
@@ -519,6 +530,8 @@ def test_vocabulary_command_takes_every_forgetting_rule(tmp_path, capsys):
         (["--rows", "30", "--capacity", "40"], "--capacity", "40 is not a cache of 1 to 30 rows"),
         (["--rows", "30", "--capacity", "1.5"], "--capacity", "1.5 is not a cache of 1 to 30 rows"),
         (["--rows", "30", "--capacity", "nan"], "--capacity", "a fraction of the table such as"),
+        (["--rows", "1", "--default", "shared"], "--rows", "1 must be in [2, 2^31 - 1] (one"),
+        (["--rows", str(2**40)], "--rows", f"{2**40} must be in [1, 2^31 - 1]"),
         (["--rows", "8"], "--rows", "batch 0: the batch has 10 new ids to admit but only 8"),
         (["--rows", "30", "--capacity", "5"], "--capacity", "the batch has 10 distinct ids"),
     ],

@@ -25,6 +25,7 @@ from jaxcache._src import replay as replay_lib
 from jaxcache._src import tier_replay
 from jaxcache._src.config import DEFAULTS, FORGET, POLICIES, DynamicVocabulary
 from jaxcache._src.planner import CapacityError
+from jaxcache._src.vocabulary import _INT32_MAX
 from jaxcache._src.vocabulary_replay import replay_vocabulary
 
 __all__ = ["main"]
@@ -186,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 default=args.default,
                 protect=args.protect,
             )
+        _check_vocabulary_rows(vocabulary_parser, args.rows, args.default)
         _check_vocabulary_capacity(vocabulary_parser, args.capacity, args.rows)
         try:
             result = replay_vocabulary(
@@ -207,6 +209,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             vocabulary_parser.error(f"argument trace: {error}")
         print(json.dumps(result), flush=True)
     return 0
+
+
+def _check_vocabulary_rows(parser: argparse.ArgumentParser, rows: int, default: str) -> None:
+    """Refuses a ``--rows`` budget the vocabulary cannot have, naming the flag
+    (the library's message would be blamed on the trace)."""
+    least = 2 if default == "shared" else 1
+    if not least <= rows <= _INT32_MAX:
+        why = " (one of them is the shared default row)" if least == 2 else ""
+        parser.error(f"argument --rows: {rows} must be in [{least}, 2^31 - 1]{why}.")
 
 
 def _check_vocabulary_capacity(
@@ -242,7 +253,7 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         n = replay_lib._table_size(trace, args.num_embeddings, frequencies)
     with _blame(parser, "--frequencies"):
         replay_lib._check_frequencies(frequencies, n)
-    with _blame(parser, capacity_flag):
+    with _blame(parser, capacity_flag), _blame_memory(parser, n):
         for capacity in capacities:
             replay_lib._resolve_capacity(capacity, n)
         results = replay_lib.sweep(
@@ -314,6 +325,19 @@ def _blame(
         yield
     except errors as error:
         parser.error(f"argument {flag}: {error}")
+
+
+@contextlib.contextmanager
+def _blame_memory(parser: argparse.ArgumentParser, rows: int) -> Iterator[None]:
+    """Turns a table too large to replay here into a usage error naming its size."""
+    try:
+        yield
+    except MemoryError as error:
+        parser.error(
+            f"argument trace: replaying a table of {rows} rows needs more memory than this "
+            f"machine has ({error}); its largest id sets the table's size, so give ids "
+            "in [0, N) for a smaller N, or use `jaxcache vocabulary` for raw ids."
+        )
 
 
 def _load(parser: argparse.ArgumentParser, flag: str, path: str) -> np.ndarray:
