@@ -85,6 +85,13 @@ def test_ids_that_could_pass_for_padding_are_refused(planner, devices, ids, padd
     _assert_unchanged(cache, snapshot)
 
 
+@pytest.mark.parametrize("shape", [(), (-1, 2), (2.5, 2), (True, 2)])
+def test_init_lookup_refuses_a_shape_that_is_no_batch(shape):
+    cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=16))
+    with pytest.raises(ValueError, match="is not the shape of a batch of ids"):
+        jaxcache.linen.init_lookup(cache, shape)
+
+
 def test_a_batch_of_empty_bags_looks_up_nothing(planner):
     cfg = jaxcache.CacheConfig(100, 4, 8, padding_id=-1)
     cache = jaxcache.EmbeddingCache(cfg, planner=planner)

@@ -712,13 +712,22 @@ class EmbeddingCache:
           >>> jaxcache.device.lookup_rows(cache.init_state().rows, lookup).shape
           (2, 3, 4)
         """
+        if (
+            not len(shape)
+            or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in shape)
+            or min(shape) < 0
+        ):
+            raise ValueError(
+                f"shape={shape!r} is not the shape of a batch of ids: give whole numbers "
+                ">= 0 with a leading batch axis, e.g. (batch,) or (batch, bag)."
+            )
         self.stager.check_batch(shape)
         n, cl, own = self.devices, self.local_capacity, self._blocks
-        rows = shape[0] // n * own if len(shape) else 0  # this process's rows of the batch
+        rows = shape[0] // n * own  # this process's rows of the batch
         route = routing.HostRoute(
             requests=np.full((own, n, 1), cl, np.int32),
             overflow=np.zeros(0, np.int32),
-            inverse=np.full((rows, *shape[1:]) if len(shape) else shape, n, np.int32),
+            inverse=np.full((rows, *shape[1:]), n, np.int32),
             owner_slots=np.full((own, 1), cl, np.int32),
             owner_inverse=np.full((own, n), 1, np.int32),
             overflowed=0,
