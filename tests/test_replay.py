@@ -173,6 +173,14 @@ def test_sweep_is_a_miss_ratio_curve():
     assert full["rows_written_back"] == full["evictions"] == 0
 
 
+def test_sweep_takes_one_capacity_as_it_takes_one_policy():
+    trace = zipf_trace()
+    one = sweep(trace, batch=500, capacities=0.5, policies="lru")
+    assert one == sweep(trace, batch=500, capacities=[0.5], policies=["lru"])
+    with pytest.raises(ValueError, match="no capacity given"):
+        sweep(trace, batch=500, capacities=[], policies="lru")
+
+
 def best_hits(batches, capacity):
     """The most distinct-id hits any choice of victims can get (exhaustive), starting
     from the best set of preloaded rows."""

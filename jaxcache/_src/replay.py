@@ -117,8 +117,8 @@ def replay(
 def sweep(
     trace: np.ndarray,
     *,
-    capacities: Iterable[int | float],
-    policies: Iterable[str] = ("adaptive",),
+    capacities: Iterable[int | float] | int | float,
+    policies: Iterable[str] | str = ("adaptive",),
     batch: int | None = None,
     num_embeddings: int | None = None,
     frequencies: np.ndarray | None = None,
@@ -154,7 +154,11 @@ def sweep(
     n = _table_size(trace, num_embeddings, frequencies)
     frequencies = _check_frequencies(frequencies, n)
     names = _check_policies(policies)
+    if isinstance(capacities, (int, float, np.number)):
+        capacities = [capacities]  # one capacity, as one policy may be a bare name
     rows = [_resolve_capacity(capacity, n) for capacity in capacities]
+    if not rows:
+        raise ValueError("no capacity given; pass a list such as capacities=[0.01, 0.05].")
     if planner not in ("host", "device"):
         raise ValueError(f"planner={planner!r} is not a planner; use 'host' or 'device'.")
     counts = frequencies
