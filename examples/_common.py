@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from _flags import check_ranges  # examples/_flags.py
 from tqdm import tqdm
 
 import jaxcache
@@ -188,13 +189,14 @@ def parse_args(
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    for name in ("steps", "batch_size", "features", "eval_batches", "bag_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1.")
+    check_ranges(
+        parser,
+        args,
+        counts=("steps", "batch_size", "features", "eval_batches", "bag_size"),
+        fractions=("cache_fraction",),
+    )
     if getattr(args, "devices", None) is not None and args.devices < 1:
         parser.error(f"--devices={args.devices} must be at least 1.")
-    if args.lookahead < 0:
-        parser.error(f"--lookahead={args.lookahead} must be 0 (unpipelined) or more, e.g. 2.")
     for name in ("learning_rate", "row_learning_rate"):
         value = getattr(args, name)
         if value is not None and not 0 <= value < math.inf:
@@ -211,8 +213,6 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             parser.error("--callback-rows sizes the host-callback form; add --host-callback.")
         if args.callback_rows < 1:
             parser.error(f"--callback-rows={args.callback_rows} must be at least 1, e.g. 4096.")
-    if not 0 < args.cache_fraction <= 1:
-        parser.error(f"--cache-fraction={args.cache_fraction} must be in (0, 1], e.g. 0.02.")
     if args.scale is None:
         args.scale = DEFAULT_SCALE[args.data]
     if not 0 < args.scale <= 1:

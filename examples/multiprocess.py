@@ -44,6 +44,8 @@ import socket
 import subprocess
 import sys
 
+from _flags import check_ranges  # examples/_flags.py
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -82,14 +84,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="with --raw-ids: what an id without a row reads",
     )
     args = parser.parse_args(argv)
-    for name in ("num_processes", "devices_per_process", "steps", "batch_size", "admit_after"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1.")
-    if args.lookahead < 0:
-        parser.error(f"--lookahead={args.lookahead} must be 0 (unpipelined) or more, e.g. 2.")
-    for name in ("scale", "cache_fraction"):
-        if not 0 < getattr(args, name) <= 1:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be in (0, 1].")
+    check_ranges(
+        parser,
+        args,
+        counts=("num_processes", "devices_per_process", "steps", "batch_size", "admit_after"),
+        fractions=("scale", "cache_fraction"),
+    )
     if args.process_id is not None and not 0 <= args.process_id < args.num_processes:
         parser.error(f"--process-id={args.process_id} must be in [0, --num-processes).")
     if args.raw_ids is not None and args.raw_ids < 1:

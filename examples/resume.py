@@ -31,6 +31,7 @@ import tempfile
 
 import jax
 import numpy as np
+from _flags import check_ranges  # examples/_flags.py
 from flax import nnx
 
 import jaxcache
@@ -55,14 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dump", help="write the final state to this .npz file")
     args = parser.parse_args(argv)
-    for name in ("steps", "every", "batch_size", "features", "max_to_keep"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1.")
-    if args.lookahead < 0:
-        parser.error(f"--lookahead={args.lookahead} must be 0 (unpipelined) or more, e.g. 2.")
-    for name in ("scale", "cache_fraction"):
-        if not 0 < getattr(args, name) <= 1:
-            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be in (0, 1].")
+    check_ranges(
+        parser,
+        args,
+        counts=("steps", "every", "batch_size", "features", "max_to_keep"),
+        fractions=("scale", "cache_fraction"),
+    )
     return args
 
 
