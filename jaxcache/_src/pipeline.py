@@ -462,7 +462,10 @@ class Prefetcher(Iterator[dict[str, Any]]):
                 if not isinstance(item, (_End, _Failure)):
                     self._planned.pop(0)
                 return item
-            if item.index > self._taken:
+            if item.index > self._taken:  # another of its tables may refuse in it too
+                held = self._deferred.get(item.index)
+                if held is not None:
+                    item = _Refused(item.index, held.refusals + item.refusals)
                 self._deferred[item.index] = item
                 continue
             failure = self._plan_again(item)
