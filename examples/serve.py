@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 import resume  # examples/resume.py: the model, and the training run if no checkpoint is given
+from _flags import check_ranges  # examples/_flags.py
 
 import jaxcache
 
@@ -36,12 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="batches before measuring")
     parser.add_argument("--lookahead", type=int, default=2, help="batches staged ahead")
     args = parser.parse_args(argv)
-    if args.batches < 1 or args.batch_size < 1 or args.warmup < 0:
-        parser.error("--batches and --batch-size must be at least 1, --warmup at least 0.")
-    if args.lookahead < 0:
-        parser.error(f"--lookahead={args.lookahead} must be 0 (unpipelined) or more, e.g. 2.")
-    if not 0 < args.capacity <= 1:
-        parser.error(f"--capacity={args.capacity} must be a fraction of the table in (0, 1].")
+    check_ranges(parser, args, counts=("batches", "batch_size"), fractions=("capacity",))
+    if args.warmup < 0:
+        parser.error(f"--warmup={args.warmup} must be 0 or more.")
     return args
 
 
