@@ -55,9 +55,10 @@ class HostCallbacks:
         """
         if self._planner != "host":
             raise RuntimeError(
-                "the host-callback form (CachedEmbed.lookup_ids) plans each batch on the host "
-                "inside the step, but this cache plans on the device; pass the step the Lookup "
-                "that jaxcache.prefetch (without callback=True) or CachedEmbed.prepare makes, "
+                "the host-callback form (lookup_ids of jaxcache.nnx.CachedEmbed or jaxcache.linen) "
+                "plans each batch on the host inside the step, but this cache plans on the device; "
+                "pass the step the Lookup that jaxcache.prefetch (without callback=True) or "
+                "CachedEmbed.prepare makes, "
                 'or build the cache with planner="host".'
             )
         if self._platform != "cpu":
@@ -65,8 +66,9 @@ class HostCallbacks:
         cores = threads.cores()
         if cores < 2:
             raise RuntimeError(
-                f"the host-callback form (CachedEmbed.lookup_ids) needs at least 2 CPU cores "
-                f"on JAX's CPU backend, and this process may run on {cores}: with one core "
+                "the host-callback form (lookup_ids of jaxcache.nnx.CachedEmbed or jaxcache.linen) "
+                f"needs at least 2 CPU cores on JAX's CPU backend, and this process may run on "
+                f"{cores}: with one core "
                 "XLA runs the step's callbacks on its only compute thread, and a callback can "
                 "wait there forever for JAX's copy of its arguments. "
                 "Pass the step the Lookup that jaxcache.prefetch (without callback=True) or "
