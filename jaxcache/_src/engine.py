@@ -414,7 +414,10 @@ class EmbeddingCache:
           train: the step will update these rows.
 
         Returns:
-          ``(state, lookup)``: the new device state and the ``Lookup``.
+          ``(state, lookup)``: the new device state and the ``Lookup``, for
+          one step before the next ``prepare``: that call counts this batch
+          as finished and may give its slots to other rows (to look ahead,
+          use ``jaxcache.prefetch``, which protects the batches in flight).
         """
         self.lifecycle.release_all()
         staged = self.stage(ids, train=train)

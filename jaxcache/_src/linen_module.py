@@ -190,7 +190,9 @@ def prepare(
 
     Returns:
       ``(variables, lookup)``: the variables with the new device state, and
-      the ``Lookup`` to pass to the model inside the step.
+      the ``Lookup`` to pass to the model inside the step, before the next
+      ``prepare`` (which may give its slots to other rows; to look ahead,
+      use ``jaxcache.prefetch``).
 
     Examples:
       >>> import jax, numpy as np, jaxcache, jaxcache.linen

@@ -103,7 +103,9 @@ class CachedEmbed(nnx.Module):
           train: the step will update these rows.
 
         Returns:
-          The ``Lookup`` to pass to the module inside the step.
+          The ``Lookup`` to pass to the module inside the step, before the
+          next ``prepare`` (which may give its slots to other rows; to look
+          ahead, use ``jaxcache.prefetch``).
         """
         state, lookup = self.cache.prepare(self.get_state(), ids, train=train)
         self.set_state(state)
