@@ -21,6 +21,13 @@ from jaxcache._src.stager import HostStaged, Stager
 
 __all__ = ["HostCallbacks"]
 
+# The refusals below name both entries into this form, and what to use instead.
+_FORM = "the host-callback form (lookup_ids of jaxcache.nnx.CachedEmbed or jaxcache.linen)"
+_INSTEAD = (
+    "pass the step the Lookup that jaxcache.prefetch (without callback=True) or "
+    "CachedEmbed.prepare makes"
+)
+
 
 class HostCallbacks:
     """The host side of one cache's host-callback form (``EmbeddingCache.callbacks``).
@@ -55,24 +62,18 @@ class HostCallbacks:
         """
         if self._planner != "host":
             raise RuntimeError(
-                "the host-callback form (lookup_ids of jaxcache.nnx.CachedEmbed or jaxcache.linen) "
-                "plans each batch on the host inside the step, but this cache plans on the device; "
-                "pass the step the Lookup that jaxcache.prefetch (without callback=True) or "
-                "CachedEmbed.prepare makes, "
-                'or build the cache with planner="host".'
+                f"{_FORM} plans each batch on the host inside the step, but this cache plans "
+                f'on the device; {_INSTEAD}, or build the cache with planner="host".'
             )
         if self._platform != "cpu":
             return
         cores = threads.cores()
         if cores < 2:
             raise RuntimeError(
-                "the host-callback form (lookup_ids of jaxcache.nnx.CachedEmbed or jaxcache.linen) "
-                f"needs at least 2 CPU cores on JAX's CPU backend, and this process may run on "
-                f"{cores}: with one core "
-                "XLA runs the step's callbacks on its only compute thread, and a callback can "
-                "wait there forever for JAX's copy of its arguments. "
-                "Pass the step the Lookup that jaxcache.prefetch (without callback=True) or "
-                "CachedEmbed.prepare makes, or let the process use two cores or more."
+                f"{_FORM} needs at least 2 CPU cores on JAX's CPU backend, and this process may "
+                f"run on {cores}: with one core XLA runs the step's callbacks on its only compute "
+                "thread, and a callback can wait there forever for JAX's copy of its arguments; "
+                f"{_INSTEAD}, or let the process use two cores or more."
             )
 
     def size(self, num_ids: int) -> int:
