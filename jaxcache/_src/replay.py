@@ -537,7 +537,8 @@ def _check_trace(trace: object) -> np.ndarray:
         where = tuple(int(i) for i in np.argwhere(array < 0)[0])
         raise ValueError(
             f"trace holds {int(array[where])} at index {where}; ids must be >= 0. Drop padding "
-            "ids before replaying, and reduce hashed ids modulo the vocabulary."
+            "ids before replaying. Size raw ids' rows with `jaxcache vocabulary` (in Python, "
+            "jaxcache.sizing.replay_vocabulary)."
         )
     return array
 

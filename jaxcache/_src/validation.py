@@ -26,9 +26,12 @@ def check_ids(ids: object, num_embeddings: int, padding_id: int | None, name: st
     if bad.any():
         value = int(array[bad].flat[0])
         where = tuple(int(i) for i in np.argwhere(bad)[0])
+        # Raw ids (hashed values, growing user ids) first get the fix that
+        # keeps them apart; reducing them modulo the table makes ids share rows.
         hint = (
-            "ids must be in [0, num_embeddings); reduce hashed ids modulo the vocabulary "
-            "on the host"
+            "ids must be in [0, num_embeddings); for raw ids, give each its own row with "
+            "CacheConfig(vocabulary=jaxcache.DynamicVocabulary()), or reduce them modulo "
+            "the vocabulary on the host"
         )
         if value < 0 and padding_id is None:
             hint += ", or set padding_id to mark empty bag positions"
