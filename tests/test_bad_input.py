@@ -89,6 +89,15 @@ def test_ids_that_could_pass_for_padding_are_refused(planner, devices, ids, padd
     _assert_unchanged(cache, snapshot)
 
 
+def test_dataset_counts_of_an_id_outside_the_table_name_only_the_fixes_they_can_take():
+    # A dynamic vocabulary takes no dataset counts, so their error does not offer it.
+    counter = jaxcache.FrequencyCounter(10)
+    with pytest.raises(ValueError, match=r"holds 12 .*modulo the vocabulary") as error:
+        counter.update(np.array([[3, 12]]))
+    assert "DynamicVocabulary" not in str(error.value)
+    assert counter.samples_seen == 0 and not counter.counts.any()
+
+
 @pytest.mark.parametrize("shape", [(), (-1, 2), (2.5, 2), (True, 2)])
 def test_init_lookup_refuses_a_shape_that_is_no_batch(shape):
     cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=16))

@@ -73,7 +73,10 @@ class FrequencyCounter:
 
     def update(self, ids: np.ndarray) -> None:
         """Counts one batch of ids ``[B, ...]`` (the first axis is samples)."""
-        ids = validation.check_ids(ids, self.num_embeddings, self.padding_id, "ids")
+        # Counts are per row of a fixed table: a dynamic vocabulary takes none.
+        ids = validation.check_ids(
+            ids, self.num_embeddings, self.padding_id, "ids", dynamic_fix=False
+        )
         self.samples_seen += ids.shape[0]
         if self.sample_rate < 1:
             ids = ids[self._rng.random(ids.shape[0]) < self.sample_rate]

@@ -7,12 +7,21 @@ import numpy as np
 __all__ = ["check_frequencies", "check_host_ids", "check_id_type", "check_ids", "check_raw_ids"]
 
 
-def check_ids(ids: object, num_embeddings: int, padding_id: int | None, name: str) -> np.ndarray:
+def check_ids(
+    ids: object,
+    num_embeddings: int,
+    padding_id: int | None,
+    name: str,
+    *,
+    dynamic_fix: bool = True,
+) -> np.ndarray:
     """Returns ``ids`` as a NumPy integer array, or raises a clear error.
 
     Ids must be integers of rank >= 1 in ``[0, num_embeddings)``, or equal to
     ``padding_id``. Nothing is cast silently: a float or bool array is refused
     rather than truncated, and a large int64 is never wrapped to int32.
+    ``dynamic_fix=False`` leaves the dynamic vocabulary out of the error's
+    fixes, for ids of a fixed table that cannot take raw ids (dataset counts).
     """
     array = check_id_type(ids, name)
     if array.size == 0:
@@ -26,13 +35,15 @@ def check_ids(ids: object, num_embeddings: int, padding_id: int | None, name: st
     if bad.any():
         value = int(array[bad].flat[0])
         where = tuple(int(i) for i in np.argwhere(bad)[0])
-        # Raw ids (hashed values, growing user ids) first get the fix that
-        # keeps them apart; reducing them modulo the table makes ids share rows.
-        hint = (
-            "ids must be in [0, num_embeddings); for raw ids, give each its own row with "
-            "CacheConfig(vocabulary=jaxcache.DynamicVocabulary()), or reduce them modulo "
-            "the vocabulary on the host"
-        )
+        hint = "ids must be in [0, num_embeddings); "
+        if dynamic_fix:
+            # Raw ids (hashed values, growing user ids) first get the fix that
+            # keeps them apart; reducing them modulo the table makes ids share rows.
+            hint += (
+                "for raw ids, give each its own row with "
+                "CacheConfig(vocabulary=jaxcache.DynamicVocabulary()), or "
+            )
+        hint += "reduce hashed ids modulo the vocabulary on the host"
         if value < 0 and padding_id is None:
             hint += ", or set padding_id to mark empty bag positions"
         elif value < 0:
