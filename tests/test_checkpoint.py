@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -499,12 +500,55 @@ def test_a_corrupt_table_state_is_refused_before_any_table_changes(tmp_path):
     checkpointer.save(1, caches=saved)
     counts = tmp_path / "1" / "tables" / "items" / "policy.counts.npy"
     np.save(counts, np.load(counts)[:10])  # the second table's counts cut short
+    record = counts.parent / "table.json"  # and recorded so: a whole file that does not fit
+    meta = json.loads(record.read_text())
+    meta["arrays"]["policy.counts"].update(shape=[10], bytes=10 * np.load(counts).itemsize)
+    record.write_text(json.dumps(meta))
     targets = [jaxcache.nnx.CachedEmbed(_cache("lfu", name=n, seed=3)) for n in ("users", "items")]
     rows = np.array(targets[0].cache.table.rows)
     with pytest.raises(ValueError, match=r"table 'items': .*counts cover 10 ids but the table"):
         checkpointer.restore(caches=targets)
     np.testing.assert_array_equal(targets[0].cache.table.rows, rows)  # the first one unchanged
     assert targets[0].cache.planner.resident_ids().size == 0
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["rows cut short", "state cut short", "planner array cut short", "table.json garbled"],
+)
+def test_a_damaged_file_is_refused_before_the_cache_changes(tmp_path, damage):
+    saved = jaxcache.nnx.CachedEmbed(_cache("lru"))
+    saved.prepare(np.arange(30))
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(1, caches=[saved])
+    table = tmp_path / "1" / "tables" / "embedding"
+    file = {
+        "rows cut short": "rows.npy",
+        "state cut short": "state.accumulator.npy",
+        "planner array cut short": "planner.id_of_slot.npy",
+        "table.json garbled": "table.json",
+    }[damage]
+    if file == "table.json":
+        (table / file).write_text("{not json")
+    else:
+        os.truncate(table / file, os.path.getsize(table / file) - 8)
+
+    target = jaxcache.nnx.CachedEmbed(_cache("lru", seed=3))
+    target.prepare(np.arange(100, 110))
+    rows = np.array(target.cache.table.rows)
+    state = {k: np.array(v) for k, v in target.cache.table.state.items()}
+    resident = target.cache.planner.resident_ids()
+    steps = target.cache.stats.steps
+    expected = "cannot be read" if file == "table.json" else "(truncated)"
+    with pytest.raises(
+        ValueError, match=rf"{re.escape(file)} .*{re.escape(expected)}.*earlier step"
+    ):
+        checkpointer.restore(caches=[target])
+    np.testing.assert_array_equal(target.cache.table.rows, rows)
+    for key, values in state.items():
+        np.testing.assert_array_equal(target.cache.table.state[key], values)
+    np.testing.assert_array_equal(target.cache.planner.resident_ids(), resident)
+    assert target.cache.stats.steps == steps
 
 
 def test_save_refuses_batches_staged_ahead(tmp_path):

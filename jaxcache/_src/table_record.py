@@ -69,8 +69,22 @@ def read_tables(directory: str) -> dict[str, SavedTable]:
     tables = {}
     for entry in sorted(os.scandir(directory), key=lambda e: e.name):
         if entry.is_dir():
-            with open(os.path.join(entry.path, "table.json")) as f:
-                tables[entry.name] = SavedTable(entry.path, json.load(f))
+            path = os.path.join(entry.path, "table.json")
+            try:
+                with open(path) as f:
+                    meta = json.load(f)
+            except (OSError, ValueError) as error:
+                raise ValueError(
+                    f"table {entry.name!r}: {path} cannot be read ({error}); the checkpoint is "
+                    "damaged: restore an earlier step (Checkpointer.steps())."
+                ) from None
+            missing = [key for key in _RECORD_KEYS if not isinstance(meta, dict) or key not in meta]
+            if missing:
+                raise ValueError(
+                    f"table {entry.name!r}: {path} lacks {missing}; the checkpoint is damaged: "
+                    "restore an earlier step (Checkpointer.steps())."
+                )
+            tables[entry.name] = SavedTable(entry.path, meta)
     return tables
 
 
@@ -111,7 +125,10 @@ class SavedTable:
         return {k: v for k, v in self.meta.items() if k not in _RECORD_KEYS}
 
     def check_files(self, name: str) -> None:
-        """Raises ``ValueError`` unless every file of the table is there."""
+        """Raises ``ValueError`` unless every file of the table is there, whole:
+        its ``.npy`` header names the shape and dtype ``table.json`` recorded,
+        and its size is the header's plus those bytes. A restore reads the
+        files only after this check, so a damaged one changes nothing."""
         keys = {"rows", *(f"state.{k}" for k in self.meta["config"]["row_state"])}
         keys.update(key.split(".shard-")[0] for key in self.meta["arrays"])
         for key in sorted(keys):
@@ -120,6 +137,14 @@ class SavedTable:
                 if not os.path.exists(path):
                     raise ValueError(
                         f"table {name!r}: {path} is missing; the checkpoint is incomplete."
+                    )
+                fault = _npy_fault(
+                    path, self.meta["arrays"].get(shard_key(key, shard, self.shards))
+                )
+                if fault:
+                    raise ValueError(
+                        f"table {name!r}: {path} {fault}; the checkpoint is damaged: restore "
+                        "an earlier step (Checkpointer.steps())."
                     )
 
     def copy_rows(
@@ -183,6 +208,32 @@ class SavedTable:
     def array(self, key: str) -> np.ndarray:
         """A read-only memory map of array ``key`` (stored dtype; bfloat16 as raw bytes)."""
         return np.load(self.path(key), mmap_mode="r")
+
+
+def _npy_fault(path: str, recorded: dict[str, Any] | None) -> str | None:
+    """What is wrong with the ``.npy`` file at ``path`` given what ``table.json``
+    recorded of it (``write_array``'s shape and bytes), or ``None``."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            else:
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            offset, size = f.tell(), os.fstat(f.fileno()).st_size
+    except (OSError, ValueError, SyntaxError) as error:
+        return f"has no readable .npy header ({error})"
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if recorded is not None and (
+        list(shape) != list(recorded["shape"]) or fortran or nbytes != recorded.get("bytes", nbytes)
+    ):
+        return (
+            f"holds {dtype} {tuple(shape)}, but the checkpoint recorded "
+            f"{recorded['dtype']} {tuple(recorded['shape'])}"
+        )
+    if size != offset + nbytes:
+        return f"has {size:,} bytes, but its header needs {offset + nbytes:,} (truncated)"
+    return None
 
 
 def shard_key(key: str, index: int, count: int) -> str:
