@@ -38,6 +38,24 @@ def test_seeded_and_memmapped(tmp_path):
     np.testing.assert_array_equal(reopened, a.rows)
 
 
+def test_a_directory_holds_one_live_tables_files(tmp_path):
+    cfg = jaxcache.CacheConfig(1000, 4, 16)
+    first = jaxcache.HostTable(cfg, seed=3, directory=tmp_path)
+    rows = np.array(first.rows)
+    # Its own file as the rows of a new table there: opening the new file
+    # would truncate the one it copies from.
+    saved = np.load(tmp_path / "rows.npy", mmap_mode="r")
+    with pytest.raises(ValueError, match=r"rows is a memory map of .*rows\.npy.*Checkpointer"):
+        jaxcache.HostTable(cfg, rows=np.asarray(saved), directory=tmp_path)
+    with pytest.raises(ValueError, match=r"rows\.npy holds the rows of another table"):
+        jaxcache.HostTable(cfg, seed=4, directory=tmp_path)
+    np.testing.assert_array_equal(first.rows, rows)
+    np.testing.assert_array_equal(np.load(tmp_path / "rows.npy"), rows)
+    del first, saved  # once the first table is gone, its directory may be reused
+    second = jaxcache.HostTable(cfg, seed=4, directory=tmp_path)
+    np.testing.assert_array_equal(second.rows, jaxcache.HostTable(cfg, seed=4).rows)
+
+
 def test_existing_rows_and_bfloat16():
     rows = np.random.default_rng(0).normal(size=(50, 4)).astype(np.float32)
     cfg = jaxcache.CacheConfig(50, 4, 10, dtype="bfloat16")

@@ -159,6 +159,22 @@ def test_budget_is_checked_and_defaults_to_a_share_of_memory(tmp_path):
 
 
 @pytest.mark.no_planner
+def test_a_live_tables_files_are_not_built_over(tmp_path):
+    users = jaxcache.TieredTable(
+        jaxcache.CacheConfig(1000, 4, 16), tmp_path, rows=np.ones((1000, 4))
+    )
+    with pytest.raises(ValueError, match=r"embedding\.log holds the rows of another table.*name="):
+        jaxcache.TieredTable(jaxcache.CacheConfig(1000, 4, 16), tmp_path, rows=np.zeros((1000, 4)))
+    items = jaxcache.CacheConfig(1000, 4, 16, name="items")  # another name: files of its own
+    other = jaxcache.TieredTable(items, tmp_path, rows=np.full((1000, 4), 2.0))
+    assert (users.gather(np.arange(1000))[0] == 1).all()
+    assert (other.gather(np.arange(1000))[0] == 2).all()
+    users.close()  # closed, its files may be built anew
+    again = jaxcache.TieredTable(jaxcache.CacheConfig(1000, 4, 16), tmp_path, seed=0)
+    assert again.gather([5])[0].shape == (1, 4)
+
+
+@pytest.mark.no_planner
 def test_threads_on_disjoint_rows_see_their_own_writes(tmp_path):
     # Eight threads, each owning the rows r % 8 == t, write and read back
     # through a DRAM tier of 64 rows over 4 shards (evictions and garbage

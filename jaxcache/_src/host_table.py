@@ -8,8 +8,10 @@ exporting or checkpointing never scrambles them. Arrays are plain NumPy, or
 
 from __future__ import annotations
 
+import gc
 import math
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -112,6 +114,9 @@ class HostTable:
         so on for a shard), for tables that fit in the page cache or files
         shared with other processes. Every evicted row dirties a page of the
         file; for tables larger than memory use ``jaxcache.TieredTable``.
+        The files are built anew: a directory whose files another table in
+        use holds, or whose ``rows.npy`` is ``rows`` itself, is refused (a
+        table is resumed from a ``jaxcache.Checkpointer`` step).
       copy: copy ``rows`` (default) or adopt the array as the table.
       shard: ``(index, count)``: keep only this process's ids; ``rows``, when
         given, is still the whole ``[N, D]`` table (or a memory map of it).
@@ -152,6 +157,10 @@ class HostTable:
         rows = _check_rows(rows, config)
         self.directory = None if directory is None else os.fspath(directory)
         if self.directory is not None:
+            names = ["rows", *config.optimizer.state_spec(config.features)]
+            paths = [self._path(name) for name in names]
+            _check_not_mapped(rows, paths)
+            claim_files(self, paths, "give each table a directory of its own")
             os.makedirs(self.directory, exist_ok=True)
         local = (len(range(index, config.num_embeddings, count)), config.features)
         self.rows = self._allocate("rows", local, config.row_dtype)
@@ -167,14 +176,17 @@ class HostTable:
             array[...] = spec.init
             self.state[name] = array
 
-    def _allocate(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        if self.directory is None:
-            return np.empty(shape, dtype)
+    def _path(self, name: str) -> str:
+        assert self.directory is not None
         index, count = self.shard
         if count > 1:  # processes may share the directory (a network filesystem)
             name = f"{name}.shard-{index}-of-{count}"
-        path = os.path.join(self.directory, f"{name}.npy")
-        return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+        return os.path.join(self.directory, f"{name}.npy")
+
+    def _allocate(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        if self.directory is None:
+            return np.empty(shape, dtype)
+        return np.lib.format.open_memmap(self._path(name), mode="w+", dtype=dtype, shape=shape)
 
     def _chunks(self):
         """``(lo, hi, local slice)`` per init chunk of global ids ``[lo, hi)``."""
@@ -299,7 +311,15 @@ class HostTable:
 
 
 def _check_shard(shard: tuple[int, int] | None) -> tuple[int, int]:
-    index, count = (0, 1) if shard is None else (int(shard[0]), int(shard[1]))
+    if shard is None:
+        return 0, 1
+    whole = isinstance(shard, tuple | list) and len(shard) == 2
+    if not whole or not all(
+        isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in shard
+    ):
+        index, count = -1, 0
+    else:
+        index, count = int(shard[0]), int(shard[1])
     if count < 1 or not 0 <= index < count:
         raise ValueError(
             f"shard={shard!r} is not (index, count) with 0 <= index < count; pass "
@@ -345,3 +365,55 @@ def take_rows(array: np.ndarray, at: np.ndarray) -> np.ndarray:
     if array.ndim < 2:
         return np.asarray(array[at])
     return np.asarray(np.take(array, at, axis=0))
+
+
+# The files of this process's live tables, by real path. A second table
+# built over them would overwrite the rows the first one still reads and
+# writes, so that one table silently shows the other's rows.
+_CLAIMS: dict[str, weakref.ref[Any]] = {}
+
+
+def claim_files(owner: Any, paths: list[str], fix: str) -> None:
+    """Registers ``paths`` as the files of table ``owner``; raises ``ValueError``
+    (``fix`` says how to avoid it) when a live table of this process has one."""
+    keys = [os.path.realpath(path) for path in paths]
+    for key, path in zip(keys, paths, strict=True):
+        if _holder(key) not in (None, owner):
+            gc.collect()  # a table dropped but kept by a reference cycle
+        if _holder(key) not in (None, owner):
+            raise ValueError(
+                f"{path} holds the rows of another table that is still in use; building this "
+                f"table there would overwrite them. {fix[0].upper()}{fix[1:]}."
+            )
+    for key in keys:
+        _CLAIMS[key] = weakref.ref(owner)
+    for key in [key for key in _CLAIMS if _holder(key) is None]:
+        del _CLAIMS[key]
+
+
+def release_files(owner: Any) -> None:
+    """Forgets the files of ``owner`` (closed: another table may use them)."""
+    for key in [key for key in _CLAIMS if _holder(key) in (None, owner)]:
+        del _CLAIMS[key]
+
+
+def _holder(key: str) -> Any:
+    ref = _CLAIMS.get(key)
+    return None if ref is None else ref()
+
+
+def _check_not_mapped(rows: np.ndarray | None, paths: list[str]) -> None:
+    """Refuses ``rows`` that map one of the files a table would create over it."""
+    array: Any = rows
+    while isinstance(array, np.ndarray):
+        name = getattr(array, "filename", None)
+        if name:
+            for path in paths:
+                if os.path.exists(path) and os.path.samefile(name, path):
+                    raise ValueError(
+                        f"rows is a memory map of {path}, which this table would overwrite "
+                        "with its own file before copying from it (a table is resumed by "
+                        "jaxcache.Checkpointer); copy that file out of the "
+                        "directory first, or give the table another directory."
+                    )
+        array = array.base

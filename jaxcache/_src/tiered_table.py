@@ -41,6 +41,8 @@ from jaxcache._src.host_table import (
     _check_count,
     _check_rows,
     _check_shard,
+    claim_files,
+    release_files,
 )
 from jaxcache._src.kernels import as_index_array
 from jaxcache._src.row_log import DiskStats, RowLog
@@ -124,8 +126,9 @@ class TieredTable(HostTable):
     column into memory.
 
     The files are a cache between checkpoints: built anew by each table (a
-    table in a directory overwrites its predecessor's files) and removed by
-    ``close``. Save with ``jaxcache.Checkpointer``, which writes every row.
+    table in a directory overwrites its predecessor's files; while that
+    table is in use, neither closed nor dropped, it is refused) and removed
+    by ``close``. Save with ``jaxcache.Checkpointer``, which writes every row.
 
     Args:
       config: the table's configuration.
@@ -227,8 +230,15 @@ class TieredTable(HostTable):
             )
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", config.name)
         name = name if count == 1 else f"{name}.shard-{index}-of-{count}"
+        path = os.path.join(self.directory, f"{name}.log")
+        claim_files(
+            self,
+            [path],
+            "give this table another directory or another CacheConfig(name=...), or close() "
+            "the other table first",
+        )
         self._log = RowLog(
-            os.path.join(self.directory, f"{name}.log"),
+            path,
             n,
             self.record_bytes,
             segment_bytes=segment_bytes,
@@ -307,6 +317,7 @@ class TieredTable(HostTable):
     def close(self) -> None:
         """Removes the disk tier's files; the table cannot be used afterwards."""
         self._log.close()
+        release_files(self)
 
     # -------------------------------------------------------------- helpers
     def _checked(self, ids: Any) -> np.ndarray:
