@@ -335,6 +335,28 @@ def test_lookup_for_another_table_is_refused():
         b(lookup)
 
 
+def test_training_through_an_evaluation_lookup_is_refused(planner):
+    # Rows of a train=False batch are not marked changed, so an update
+    # through its Lookup would be dropped when they leave the cache.
+    cfg = jaxcache.CacheConfig(10, 2, 4, optimizer=jaxcache.sgd(0.5))
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, seed=0, planner=planner))
+    assert embed.prepare(np.array([1, 2]), train=True).train
+    lookup = embed.prepare(np.array([1, 2, 3]), train=False)
+    assert not lookup.train
+    rows = np.array(embed.get_state().rows)
+
+    @jax.jit
+    def step(state, lookup):  # an update as a hand-written loop makes it
+        grads = jax.numpy.ones((lookup.requests.shape[0], lookup.received, 2))
+        return jaxcache.device.apply_sparse(state, lookup, grads, cfg.optimizer)
+
+    with pytest.raises(ValueError, match=r"'embedding' was prepared with train=False.*train=True"):
+        step(embed.get_state(), lookup)
+    with pytest.raises(ValueError, match="prepared with train=False"):
+        jaxcache.nnx.value_and_grad(lambda m, lk: m(lk).sum())(embed, lookup)
+    np.testing.assert_array_equal(embed.get_state().rows, rows)
+
+
 def test_host_table_shards_are_checked():
     cfg = jaxcache.CacheConfig(100, 4, 10)
     with pytest.raises(ValueError, match=r"shard=\(2, 2\) is not \(index, count\)"):

@@ -78,7 +78,7 @@ class CacheState(NamedTuple):
         "delta",
         "positions",
     ],
-    meta_fields=["table", "mesh", "axis"],
+    meta_fields=["table", "mesh", "axis", "train"],
 )
 @dataclasses.dataclass(frozen=True)
 class Lookup:
@@ -110,6 +110,9 @@ class Lookup:
       table: name of the table.
       mesh: the device mesh of the table's rows.
       axis: the mesh axis the rows and the batch are split over.
+      train: the batch was prepared for training (``train=True``), so its
+        rows are written back when they leave the cache. The sparse update
+        refuses a lookup prepared with ``train=False``.
 
     Examples:
       >>> import numpy as np, jaxcache
@@ -129,6 +132,7 @@ class Lookup:
     table: str = "embedding"
     mesh: Mesh | None = None
     axis: str = "rows"
+    train: bool = True
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -486,6 +490,12 @@ def apply_sparse(
       >>> rows[3].tolist(), rows[4].tolist()
       ([-0.5, -0.5], [0.0, 0.0])
     """
+    if not lookup.train:
+        raise ValueError(
+            f"the Lookup of table {lookup.table!r} was prepared with train=False, so its rows "
+            "are not written back when they leave the cache and this update would be lost; "
+            "prepare (or prefetch) the batches you train on with train=True."
+        )
     spec = PartitionSpec(lookup.axis)
     k = lookup.requests.shape[2]
 

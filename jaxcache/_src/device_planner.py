@@ -110,6 +110,7 @@ class DeviceStep(NamedTuple):
         devices given to ids now: their first values are due before the
         gather.
       new_ids: ``int64``: those ids.
+      train: the batch updates its rows.
     """
 
     index: int  # type: ignore[assignment]  # the field shadows tuple.index
@@ -123,6 +124,7 @@ class DeviceStep(NamedTuple):
     moves_rows: bool
     new_rows: np.ndarray = np.zeros(0, np.int64)
     new_ids: np.ndarray = np.zeros(0, np.int64)
+    train: bool = True
 
     @property
     def misses(self) -> int:
@@ -695,6 +697,7 @@ class DevicePlanner:
             bool(info[0, COLUMN["need_p"]]),
             np.concatenate(new_rows),
             np.concatenate(new_ids),
+            dispatched.train,
         )
 
     def _info(self, dispatched: Dispatched) -> np.ndarray:

@@ -480,7 +480,7 @@ class EmbeddingCache:
         )
         state, rows, opt = device_ops.swap(state, evict, fetch, rows, opt)
         io_callback(self.callbacks.write_back, None, index, rows, opt, ordered=True)
-        return state, Lookup(*route, table=self.name, mesh=self.mesh, axis=self.axis)  # type: ignore[misc]
+        return state, Lookup(*route, table=self.name, mesh=self.mesh, axis=self.axis, train=train)  # type: ignore[misc]
 
     def stage(self, ids: np.ndarray, *, train: bool = True) -> Staged:
         """Host half of a step: plan, land needed write-backs, gather, transfer.
@@ -650,7 +650,7 @@ class EmbeddingCache:
             moves = (
                 None if host.moves is None else self.blocks.transfer(host.moves, self.row_sharding)
             )
-            lookup = self._device_lookup(host.route)
+            lookup = self._device_lookup(host.route, train=host.train)
         return Staged(host.plan, moves, lookup)
 
     def _device_staged(self, host: DeviceStaged) -> Staged:
@@ -677,10 +677,11 @@ class EmbeddingCache:
             table=self.name,
             mesh=self.mesh,
             axis=self.axis,
+            train=host.plan.train,
         )
         return Staged(host.plan, moves, lookup)
 
-    def _device_lookup(self, route: routing.HostRoute) -> Lookup:
+    def _device_lookup(self, route: routing.HostRoute, *, train: bool = True) -> Lookup:
         """The device ``Lookup`` of this process's blocks of a route."""
         requests, inverse, owner_slots, owner_inverse = self.blocks.transfer(
             (route.requests, route.inverse, route.owner_slots, route.owner_inverse),
@@ -700,6 +701,7 @@ class EmbeddingCache:
             table=self.name,
             mesh=self.mesh,
             axis=self.axis,
+            train=train,
         )
 
     def empty_lookup(self, shape: tuple[int, ...]) -> Lookup:

@@ -100,6 +100,7 @@ class HostStaged(NamedTuple):
         earlier plan had not landed when this one was staged: they are
         copied from that plan's read-out (its swap has been applied by then)
         into the fetch rows before the transfer. ``None`` when there are none.
+      train: the batch updates its rows (its ``Lookup`` says so).
 
     Examples:
       >>> import numpy as np, jaxcache
@@ -119,6 +120,7 @@ class HostStaged(NamedTuple):
     moves: Moves | None
     route: routing.HostRoute
     deferred: Deferred | None = None
+    train: bool = True
 
 
 class _Sizes(NamedTuple):
@@ -236,7 +238,7 @@ class Stager:
                     **vocabulary,
                 )
             )
-            return HostStaged(step, ids, moves, route, deferred)
+            return HostStaged(step, ids, moves, route, deferred, train)
 
     def state_dict(self) -> dict[str, Any]:
         """The padded sizes in use (they fix the compiled shapes), for a checkpoint."""
