@@ -266,13 +266,40 @@ def test_bad_learning_rate(make, learning_rate, error, pattern):
         (lambda: jaxcache.adam(0.1, b2=1.0), ValueError, r"Adam\(b2=1.0\)"),
         (lambda: jaxcache.adam(0.1, eps=float("nan")), ValueError, r"Adam\(eps=nan\)"),
         (lambda: jaxcache.adagrad(0.1, eps="small"), TypeError, r"takes a number.*1e-7"),
+        (
+            lambda: jaxcache.adam(0.1, eps=0.0),
+            ValueError,
+            r"Adam\(eps=0\): .*NaN \(0 / 0\); pass eps > 0 such as 1e-8\.",
+        ),
+        (
+            lambda: jaxcache.rowwise_adagrad(0.1, eps=0.0),
+            ValueError,
+            r"RowwiseAdagrad\(eps=0 and initial_accumulator_value=0\).*or initial_accumulator",
+        ),
+        (
+            lambda: jaxcache.adagrad(0.1, initial_accumulator_value=0.0, eps=0.0),
+            ValueError,
+            r"Adagrad\(eps=0 and initial_accumulator_value=0\)",
+        ),
     ],
 )
 def test_bad_optimizer_settings(make, error, pattern):
-    # Refused when built, as the learning rate is: a negative eps or a decay
-    # of 1 or more would train rows into NaN without an error.
+    # Refused when built, as the learning rate is: a negative eps, a decay
+    # of 1 or more, or a denominator that a zero gradient leaves at 0 would
+    # train rows into NaN without an error.
     with pytest.raises(error, match=pattern):
         make()
+
+
+def test_eps_zero_is_taken_where_the_accumulator_starts_above_zero():
+    opt = jaxcache.adagrad(1.0, initial_accumulator_value=0.1, eps=0.0)
+    rows, _ = opt.update(
+        jax.numpy.ones((1, 2)),
+        jax.numpy.zeros((1, 2)),
+        {"accumulator": jax.numpy.full((1, 2), 0.1)},
+    )
+    assert rows.tolist() == [[1.0, 1.0]]
+    assert jaxcache.rowwise_adagrad(1.0, initial_accumulator_value=0.5, eps=0.0).eps == 0.0
 
 
 def test_mesh_without_the_rows_axis():

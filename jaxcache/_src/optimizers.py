@@ -168,6 +168,20 @@ class SparseOptimizer:
         raise NotImplementedError
 
 
+def _check_denominator(optimizer: Any, start: str | None) -> None:
+    """Refuses ``eps=0`` where nothing else keeps a row's denominator above 0:
+    a row whose gradient is 0 on its first update would become 0 / 0 = NaN."""
+    if optimizer.eps > 0 or (start is not None and getattr(optimizer, start) > 0):
+        return
+    name = type(optimizer).__name__
+    given = "eps=0" if start is None else f"eps=0 and {start}=0"
+    other = "" if start is None else f", or {start} > 0"
+    raise ValueError(
+        f"{name}({given}): a row whose gradient is 0 on its first update would become NaN "
+        f"(0 / 0); pass eps > 0 such as {optimizer.bounds['eps'][2]}{other}."
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class SGD(SparseOptimizer):
     """Plain stochastic gradient descent: ``row -= lr * grad``.
@@ -191,7 +205,7 @@ class Adagrad(SparseOptimizer):
 
     Examples:
       >>> import jax.numpy as jnp, jaxcache
-      >>> opt = jaxcache.optimizers.Adagrad(1.0, initial_accumulator_value=0.0, eps=0.0)
+      >>> opt = jaxcache.optimizers.Adagrad(1.0, initial_accumulator_value=0.0)
       >>> rows, state = opt.update(jnp.zeros((1, 2)), jnp.array([[2.0, -4.0]]),
       ...                          {"accumulator": jnp.zeros((1, 2))})
       >>> rows.tolist(), state["accumulator"].tolist()
@@ -204,6 +218,10 @@ class Adagrad(SparseOptimizer):
         "initial_accumulator_value": (0.0, float("inf"), "0.1"),
         "eps": (0.0, float("inf"), "1e-7"),
     }
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_denominator(self, "initial_accumulator_value")
 
     def state_spec(self, features):
         return {
@@ -228,7 +246,7 @@ class RowwiseAdagrad(SparseOptimizer):
 
     Examples:
       >>> import jax.numpy as jnp, jaxcache
-      >>> opt = jaxcache.optimizers.RowwiseAdagrad(1.0, eps=0.0)
+      >>> opt = jaxcache.optimizers.RowwiseAdagrad(1.0)
       >>> rows, state = opt.update(jnp.zeros((1, 2)), jnp.array([[3.0, 4.0]]),
       ...                          {"accumulator": jnp.zeros(1)})
       >>> state["accumulator"].tolist()  # mean of the squared gradient
@@ -241,6 +259,10 @@ class RowwiseAdagrad(SparseOptimizer):
         "initial_accumulator_value": (0.0, float("inf"), "0.0"),
         "eps": (0.0, float("inf"), "1e-8"),
     }
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_denominator(self, "initial_accumulator_value")
 
     def state_spec(self, features):
         del features
@@ -282,6 +304,10 @@ class Adam(SparseOptimizer):
         "b2": (0.0, 1.0, "0.999"),
         "eps": (0.0, float("inf"), "1e-8"),
     }
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_denominator(self, None)
 
     def state_spec(self, features):
         f32 = np.dtype(np.float32)
