@@ -50,6 +50,7 @@ def cache_and_state(planner):
         (np.array([[1, -5]]), ValueError, r"holds -5 .*hold the padding id, -1\."),
         (np.array([1.0, 2.0]), TypeError, r"integer array, got dtype float64.*np.int64"),
         (np.array([True, False]), TypeError, r"integer array, got dtype bool"),
+        (np.array([1, 2], "m8[s]"), TypeError, r"integer array, got dtype timedelta64\[s\]"),
         (np.int64(3), ValueError, r"rank >= 1.*np.array"),
         (
             np.array([4225744279]),
@@ -148,6 +149,13 @@ def test_a_batch_too_large_for_a_device_counts_the_ids_homed_there(planner, capa
         (dict(capacity=10, padding_id=5), ValueError, r"padding_id=5 is a real row id"),
         (dict(capacity="all"), TypeError, r"got 'all'; pass a row count such as 5000"),
         (dict(capacity=10, callback_rows=0), ValueError, r"callback_rows=0 must be a positive"),
+        (dict(capacity=10, route_capacity=0), ValueError, r"route_capacity=0 must be a positive"),
+        (dict(capacity=10, route_capacity="x"), ValueError, r"route_capacity='x' must be"),
+        (dict(capacity=10, padding_id=2**70), ValueError, r"padding_id=\d+ must be an int64 id"),
+        (dict(capacity=10, padding_id="-1"), ValueError, r"padding_id='-1' must be an int64"),
+        (dict(capacity=10, padding_id=-1.5), ValueError, r"padding_id=-1.5 must be an int64"),
+        (dict(capacity=10, name=None), ValueError, r"name=None must be a non-empty string"),
+        (dict(capacity=10, name=""), ValueError, r"name='' must be a non-empty string"),
         (
             dict(capacity=10, optimizer="sgd"),
             TypeError,
@@ -178,6 +186,9 @@ def test_bad_config(kwargs, error, pattern):
         (dict(ttl=0), r"ttl=0 must be a positive number of steps"),
         (dict(ways=0), r"ways=0 must be a positive integer"),
         (dict(sketch_width=1000), r"sketch_width=1000 must be a power of two"),
+        (dict(seed=-1), r"seed=-1 must be an integer in \[0, 2\*\*63\)"),
+        (dict(seed=1.9), r"seed=1.9 must be an integer"),
+        (dict(seed=2**70), r"seed=\d+ must be an integer"),
     ],
 )
 def test_bad_vocabulary_settings(kwargs, pattern):
@@ -326,6 +337,31 @@ def test_saving_through_a_read_only_checkpointer(tmp_path):
     checkpointer = jaxcache.Checkpointer(tmp_path, read_only=True)
     with pytest.raises(RuntimeError, match="is read-only; save through one built with read_only"):
         checkpointer.save(0, caches=[embed])
+
+
+def test_loop_and_checkpoint_arguments_are_checked_when_given(tmp_path):
+    cfg = jaxcache.CacheConfig(100, 4, 10)
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg))
+    with pytest.raises(ValueError, match=r"max_to_keep=1.5 must be a positive count or None"):
+        jaxcache.Checkpointer(tmp_path, max_to_keep=1.5)
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    with pytest.raises(ValueError, match=r"step must be an integer in \[0, 2\*\*63\)"):
+        checkpointer.save(2**70, caches=[embed])
+    checkpointer.save(1, caches=[embed])  # a refused step leaves later saves possible
+    assert checkpointer.steps() == [1]
+    for shard in [(0.5, 2), (0,), (True, 2)]:
+        with pytest.raises(ValueError, match=r"is not \(index, count\)"):
+            jaxcache.HostTable(cfg, shard=shard)
+    with pytest.raises(TypeError, match=r"tables must map each batch key .*got a list"):
+        jaxcache.prefetch([{"ids": np.arange(3)}], [embed])
+    with pytest.raises(TypeError, match=r"batches must be an iterable .*got a NoneType"):
+        jaxcache.prefetch(None, {"ids": embed})
+    with jaxcache.prefetch([np.arange(3)], {"ids": embed}, lookahead=0) as pipeline:
+        with pytest.raises(KeyError, match=r"no ids under 'ids'; it must be a mapping"):
+            next(iter(pipeline))
+    serving = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(jaxcache.serving_config(cfg)))
+    with pytest.raises(ValueError, match=r"lookahead=-1 must be an integer >= 0"):
+        jaxcache.Server(serving, lambda batch: batch, {"ids": serving}, lookahead=-1)
 
 
 def test_host_rows_of_wrong_shape():

@@ -340,7 +340,7 @@ BAD_INPUT = [
     (["{d}/float.npy", "--batch", "2", "--capacity", "2"], "dtype float32; convert it"),
     (["{d}/rank3.npy", "--capacity", "2"], "argument trace: trace must be 1-D"),
     (["{d}/archive.npz", "--batch", "2", "--capacity", "2"], "is an .npz archive"),
-    (["{d}/text.npy", "--batch", "2", "--capacity", "2"], "cannot read"),
+    (["{d}/text.npy", "--batch", "2", "--capacity", "2"], "as a .npy array (no .npy header)"),
     (["{d}/trace.npy", "--capacity", "2"], "argument --batch: batch is needed"),
     (["{d}/trace.npy", "--batch", "0", "--capacity", "2"], "positive whole number, got '0'"),
     (
@@ -414,6 +414,7 @@ def test_cli_bad_input_exits_2_with_a_message(files, capsys, argv, message):
     assert captured.out == ""  # nothing replayed or printed before the error
     assert message in captured.err
     assert "Traceback" not in captured.err
+    assert "allow_pickle" not in captured.err  # never advise loading pickles
 
 
 def test_cli_names_a_table_too_large_to_replay(tmp_path, capsys):
@@ -425,6 +426,19 @@ def test_cli_names_a_table_too_large_to_replay(tmp_path, capsys):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert f"a table of {10**15 + 1} rows needs more memory" in err, err
+    # Ids near 2**63 make a table no array can even address.
+    np.save(path, np.array([[1, 2**63 - 1]], dtype=np.int64))
+    np.save(small := tmp_path / "small.npy", np.array([[1, 2]], dtype=np.int64))
+    for trace, size in (
+        (path, ["--capacity", "2"]),
+        (path, ["--sweep", "2,3"]),
+        (small, ["--capacity", "2", "--num-embeddings", str(2**62)]),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["replay", str(trace), "--batch", "1", *size])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "Traceback" not in err
+        assert "argument trace: a table of" in err and "jaxcache vocabulary" in err, err
 
 
 def test_console_script_runs(files):
@@ -513,6 +527,17 @@ def test_vocabulary_replay_refuses_a_bonus_out_of_range(tmp_path, capsys):
         main(["vocabulary", str(path), "--rows", "30", "--forget", "lrfu", "--bonus", "999"])
     assert exit_.value.code == 2
     assert "argument --bonus: bonus=999 must be an integer in [0, 256]" in capsys.readouterr().err
+
+
+def test_vocabulary_command_offers_only_policies_raw_ids_can_take(tmp_path, capsys):
+    # "frequency" ranks rows by dataset counts, which a trace of raw ids has not.
+    path = tmp_path / "raw.npy"
+    np.save(path, np.arange(40, dtype=np.int64) * 7919)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["vocabulary", str(path), "--rows", "64", "--batch", "8", "--policy", "frequency"])
+    assert exit_info.value.code == 2
+    assert "argument --policy: invalid choice: 'frequency'" in capsys.readouterr().err
+    assert main(["vocabulary", str(path), "--rows", "64", "--batch", "8", "--capacity", "16"]) == 0
 
 
 def test_vocabulary_command_takes_every_forgetting_rule(tmp_path, capsys):

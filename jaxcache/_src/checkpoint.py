@@ -121,7 +121,11 @@ class Checkpointer:
         fsync: bool = True,
         read_only: bool = False,
     ) -> None:
-        if max_to_keep is not None and (isinstance(max_to_keep, bool) or max_to_keep < 1):
+        if max_to_keep is not None and (
+            isinstance(max_to_keep, bool)
+            or not isinstance(max_to_keep, (int, np.integer))
+            or max_to_keep < 1
+        ):
             raise ValueError(f"max_to_keep={max_to_keep!r} must be a positive count or None.")
         self.directory = os.path.abspath(os.fspath(directory))
         self.read_only = read_only
@@ -432,8 +436,12 @@ def _info(step: int, meta: dict[str, Any]) -> CheckpointInfo:
 
 
 def _check_step(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or not 0 <= value < 2**63
+    ):
+        raise ValueError(f"{name} must be an integer in [0, 2**63), got {value!r}.")
     return int(value)
 
 

@@ -171,7 +171,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     vocabulary_parser.add_argument(
         "--capacity", type=_capacity, help="also plan the rows through a device cache this large"
     )
-    vocabulary_parser.add_argument("--policy", choices=POLICIES, default="adaptive")
+    vocabulary_parser.add_argument(
+        "--policy",
+        # "frequency" ranks rows by dataset counts, which raw ids do not have.
+        choices=[p for p in POLICIES if p != "frequency"],
+        default="adaptive",
+        help="the device cache's policy, with --capacity",
+    )
     args = parser.parse_args(argv)
     if args.command == "replay":
         _replay(replay_parser, args)
@@ -249,7 +255,8 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         trace = replay_lib._check_trace(trace)
     with _blame(parser, "--batch"):
         replay_lib._split(trace, args.batch)
-    with _blame(parser, "--frequencies" if args.num_embeddings is None else "--num-embeddings"):
+    flag = "--frequencies" if args.num_embeddings is None else "--num-embeddings"
+    with _blame(parser, flag), _blame_memory(parser, None):
         n = replay_lib._table_size(trace, args.num_embeddings, frequencies)
     with _blame(parser, "--frequencies"):
         replay_lib._check_frequencies(frequencies, n)
@@ -328,11 +335,13 @@ def _blame(
 
 
 @contextlib.contextmanager
-def _blame_memory(parser: argparse.ArgumentParser, rows: int) -> Iterator[None]:
+def _blame_memory(parser: argparse.ArgumentParser, rows: int | None) -> Iterator[None]:
     """Turns a table too large to replay here into a usage error naming its size."""
     try:
         yield
     except MemoryError as error:
+        if rows is None:  # the error names the size and the fix
+            parser.error(f"argument trace: {error}")
         parser.error(
             f"argument trace: replaying a table of {rows} rows needs more memory than this "
             f"machine has ({error}); its largest id sets the table's size, so give ids "
@@ -350,8 +359,11 @@ def _load(parser: argparse.ArgumentParser, flag: str, path: str) -> np.ndarray:
     try:
         array = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError, pickle.UnpicklingError) as error:
+        # NumPy takes any file without the .npy magic for a pickle and
+        # suggests allow_pickle, which would run code from the file.
+        reason = "no .npy header" if "allow_pickle" in str(error) else str(error)
         parser.error(
-            f"argument {flag}: cannot read {path!r} as a .npy array ({error}); save the ids "
+            f"argument {flag}: cannot read {path!r} as a .npy array ({reason}); save the ids "
             "with np.save(path, ids)."
         )
     if not isinstance(array, np.ndarray):

@@ -180,6 +180,16 @@ class DynamicVocabulary:
             or (width & (width - 1))
         ):
             raise ValueError(f"sketch_width={width!r} must be a power of two, such as 2**20.")
+        seed = self.seed
+        if (
+            isinstance(seed, bool)
+            or not isinstance(seed, (int, np.integer))
+            or not 0 <= seed < 2**63
+        ):
+            raise ValueError(
+                f"seed={seed!r} must be an integer in [0, 2**63), such as 0: it draws each "
+                "id's first values and salts its bucket's hash."
+            )
 
     def id_rows(self, budget: int) -> int:
         """Rows of a ``budget`` the vocabulary gives to ids: all of them, or
@@ -289,6 +299,29 @@ class CacheConfig:
             raise ValueError(
                 f"num_embeddings={self.num_embeddings} leaves no row for ids besides the shared "
                 'row of DynamicVocabulary(default="shared"); use at least 2.'
+            )
+        pad = self.padding_id
+        if pad is not None and (
+            isinstance(pad, bool)
+            or not isinstance(pad, (int, np.integer))
+            or not -(2**63) <= pad < 2**63
+        ):
+            raise ValueError(
+                f"padding_id={pad!r} must be an int64 id (such as -1) or None: ids are "
+                "compared with it as int64."
+            )
+        route = self.route_capacity
+        if route is not None and (
+            isinstance(route, bool) or not isinstance(route, (int, np.integer)) or route < 1
+        ):
+            raise ValueError(
+                f"route_capacity={route!r} must be a positive number of rows, or None to size "
+                "the route from each batch."
+            )
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(
+                f"name={self.name!r} must be a non-empty string, such as 'users': it names "
+                "the table in lookups and checkpoints."
             )
         if (
             self.vocabulary is None

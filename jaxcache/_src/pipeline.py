@@ -201,9 +201,16 @@ class Prefetcher(Iterator[dict[str, Any]]):
                 f"switch_interval={switch_interval!r} must be a number of seconds in (0, 1] "
                 f"(default {SWITCH_INTERVAL}), or None to leave sys.getswitchinterval() alone."
             )
-        if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
-            raise ValueError(
-                f"lookahead={lookahead!r} must be an integer >= 0 (0 = no background thread)."
+        check_lookahead(lookahead)
+        if not isinstance(tables, Mapping):
+            raise TypeError(
+                f"tables must map each batch key holding ids to its module, such as "
+                f"{{'ids': embed}}, got a {type(tables).__name__}."
+            )
+        if not isinstance(batches, Iterable):
+            raise TypeError(
+                f"batches must be an iterable of mappings (e.g. a generator of dicts of "
+                f"arrays), got a {type(batches).__name__}."
             )
         if not tables:
             raise ValueError("tables is empty; map each batch key holding ids to its module.")
@@ -692,10 +699,18 @@ class Prefetcher(Iterator[dict[str, Any]]):
         self.close()
 
 
+def check_lookahead(lookahead: Any) -> None:
+    """Raises ``ValueError`` unless ``lookahead`` is an integer >= 0."""
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+        raise ValueError(
+            f"lookahead={lookahead!r} must be an integer >= 0 (0 = no background thread)."
+        )
+
+
 def _ids(batch: Mapping[str, Any], key: str) -> Any:
     try:
         return batch[key]
-    except (KeyError, TypeError):
+    except (KeyError, TypeError, IndexError):  # IndexError: an array indexed by a name
         raise KeyError(
             f"the batch has no ids under {key!r}; it must be a mapping with that key "
             f"(keys: {sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__})."

@@ -15,6 +15,7 @@ batch, ``N`` table rows.
 from __future__ import annotations
 
 import heapq
+import sys
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -520,7 +521,7 @@ def _ratio(part: int, whole: int) -> float:
 def _check_trace(trace: object) -> np.ndarray:
     """``trace`` as an integer array of rank 1 or 2 with ids >= 0."""
     array = np.asarray(trace)
-    if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
+    if array.dtype.kind not in "iu":  # not bool, not timedelta64 (a NumPy integer too)
         raise TypeError(
             f"trace must hold integer ids, got dtype {array.dtype}; convert it with "
             "trace.astype(np.int64) if the values are whole ids."
@@ -569,7 +570,7 @@ def _table_size(
     largest = int(trace.max())
     if num_embeddings is None:
         if frequencies is None or np.ndim(frequencies) != 1:
-            return largest + 1
+            return _addressable(largest + 1)
         num_embeddings = len(frequencies)
         if largest >= num_embeddings:
             raise ValueError(
@@ -588,7 +589,20 @@ def _table_size(
             f"num_embeddings={num_embeddings} is too small for the trace, whose largest id is "
             f"{largest}; the table needs at least {largest + 1} rows (or leave it out)."
         )
-    return int(num_embeddings)
+    return _addressable(int(num_embeddings))
+
+
+def _addressable(rows: int) -> int:
+    """``rows``, unless a replay's per-row arrays (8 bytes a row and more)
+    could not even be addressed: ``MemoryError`` naming the fix."""
+    if rows > sys.maxsize // 16:
+        raise MemoryError(
+            f"a table of {rows:,} rows is too large for any machine's memory (its size is "
+            "num_embeddings, else the trace's largest id + 1); give ids in [0, N) for a "
+            "smaller N, or replay raw ids with jaxcache.sizing.replay_vocabulary "
+            "(`jaxcache vocabulary`)."
+        )
+    return rows
 
 
 def _check_frequencies(frequencies: object, num_embeddings: int) -> np.ndarray | None:

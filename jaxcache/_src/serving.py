@@ -29,7 +29,7 @@ from flax import nnx
 from jaxcache._src import optimizers
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.holder import CacheHolder
-from jaxcache._src.pipeline import prefetch
+from jaxcache._src.pipeline import check_lookahead, prefetch
 
 __all__ = ["ReadOnly", "Server", "serving_config"]
 
@@ -138,6 +138,7 @@ class Server:
         *,
         lookahead: int = 2,
     ) -> None:
+        check_lookahead(lookahead)
         for key, holder in tables.items():
             optimizer = getattr(getattr(holder, "cache", None), "config", None)
             if not isinstance(getattr(optimizer, "optimizer", None), ReadOnly):

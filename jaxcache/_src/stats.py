@@ -52,8 +52,13 @@ class StepStats:
     """What one planned batch did (or the sum over many).
 
     Attributes:
-      lookups: ids looked up (padding excluded).
-      distinct: distinct ids.
+      lookups: lookups of the cache's rows: ids looked up, padding excluded.
+        With raw ids a lookup of an id without a row (``refused_lookups``)
+        reads the shared row under ``default="shared"`` and counts here as
+        a lookup of that row; under ``default="zeros"`` it reads no row and
+        is left out, as padding is.
+      distinct: distinct rows looked up (with raw ids: ids with a row, and
+        the shared default row when read).
       hits: distinct ids already on device.
       misses: distinct ids fetched from the host.
       access_hits: lookups served by resident rows.

@@ -59,7 +59,7 @@ def check_id_type(ids: object, name: str) -> np.ndarray:
     """Returns ``ids`` as a NumPy integer array of rank >= 1, or raises a clear
     error; the values are not checked (``check_ids`` checks them too)."""
     array = np.asarray(ids)
-    if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
+    if array.dtype.kind not in "iu":  # not bool, not timedelta64 (a NumPy integer too)
         raise TypeError(
             f"{name} must be an integer array, got dtype {array.dtype}; "
             f"convert with np.asarray({name}, dtype=np.int64) if the values are whole ids."
@@ -136,7 +136,7 @@ def check_frequencies(frequencies: object, num_embeddings: int, hint: str) -> np
       hint: how the caller can get correct counts.
     """
     counts = np.asarray(frequencies)
-    if counts.shape != (num_embeddings,) or not np.issubdtype(counts.dtype, np.integer):
+    if counts.shape != (num_embeddings,) or counts.dtype.kind not in "iu":
         raise ValueError(
             f"frequencies must be an integer array of shape ({num_embeddings},), one count per "
             f"table row, got {counts.dtype} {counts.shape}; {hint}."
