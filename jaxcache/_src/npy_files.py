@@ -17,7 +17,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CHUNK_BYTES", "id_chunks", "read_into", "row_chunks", "write_array", "write_streamed"]
+__all__ = [
+    "CHUNK_BYTES",
+    "id_chunks",
+    "read_header",
+    "read_into",
+    "row_chunks",
+    "write_array",
+    "write_streamed",
+]
 
 # Bytes moved per write or read when a file is streamed through user space.
 CHUNK_BYTES = 1 << 26
@@ -142,15 +150,21 @@ def write_streamed(directory: str, table: Any, keys: list[str], *, fsync: bool) 
     return meta
 
 
+def read_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """``(shape, fortran_order, dtype, data offset)`` of the open ``.npy`` file ``f``,
+    read from its start (``ValueError`` when it has no ``.npy`` header)."""
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+    else:
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+    return tuple(shape), bool(fortran), dtype, f.tell()
+
+
 def read_into(path: str, out: np.ndarray) -> None:
     """Reads the ``.npy`` file at ``path`` into ``out`` (same shape and item size)."""
     with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-        else:
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-        offset = f.tell()
+        shape, fortran, dtype, offset = read_header(f)
         if tuple(shape) != out.shape or fortran or dtype.itemsize != out.dtype.itemsize:
             raise ValueError(
                 f"{path} holds {dtype} {tuple(shape)}, expected {out.dtype} {out.shape}."

@@ -215,12 +215,8 @@ def _npy_fault(path: str, recorded: dict[str, Any] | None) -> str | None:
     recorded of it (``write_array``'s shape and bytes), or ``None``."""
     try:
         with open(path, "rb") as f:
-            version = np.lib.format.read_magic(f)
-            if version == (1, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-            else:
-                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-            offset, size = f.tell(), os.fstat(f.fileno()).st_size
+            shape, fortran, dtype, offset = npy_files.read_header(f)
+            size = os.fstat(f.fileno()).st_size
     except (OSError, ValueError, SyntaxError) as error:
         return f"has no readable .npy header ({error})"
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
