@@ -125,6 +125,35 @@ def test_training_is_the_host_planners_bit_for_bit(policy):
     assert device[0].stats.total == host[0].stats.total
 
 
+@pytest.mark.parametrize("policy", ["lfu", "frequency"])
+def test_a_pipeline_that_waits_for_room_plans_as_the_host_planner(policy):
+    # Batches that often find no room next to the two in flight: the device
+    # pipeline has dispatched later plans when a plan fails, and those must
+    # not lend the plan made again a later bound than the host planner's.
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(30):
+        ids = rng.integers(0, 800, size=(8, 4))
+        ids[rng.random((8, 4)) < 0.3] = -1
+        batches.append({"ids": ids})
+    flat = np.concatenate([b["ids"].ravel() for b in batches])
+    freq = np.bincount(flat[flat >= 0], minlength=800)
+    cfg = jaxcache.CacheConfig(800, 4, capacity=48, policy=policy, padding_id=-1)
+
+    def run(planner):
+        cache = jaxcache.EmbeddingCache(cfg, planner=planner, frequencies=freq)
+        embed = jaxcache.nnx.CachedEmbed(cache)
+        with jaxcache.prefetch(batches, {"ids": embed}, lookahead=2) as pipeline:
+            for _ in pipeline:
+                pass
+        return cache
+
+    host, device = run("host"), run("device")
+    assert host.stats.total.rows_to_device > 20 * 30  # mostly misses: room is short
+    assert device.stats.total == host.stats.total
+    np.testing.assert_array_equal(device.planner.id_of_slot, host.planner.id_of_slot)
+
+
 @pytest.mark.parametrize(
     ("devices", "raw", "bags"), [(1, False, False), (2, False, True), (2, True, True)]
 )

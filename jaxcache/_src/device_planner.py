@@ -210,6 +210,11 @@ class DevicePlanner:
         self.next_index = 0
         self.released = -1
         self._finished = -1  # never lowered (see ``Planner._guard``)
+        # ``_finished`` before each plan not yet collected was dispatched:
+        # ``rollback`` takes back what plans dispatched past a failed one
+        # raised it to, so that plan is made again with the bound it would
+        # have had in order (the host planner's), not a later one.
+        self._finished_before: dict[int, int] = {}
         self.epoch = 0
         # Plans between moves of the adaptive keys' base (a test lowers it).
         self.key_span = device_plan.KEY_SPAN
@@ -589,6 +594,7 @@ class DevicePlanner:
         with self._lock:
             index = self.next_index
             finished = self.released if released is None else min(int(released), self.released)
+            self._finished_before[index] = self._finished
             self._finished = max(self._finished, finished)
             admit = min(finished, index - 1 - self._protect)
             program = device_plan.make_plan(
@@ -635,6 +641,7 @@ class DevicePlanner:
         if self._learns:
             self._learn_until(dispatched.index)
         with self._lock:
+            self._finished_before.pop(dispatched.index, None)
             self._admit_finished = max(self._admit_finished, dispatched.read["admit"])
             minimum = max(1, self.config.min_bucket // self.layout.devices)
             needs = [int(info[0, COLUMN[f"need_{x}"]]) for x in "kvpr"]
@@ -733,6 +740,10 @@ class DevicePlanner:
         with self._lock:
             self.epoch += 1
             self.next_index = index
+            if index in self._finished_before:
+                self._finished = self._finished_before[index]
+            for later in [i for i in self._finished_before if i >= index]:
+                del self._finished_before[later]
             for later in [i for i in self._dispatched if i >= index]:
                 del self._dispatched[later]
 
