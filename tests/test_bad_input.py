@@ -175,6 +175,13 @@ def test_bad_config(kwargs, error, pattern):
         jaxcache.CacheConfig(num_embeddings=100, features=4, **kwargs)
 
 
+def test_a_dtype_object_is_taken_as_its_name():
+    assert jaxcache.CacheConfig(100, 4, 10, dtype=jax.numpy.bfloat16).dtype == "bfloat16"
+    assert jaxcache.CacheConfig(100, 4, 10, dtype=np.float32) == jaxcache.CacheConfig(100, 4, 10)
+    with pytest.raises(ValueError, match=r"dtype='float16' is not supported"):
+        jaxcache.CacheConfig(100, 4, 10, dtype=np.float16)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [

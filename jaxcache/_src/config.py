@@ -204,7 +204,8 @@ class CacheConfig:
         counts (``EmbeddingCache(frequencies=...)``), warmed with the hottest
         rows. ``"lfu"``: online lookup counts. ``"lru"``: least recently used.
       optimizer: the sparse row optimizer (``jaxcache.sgd`` and friends).
-      dtype: dtype of the rows, ``float32`` or ``bfloat16``.
+      dtype: dtype of the rows, ``"float32"`` or ``"bfloat16"`` (a NumPy or
+        JAX dtype such as ``jnp.bfloat16`` is taken as its name).
       padding_id: id that marks an empty position in a bag; it looks up a zero
         row and gets no gradient. ``None`` allows no padding.
       min_bucket: smallest padded size of the per-step row lists; they are
@@ -271,6 +272,11 @@ class CacheConfig:
                 "ids of a batch), or None to pad the host-callback form's lists to the batch's "
                 "number of ids."
             )
+        if not isinstance(self.dtype, str):  # np.float32, jnp.bfloat16, np.dtype(...)
+            try:
+                object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
+            except TypeError:
+                pass
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} is not supported; use 'float32' or 'bfloat16'.")
         if self.vocabulary is not None and not isinstance(self.vocabulary, DynamicVocabulary):
