@@ -170,6 +170,48 @@ def test_a_batch_one_table_refuses_leaves_the_other_tables_whole(lookahead):
     np.testing.assert_array_equal(a.export()[0], truth)
 
 
+def test_tables_waiting_for_room_when_another_refuses_stay_whole(planner):
+    # Tables a, c and d wait for room in the batch whose ids table b
+    # refuses: the error ends the loop, and every table is left as after
+    # the batch before it, exportable and ready for a new pipeline.
+    keys = "abcd"
+    embeds = {}
+    for key in keys:
+        cfg = jaxcache.CacheConfig(500, 4, 20, policy="lru", name=key)
+        embeds[key] = jaxcache.nnx.CachedEmbed(
+            jaxcache.EmbeddingCache(cfg, seed=0, planner=planner)
+        )
+    rng = np.random.default_rng(0)
+    data = [{k: rng.integers(0, 500, (8, 2)) for k in keys} for _ in range(12)]
+    data[7]["b"][0, 0] = 9999
+    taken = 0
+    with pytest.raises(ValueError, match="holds 9999"):
+        with jaxcache.prefetch(data, embeds, lookahead=2) as pipeline:
+            for _ in pipeline:
+                taken += 1
+    assert taken == 7
+    truth = jaxcache.HostTable(embeds["a"].cache.config, seed=0).rows
+    for key in keys:
+        np.testing.assert_array_equal(embeds[key].export()[0], truth)
+    with jaxcache.prefetch(data[8:], embeds, lookahead=2) as pipeline:
+        assert len(list(pipeline)) == 4
+
+
+@pytest.mark.no_planner
+def test_tables_of_both_planners_are_refused_with_look_ahead():
+    embeds = {
+        key: jaxcache.nnx.CachedEmbed(
+            jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, 40, name=key), planner=key)
+        )
+        for key in ("host", "device")
+    }
+    batches = [{"host": np.array([[1, 2]]), "device": np.array([[3, 4]])}]
+    with pytest.raises(ValueError, match=r"mix planners .*same planner=, or pass lookahead=0"):
+        jaxcache.prefetch(batches, embeds, lookahead=1)
+    with jaxcache.prefetch(batches, embeds, lookahead=0) as pipeline:
+        assert len(list(pipeline)) == 1
+
+
 def _no_prefetch_threads(within=1.0):
     """Whether every producer thread ends within ``within`` seconds (it may
     still be between its last check of the stop flag and its return)."""

@@ -249,6 +249,20 @@ class Prefetcher(Iterator[dict[str, Any]]):
         # module may be mid-transform on the training thread (inside nnx.jit
         # its attributes are briefly taken apart).
         self._caches = {key: holder.cache for key, holder in tables.items()}
+        kinds = {key: cache.planner_kind for key, cache in self._caches.items()}
+        if lookahead > 0 and len(set(kinds.values())) > 1:
+            # The loop dispatches device plans ahead while the stager waits
+            # for room for host plans: the two waits can hold each other.
+            raise ValueError(
+                f"the tables mix planners ({kinds}); a pipeline with look-ahead runs one "
+                "kind: build every table's EmbeddingCache with the same planner=, or pass "
+                "lookahead=0."
+            )
+        for cache in self._caches.values():
+            # Plans made before this pipeline are finished, as for a
+            # ``prepare``: a batch an earlier loop left (a break, an error)
+            # holds no rows that this one would wait for forever.
+            cache.lifecycle.release_all()
         self._source = iter(batches)
         self._queue: queue.Queue[Any] = queue.Queue()
         self._permits = threading.Semaphore(max(lookahead, 1))
@@ -531,10 +545,11 @@ class Prefetcher(Iterator[dict[str, Any]]):
         ``_Failure`` to raise."""
         index = refused.index
         waits: dict[str, int] = {}
-        for key, plan, error in refused.refusals:
+        for key, plan, _ in refused.refusals:  # every one, before an error ends the loop
             planner = self._caches[key].planner
             assert isinstance(planner, DevicePlanner)
             planner.rollback(plan)
+        for key, plan, error in refused.refusals:
             if (
                 not isinstance(error, CapacityError)
                 or error.fits_after is None
