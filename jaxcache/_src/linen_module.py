@@ -308,7 +308,9 @@ def lookup_ids(
     host (from a batch ``jaxcache.prefetch`` staged with ``callback=True``,
     or planned on the spot), the swap runs inside the step and a second
     callback writes evicted rows back. Same results as ``prepare``; slower,
-    because every list is padded to one fixed size.
+    because every list is padded to one fixed size. With 64-bit types
+    disabled the ids must be below ``2**31``: JAX wraps larger ones to
+    ``int32`` at the ``jit`` boundary, before jaxcache sees them.
 
     Args:
       cache: the cache of the module that looks the ids up.

@@ -125,7 +125,10 @@ class CachedEmbed(nnx.Module):
         Under a sharded ``jit`` a callback runs on one device (see the docs).
 
         Ids travel into the step as JAX integers: with 64-bit types disabled
-        they must be below ``2**31``.
+        they must be below ``2**31``. JAX wraps larger ones to ``int32`` at
+        the ``jit`` boundary, before jaxcache sees them, so nothing can
+        catch it here: ``2**32 + 5`` arrives as ``5``. Pass such ids through
+        ``prepare`` or ``jaxcache.prefetch``, which take NumPy arrays.
 
         Args:
           ids: integer ids ``[B, ...]`` (traced).
