@@ -473,6 +473,15 @@ def test_host_callback_refuses_a_batch_over_callback_rows():
 
 
 @pytest.mark.host_planner
+def test_host_callback_form_refuses_a_lookup_for_ids():
+    # A batch prefetched without callback=True holds a Lookup, not ids.
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(jaxcache.CacheConfig(N, D, 300)))
+    lookup = embed.prepare(np.array([[1, 2]]))
+    with pytest.raises(TypeError, match=r"lookup_ids takes a batch's ids, got a Lookup"):
+        embed.lookup_ids(lookup)
+
+
+@pytest.mark.host_planner
 def test_host_callback_form_is_refused_on_one_cpu_core(monkeypatch):
     # On one core the step can hang in its callbacks (the engine's docstring
     # says why), so both entries into the host-callback form refuse before

@@ -441,6 +441,12 @@ class EmbeddingCache:
         Returns:
           ``(state, lookup)``: the state after the swap, and the batch's lookup.
         """
+        if isinstance(ids, Lookup):
+            raise TypeError(
+                "lookup_ids takes a batch's ids, got a Lookup (a batch prefetch or prepare "
+                "already planned): pass that Lookup to the module itself, or prefetch with "
+                "callback=True to hand the step ids."
+            )
         self.callbacks.check()
         self._check_not_raw("lookup_ids (the host-callback form)")
         if self.shard[1] > 1:
