@@ -41,6 +41,7 @@ from jaxcache._src.config import CacheConfig
 from jaxcache._src.engine import EmbeddingCache
 from jaxcache._src.holder import CacheHolder, dense_state, find_tables, load_dense_state
 from jaxcache._src.linen_module import Holder
+from jaxcache._src.validation import is_int
 
 __all__ = ["CheckpointInfo", "Checkpointer"]
 
@@ -121,11 +122,7 @@ class Checkpointer:
         fsync: bool = True,
         read_only: bool = False,
     ) -> None:
-        if max_to_keep is not None and (
-            isinstance(max_to_keep, bool)
-            or not isinstance(max_to_keep, (int, np.integer))
-            or max_to_keep < 1
-        ):
+        if max_to_keep is not None and (not is_int(max_to_keep) or max_to_keep < 1):
             raise ValueError(f"max_to_keep={max_to_keep!r} must be a positive count or None.")
         self.directory = os.path.abspath(os.fspath(directory))
         self.read_only = read_only
@@ -436,11 +433,7 @@ def _info(step: int, meta: dict[str, Any]) -> CheckpointInfo:
 
 
 def _check_step(value: Any, name: str) -> int:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, np.integer))
-        or not 0 <= value < 2**63
-    ):
+    if not is_int(value) or not 0 <= value < 2**63:
         raise ValueError(f"{name} must be an integer in [0, 2**63), got {value!r}.")
     return int(value)
 

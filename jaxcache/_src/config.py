@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from jaxcache._src import optimizers
+from jaxcache._src.validation import is_int
 
 __all__ = ["FORGET", "INITS", "POLICIES", "CacheConfig", "DynamicVocabulary"]
 
@@ -128,7 +129,7 @@ class DynamicVocabulary:
 
     def __post_init__(self) -> None:
         after = self.admit_after
-        if not _is_int(after) or after < 1:
+        if not is_int(after) or after < 1:
             raise ValueError(
                 f"admit_after={after!r} must be a positive integer (1 admits an id the first "
                 "time it is looked up)."
@@ -141,7 +142,7 @@ class DynamicVocabulary:
         if self.forget not in FORGET:
             raise ValueError(f"forget={self.forget!r} is not one of {', '.join(FORGET)}.")
         bonus = self.bonus
-        if not _is_int(bonus) or not 0 <= bonus <= 256:
+        if not is_int(bonus) or not 0 <= bonus <= 256:
             raise ValueError(
                 f"bonus={bonus!r} must be an integer in [0, 256]: the steps an id of forget="
                 '"lrfu" stays for each doubling of its lookups.'
@@ -155,22 +156,22 @@ class DynamicVocabulary:
                 f"scale={self.scale!r}: the spread of init must be >= 0; pass a value such as 0.01."
             )
         ttl = self.ttl
-        if ttl is not None and (not _is_int(ttl) or ttl < 1):
+        if ttl is not None and (not is_int(ttl) or ttl < 1):
             raise ValueError(f"ttl={ttl!r} must be a positive number of steps, or None.")
         ways = self.ways
-        if not _is_int(ways) or ways < 1:
+        if not is_int(ways) or ways < 1:
             raise ValueError(f"ways={ways!r} must be a positive integer, such as 64.")
         protect = self.protect
-        if not _is_int(protect) or protect < 0:
+        if not is_int(protect) or protect < 0:
             raise ValueError(
                 f"protect={protect!r} must be an integer >= 0: the batches before a batch "
                 "whose rows its new ids may not take (at least the pipeline's look-ahead)."
             )
         width = self.sketch_width
-        if not _is_int(width) or width < 1 or (width & (width - 1)):
+        if not is_int(width) or width < 1 or (width & (width - 1)):
             raise ValueError(f"sketch_width={width!r} must be a power of two, such as 2**20.")
         seed = self.seed
-        if not _is_int(seed) or not 0 <= seed < 2**63:
+        if not is_int(seed) or not 0 <= seed < 2**63:
             raise ValueError(
                 f"seed={seed!r} must be an integer in [0, 2**63), such as 0: it draws each "
                 "id's first values and salts its bucket's hash."
@@ -248,7 +249,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         for field in ("num_embeddings", "features", "min_bucket"):
             value = getattr(self, field)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{field} must be a positive integer, got {value!r}.")
         object.__setattr__(self, "capacity", _resolve_capacity(self.capacity, self.num_embeddings))
         if self.policy not in POLICIES:
@@ -266,7 +267,7 @@ class CacheConfig:
                 "are for the dense parameters, not the cached rows."
             )
         rows = self.callback_rows
-        if rows is not None and (not _is_int(rows) or rows < 1):
+        if rows is not None and (not is_int(rows) or rows < 1):
             raise ValueError(
                 f"callback_rows={rows!r} must be a positive integer (at least the most distinct "
                 "ids of a batch), or None to pad the host-callback form's lists to the batch's "
@@ -290,13 +291,13 @@ class CacheConfig:
                 'row of DynamicVocabulary(default="shared"); use at least 2.'
             )
         pad = self.padding_id
-        if pad is not None and (not _is_int(pad) or not -(2**63) <= pad < 2**63):
+        if pad is not None and (not is_int(pad) or not -(2**63) <= pad < 2**63):
             raise ValueError(
                 f"padding_id={pad!r} must be an int64 id (such as -1) or None: ids are "
                 "compared with it as int64."
             )
         route = self.route_capacity
-        if route is not None and (not _is_int(route) or route < 1):
+        if route is not None and (not is_int(route) or route < 1):
             raise ValueError(
                 f"route_capacity={route!r} must be a positive number of rows, or None to size "
                 "the route from each batch."
@@ -328,11 +329,6 @@ class CacheConfig:
         for spec in self.optimizer.state_spec(self.features).values():
             total += math.prod(spec.shape) * np.dtype(spec.dtype).itemsize
         return total
-
-
-def _is_int(value: object) -> bool:
-    """A whole number: a Python or NumPy integer, not a bool."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _bfloat16() -> np.dtype:

@@ -47,6 +47,7 @@ from jaxcache._src.raw_ids import ROW_PAD, RawIds
 from jaxcache._src.stager import Deferred, HostStaged, Stager, bucket_size, fresh_buffers
 from jaxcache._src.stats import CacheStats
 from jaxcache._src.threads import HostThreads, default_threads
+from jaxcache._src.validation import is_int
 from jaxcache._src.vocabulary import Vocabulary
 from jaxcache._src.write_back import WriteBacks
 
@@ -723,11 +724,7 @@ class EmbeddingCache:
           >>> jaxcache.device.lookup_rows(cache.init_state().rows, lookup).shape
           (2, 3, 4)
         """
-        if (
-            not len(shape)
-            or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in shape)
-            or min(shape) < 0
-        ):
+        if not len(shape) or not all(map(is_int, shape)) or min(shape) < 0:
             raise ValueError(
                 f"shape={shape!r} is not the shape of a batch of ids: give whole numbers "
                 ">= 0 with a leading batch axis, e.g. (batch,) or (batch, bag)."

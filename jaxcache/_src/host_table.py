@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxcache._src import kernels
 from jaxcache._src.config import CacheConfig
+from jaxcache._src.validation import is_int
 
 __all__ = ["HostTable", "embed_init", "normal_init", "uniform_init"]
 
@@ -313,13 +314,8 @@ class HostTable:
 def _check_shard(shard: tuple[int, int] | None) -> tuple[int, int]:
     if shard is None:
         return 0, 1
-    whole = isinstance(shard, tuple | list) and len(shard) == 2
-    if not whole or not all(
-        isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in shard
-    ):
-        index, count = -1, 0
-    else:
-        index, count = int(shard[0]), int(shard[1])
+    pair = isinstance(shard, tuple | list) and len(shard) == 2 and all(map(is_int, shard))
+    index, count = (int(shard[0]), int(shard[1])) if pair else (-1, 0)
     if count < 1 or not 0 <= index < count:
         raise ValueError(
             f"shard={shard!r} is not (index, count) with 0 <= index < count; pass "
@@ -330,7 +326,7 @@ def _check_shard(shard: tuple[int, int] | None) -> tuple[int, int]:
 
 def _check_count(name: str, value: Any, default: Any, low: int = 1) -> None:
     """Raises unless ``value`` is an integer of at least ``low``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+    if not is_int(value) or value < low:
         raise ValueError(f"{name}={value!r} must be an integer >= {low} (default {default}).")
 
 

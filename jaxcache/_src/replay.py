@@ -521,7 +521,7 @@ def _ratio(part: int, whole: int) -> float:
 def _check_trace(trace: object) -> np.ndarray:
     """``trace`` as an integer array of rank 1 or 2 with ids >= 0."""
     array = np.asarray(trace)
-    if array.dtype.kind not in "iu":  # not bool, not timedelta64 (a NumPy integer too)
+    if not validation.is_integer_dtype(array.dtype):
         raise TypeError(
             f"trace must hold integer ids, got dtype {array.dtype}; convert it with "
             "trace.astype(np.int64) if the values are whole ids."
@@ -553,7 +553,7 @@ def _split(trace: np.ndarray, batch: int | None) -> list[np.ndarray]:
             f"batch is needed to split a 1-D trace of {trace.size} ids into batches; set it to "
             "the ids per training step (e.g. 4096), or pass a 2-D trace [steps, ids]."
         )
-    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+    if not validation.is_int(batch) or batch < 1:
         raise ValueError(f"batch={batch!r} must be a positive number of ids per step.")
     flat = trace.reshape(-1)
     full = flat.size - flat.size % batch

@@ -36,6 +36,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from jaxcache._src.frequency import FrequencyCounter
+from jaxcache._src.validation import is_int
 
 __all__ = ["CRITEO_KAGGLE_CARDINALITIES", "DCNV2_BAG_SIZES", "SyntheticCriteo"]
 
@@ -220,7 +221,7 @@ class SyntheticCriteo:
 
     # --------------------------------------------------------------- batches
     def _rng(self, index: int, held_out: bool) -> np.random.Generator:
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or index < 0:
+        if not is_int(index) or index < 0:
             raise ValueError(f"index must be a non-negative integer, got {index!r}.")
         return np.random.default_rng([self.seed, _HELD_OUT if held_out else _TRAIN, int(index)])
 

@@ -23,6 +23,7 @@ from jaxcache._src.frequency import hottest
 from jaxcache._src.host_table import _INIT_CHUNK_ROWS
 from jaxcache._src.planner import CapacityError, Planner
 from jaxcache._src.tiered_table import INDEX_BYTES_PER_ROW
+from jaxcache._src.validation import is_int
 
 __all__ = ["replay_dram_tier"]
 
@@ -104,7 +105,7 @@ def replay_dram_tier(
         )
     capacity = replay_lib._resolve_capacity(capacity, n)
     for name, value in (("dram_budget", dram_budget), ("row_bytes", row_bytes)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive number of bytes.")
     slots = min(n, (int(dram_budget) - INDEX_BYTES_PER_ROW * n) // int(row_bytes))
     if slots < 1:

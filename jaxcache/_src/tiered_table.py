@@ -46,6 +46,7 @@ from jaxcache._src.host_table import (
 )
 from jaxcache._src.kernels import as_index_array
 from jaxcache._src.row_log import DiskStats, RowLog
+from jaxcache._src.validation import is_int
 
 __all__ = ["DRAM_FRACTION", "TableColumn", "TieredStats", "TieredTable", "default_dram_budget"]
 
@@ -218,7 +219,7 @@ class TieredTable(HostTable):
         n = len(range(index, config.num_embeddings, count))
         self._n = n
         budget = default_dram_budget() if dram_budget is None else dram_budget
-        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 1:
+        if not is_int(budget) or budget < 1:
             raise ValueError(f"dram_budget={dram_budget!r} must be a positive number of bytes.")
         index_bytes = INDEX_BYTES_PER_ROW * n
         slots = min(n, (int(budget) - index_bytes) // self.record_bytes)

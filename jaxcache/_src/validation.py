@@ -4,7 +4,26 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["check_frequencies", "check_host_ids", "check_id_type", "check_ids", "check_raw_ids"]
+__all__ = [
+    "check_frequencies",
+    "check_host_ids",
+    "check_id_type",
+    "check_ids",
+    "check_raw_ids",
+    "is_int",
+    "is_integer_dtype",
+]
+
+
+def is_int(value: object) -> bool:
+    """A whole number: a Python or NumPy integer, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def is_integer_dtype(dtype: np.dtype) -> bool:
+    """A signed or unsigned integer dtype: not bool, and not ``timedelta64``,
+    which NumPy counts among its integers."""
+    return dtype.kind in "iu"
 
 
 def check_ids(
@@ -59,7 +78,7 @@ def check_id_type(ids: object, name: str) -> np.ndarray:
     """Returns ``ids`` as a NumPy integer array of rank >= 1, or raises a clear
     error; the values are not checked (``check_ids`` checks them too)."""
     array = np.asarray(ids)
-    if array.dtype.kind not in "iu":  # not bool, not timedelta64 (a NumPy integer too)
+    if not is_integer_dtype(array.dtype):
         raise TypeError(
             f"{name} must be an integer array, got dtype {array.dtype}; "
             f"convert with np.asarray({name}, dtype=np.int64) if the values are whole ids."
@@ -136,7 +155,7 @@ def check_frequencies(frequencies: object, num_embeddings: int, hint: str) -> np
       hint: how the caller can get correct counts.
     """
     counts = np.asarray(frequencies)
-    if counts.shape != (num_embeddings,) or counts.dtype.kind not in "iu":
+    if counts.shape != (num_embeddings,) or not is_integer_dtype(counts.dtype):
         raise ValueError(
             f"frequencies must be an integer array of shape ({num_embeddings},), one count per "
             f"table row, got {counts.dtype} {counts.shape}; {hint}."

@@ -74,7 +74,7 @@ def replay_vocabulary(
     """
     spec = DynamicVocabulary() if vocabulary is None else vocabulary
     array = np.asarray(trace)
-    if array.dtype.kind not in "iu":  # not bool, not timedelta64 (a NumPy integer too)
+    if not validation.is_integer_dtype(array.dtype):
         raise TypeError(f"trace must hold integer raw ids, got dtype {array.dtype}.")
     if array.ndim not in (1, 2) or array.size == 0:
         raise ValueError(
