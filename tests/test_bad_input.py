@@ -106,11 +106,15 @@ def test_init_lookup_refuses_a_shape_that_is_no_batch(shape):
         jaxcache.linen.init_lookup(cache, shape)
 
 
-def test_a_batch_of_empty_bags_looks_up_nothing(planner):
+@pytest.mark.parametrize("shape", [(3, 0), (0, 3)])
+def test_a_batch_of_empty_bags_looks_up_nothing(planner, shape):
     cfg = jaxcache.CacheConfig(100, 4, 8, padding_id=-1)
     cache = jaxcache.EmbeddingCache(cfg, planner=planner)
-    state, lookup = cache.prepare(cache.init_state(), np.zeros((3, 0), np.int64))
-    assert jaxcache.device.lookup_rows(state.rows, lookup).shape == (3, 0, 4)
+    state, lookup = cache.prepare(cache.init_state(), np.zeros(shape, np.int64))
+    assert jaxcache.device.lookup_rows(state.rows, lookup).shape == (*shape, 4)
+    for combiner in ("sum", "mean"):  # no real ids: nothing to pool, zeros
+        pooled = jaxcache.device.embed(state.rows, lookup, table="embedding", combiner=combiner)
+        np.testing.assert_array_equal(pooled, np.zeros((shape[0], 4)))
     assert cache.stats.last.lookups == 0
 
 

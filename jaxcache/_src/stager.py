@@ -295,8 +295,12 @@ class Stager:
         o = bucket_size(overflowing, 8, o_prev) if overflowing or o_prev else 0
         self.route_buckets = (k, v, o)
         bags = 0
-        if self.config.padding_id is not None and ids.ndim >= 2:
-            bags = self.bag_bucket = bucket_size(real, minimum, self.bag_bucket)
+        share = ids.size // self.layout.devices
+        if self.config.padding_id is not None and ids.ndim >= 2 and share:
+            self.bag_bucket = bucket_size(real, minimum, self.bag_bucket)
+            # Never past the share (as the device planner's): an empty batch
+            # has no positions to read.
+            bags = min(self.bag_bucket, share)
         return _Sizes(k, v, o, moves, bags)
 
     # ----------------------------------------------------------------- route
