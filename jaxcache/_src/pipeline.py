@@ -118,6 +118,10 @@ class _Raised:
         self.error = error
 
 
+class _Wake:
+    """Put in the stager's queue at close: it stops now instead of at its next poll."""
+
+
 class _Failure:
     """The producer failed (or was stopped) while staging a batch."""
 
@@ -586,6 +590,8 @@ class Prefetcher(Iterator[dict[str, Any]]):
             try:
                 work = self._work.get(timeout=_POLL_SECONDS)
             except queue.Empty:
+                work = _Wake()
+            if isinstance(work, _Wake):
                 if self._stop.is_set():
                     return
                 continue
@@ -664,6 +670,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
             self._released.notify_all()
         if self._thread is not None and self._device:
             self._source_done = True  # the loop dispatches no more plans
+            self._work.put(_Wake())
             while self._thread.is_alive():
                 self._drain()
                 self._thread.join(timeout=_POLL_SECONDS)
