@@ -109,6 +109,20 @@ def test_serving_tables_are_read_only(trained):
         checkpointer.save(99, model=model)
 
 
+def test_a_server_keeps_the_latest_latencies():
+    cfg = jaxcache.serving_config(jaxcache.CacheConfig(100, 4, capacity=16))
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg), combiner="sum")
+    for window in (0, 2.5, True):
+        with pytest.raises(ValueError, match=f"latency_window={window!r}: pass how many"):
+            jaxcache.Server(embed, lambda b: b, {"ids": embed}, latency_window=window)
+    server = jaxcache.Server(
+        embed, lambda b: embed(b["ids"]).sum(-1), {"ids": embed}, latency_window=3
+    )
+    batches = [{"ids": np.array([[i, i + 1], [i + 2, i + 3]])} for i in range(5)]
+    assert len(list(server.score(batches))) == 5
+    assert len(server.latencies) == 3 and server.summary()["batches"] == 3
+
+
 def test_serve_example_runs_with_no_arguments():
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "serve.py"), "--batches", "20"],

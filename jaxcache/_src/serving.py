@@ -30,6 +30,7 @@ from jaxcache._src import optimizers
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.holder import CacheHolder
 from jaxcache._src.pipeline import check_lookahead, prefetch
+from jaxcache._src.validation import is_int
 
 __all__ = ["ReadOnly", "Server", "serving_config"]
 
@@ -112,11 +113,14 @@ class Server:
       tables: batch key -> ``CachedEmbed`` of a serving cache, as for
         ``jaxcache.prefetch``.
       lookahead: batches planned and transferred ahead.
+      latency_window: how many of the latest batches' latencies are kept
+        (a server runs for days: older ones are dropped).
 
     Attributes:
-      latencies: seconds per batch, from taking it from the source to its
-        scores being on the host (the time it waited in the pipeline
-        included).
+      latencies: seconds per batch of the latest ``latency_window``
+        batches (a ``collections.deque``; ``clear()`` it after a warm-up),
+        from taking the batch from the source to its scores being on the
+        host (the time it waited in the pipeline included).
 
     Examples:
       >>> import numpy as np, jax.numpy as jnp, jaxcache
@@ -137,8 +141,14 @@ class Server:
         tables: Mapping[str, CacheHolder],
         *,
         lookahead: int = 2,
+        latency_window: int = 100_000,
     ) -> None:
         check_lookahead(lookahead)
+        if not is_int(latency_window) or latency_window < 1:
+            raise ValueError(
+                f"latency_window={latency_window!r}: pass how many batches' latencies to "
+                "keep, a whole number of at least 1."
+            )
         for key, holder in tables.items():
             optimizer = getattr(getattr(holder, "cache", None), "config", None)
             if not isinstance(getattr(optimizer, "optimizer", None), ReadOnly):
@@ -152,7 +162,7 @@ class Server:
         self.predict = predict
         self.tables = dict(tables)
         self.lookahead = lookahead
-        self.latencies: list[float] = []
+        self.latencies: collections.deque[float] = collections.deque(maxlen=int(latency_window))
 
     def score(self, batches: Iterable[Mapping[str, Any]]) -> Iterator[np.ndarray]:
         """Scores of each batch, in order, as NumPy arrays.
@@ -177,7 +187,8 @@ class Server:
                 yield scores
 
     def summary(self) -> dict[str, float]:
-        """Latency percentiles (ms), batches, hit rate and bytes written back so far.
+        """Latency percentiles (ms) of the batches in ``latencies`` and their
+        number, and the hit rate and bytes written back so far.
 
         The hit rate is over distinct ids per batch, all tables together.
         """
