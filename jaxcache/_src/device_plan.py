@@ -893,7 +893,10 @@ def _shared_entry(spec: PlanSpec, axis: str, uniq, live, lookups, rowless, spann
     return uniq, live | place, jnp.where(place, reads, lookups), at, reads
 
 
-@functools.cache
+# The programs of the latest specs are kept, so that every cache with the same
+# configuration shares them; each batch shape (``slice_ids``) compiles its
+# own, so a stream of ever new shapes is bounded by these counts.
+@functools.lru_cache(maxsize=128)
 def make_plan(spec: PlanSpec, mesh: Mesh, axis: str):
     """The jitted plan program for ``spec`` over ``mesh``'s ``axis``.
 
@@ -961,7 +964,7 @@ def _compact_device(
     return (*out, positions[None])
 
 
-@functools.cache
+@functools.lru_cache(maxsize=512)
 def make_compact(
     mesh: Mesh, axis: str, per_destination: int, owner: int, moves: int, positions: int
 ):
