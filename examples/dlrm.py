@@ -14,7 +14,7 @@ device and, with the same seed, ends with the same loss.
 Batches go through ``jaxcache.prefetch``: a host thread plans, gathers and
 transfers the next ``--lookahead`` batches while the device trains on the
 current one. ``--lookahead 0`` does that work in the training loop instead
-(the unpipelined path); ``--host-callback`` passes the raw ids into the jitted
+(the unpipelined path); ``--host-callback`` passes the ids into the jitted
 step, which looks them up with ``CachedEmbed.lookup_ids`` (``--callback-rows
 N`` pads its per-step lists to ``N`` rows instead of the batch's number of
 ids; a batch with more distinct ids stops the run). All three compute the
@@ -69,6 +69,10 @@ def build_cache(
         callback_rows=args.callback_rows,
     )
     table = jaxcache.HostTable(config, seed=args.seed)
+    if args.host_callback:
+        # The host-callback form plans on the host, inside the step; the
+        # default on accelerators is the device planner.
+        placement["planner"] = "host"
     if args.full_table:  # the baseline: every row on the device
         return jaxcache.EmbeddingCache.full_table(config, table=table, **placement)
     # The policy starts from the ids' counts in training data (--profile-batches).

@@ -15,6 +15,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import jaxcache
@@ -196,6 +197,16 @@ def test_a_learning_rate_of_zero_is_kept(example):
     assert args.learning_rate == 0 and args.row_learning_rate == 0
     default = example._common.parse_args("", [])
     assert default.learning_rate > 0 and default.row_learning_rate > 0
+
+
+def test_host_callback_builds_a_host_planned_cache(example, monkeypatch):
+    # Accelerators default to the device planner, which refuses the form.
+    monkeypatch.setenv("JAXCACHE_PLANNER", "device")
+    counts = np.ones(1000, np.int64)
+    data = example._common.Data("", 1000, 4, None, counts, iter(()), [])
+    for flags, planner in ((["--host-callback"], "host"), ([], "device")):
+        args = example._common.parse_args(example.__doc__, flags, host_callback=True)
+        assert example.build_cache(args, data).planner_kind == planner
 
 
 def test_many_device_examples_train_the_one_device_model(runs, many_device_runs):

@@ -84,8 +84,8 @@ class DynamicVocabulary:
         not those batches are still in flight. A pipeline
         (``jaxcache.prefetch``) of look-ahead up to ``protect`` then
         forgets what unpipelined steps forget: which ids hold rows depends
-        on the batches and the budget alone. ``prefetch`` refuses a larger
-        look-ahead. Default 2, its default look-ahead.
+        on the batches and the budget alone. A training ``prefetch`` refuses
+        a larger look-ahead (evaluation admits nothing). Default 2, its default look-ahead.
       seed: of the first values and of the sketch's hashes.
       sketch_width: counters per row of the admission sketch (a power of
         two; used with ``admit_after > 1``).
@@ -215,7 +215,8 @@ class CacheConfig:
       route_capacity: with rows split over several devices, how many rows one
         device takes from one owner per step through the fast ``all_to_all``
         path; the rest take an exact overflow path. ``None`` sizes it from
-        each batch (padded to buckets), so nothing overflows.
+        each batch (padded to buckets), so nothing overflows. The host
+        planner's only: the device planner sizes its own and refuses it.
       callback_rows: how many rows the host-callback form
         (``CachedEmbed.lookup_ids``) pads its per-step lists to (distinct
         ids, fetched and evicted rows); it needs one fixed size. ``None``: the

@@ -406,8 +406,9 @@ class EmbeddingCache:
         Plans the batch, copies its missing rows (and optimizer state) to the
         device, swaps them into the victims' slots (the old state is donated)
         and queues the dirty victims' write-back. The unpipelined step: every
-        earlier batch counts as finished. ``jaxcache.prefetch`` runs ``stage``
-        ahead on a thread and ``apply`` in the training loop instead.
+        earlier batch counts as finished. ``jaxcache.prefetch`` runs the host
+        phases of ``stage`` (``stage_host``) ahead on a thread, and the
+        transfer and ``apply`` in the training loop, instead.
 
         Args:
           state: the device state (donated: do not use it afterwards).

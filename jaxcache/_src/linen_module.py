@@ -303,12 +303,13 @@ def lookup_ids(
 ) -> tuple[Variables, Lookup]:
     """The host-callback form of ``prepare``, for use inside the jitted step.
 
-    What ``jaxcache.nnx.CachedEmbed.lookup_ids`` does, for Linen: the raw ids
+    What ``jaxcache.nnx.CachedEmbed.lookup_ids`` does, for Linen: the ids
     go into the step, an ordered ``io_callback`` obtains their slots from the
     host (from a batch ``jaxcache.prefetch`` staged with ``callback=True``,
     or planned on the spot), the swap runs inside the step and a second
     callback writes evicted rows back. Same results as ``prepare``; slower,
-    because every list is padded to one fixed size. With 64-bit types
+    because every list is padded to one fixed size. The cache needs
+    ``planner="host"`` (the default on the CPU backend only). With 64-bit types
     disabled the ids must be below ``2**31``: JAX wraps larger ones to
     ``int32`` at the ``jit`` boundary, before jaxcache sees them.
 

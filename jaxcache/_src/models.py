@@ -208,7 +208,7 @@ def make_train_step(
     Args:
       model: ``model(dense, lookup) -> logits [B]``, e.g. a ``DLRM``.
       tx: the dense optimizer, e.g. ``dense_optimizer("adagrad", 0.05)``.
-      host_callback: the step takes the raw ids instead of a ``Lookup`` and
+      host_callback: the step takes the ids instead of a ``Lookup`` and
         looks them up inside with ``model.embed.lookup_ids`` (the host-callback
         form, same results, slower); feed it from
         ``jaxcache.prefetch(..., callback=True)`` to stage batches ahead.

@@ -114,7 +114,7 @@ class CachedEmbed(nnx.Module):
     def lookup_ids(self, ids: jax.Array, *, train: bool = True) -> Lookup:
         """The host-callback form of ``prepare``, for use inside the jitted step.
 
-        For input pipelines that cannot be changed to call ``prepare``: the raw
+        For input pipelines that cannot be changed to call ``prepare``: the
         ids go into the step, and an ordered ``jax.experimental.io_callback``
         obtains their slots from the host (from a batch ``jaxcache.prefetch``
         staged with ``callback=True``, or planned on the spot), then the swap
@@ -123,6 +123,9 @@ class CachedEmbed(nnx.Module):
         one fixed size (``CacheConfig.callback_rows``, by default the number of
         ids in the batch) and the callbacks serialize host and device work.
         Under a sharded ``jit`` a callback runs on one device (see the docs).
+        It plans on the host: the cache needs ``planner="host"`` (the
+        default on the CPU backend only; accelerators default to the device
+        planner, which refuses this form).
 
         Ids travel into the step as JAX integers: with 64-bit types disabled
         they must be below ``2**31``. JAX wraps larger ones to ``int32`` at

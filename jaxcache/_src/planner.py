@@ -3,8 +3,9 @@
 For a batch of ids the planner finds the distinct ids, the hits (already in a
 device slot) and the misses, chooses victims by the policy among the slots no
 in-flight batch uses, assigns the misses to those slots and remaps every id to
-a slot. Everything is vectorized NumPy over the batch; the only per-step work
-proportional to the capacity is the victim choice, and only on steps with
+a slot. Every per-id pass is a compiled loop (Numba, GIL released,
+``kernels.py``) over the batch; the only per-step work proportional to the
+capacity is the victim choice, and only on steps with
 misses.
 
 Shape letters: ``C`` capacity (slots), ``N`` table rows, ``U`` distinct ids of
