@@ -198,6 +198,40 @@ def test_tables_waiting_for_room_when_another_refuses_stay_whole(planner):
 
 
 @pytest.mark.no_planner
+def test_a_batch_one_table_cannot_hold_leaves_the_others_planned_as_on_the_host():
+    # Table b cannot hold batch 2; table a's plans after it were refused for
+    # room when the error ended the loop. Each table is left as the host
+    # planner leaves it, and the next pipeline goes on alike.
+    rng = np.random.default_rng(0)
+
+    def batch():
+        return {"a": rng.integers(0, 64, (8, 3)), "b": rng.integers(0, 40, (8, 2))}
+
+    data = [batch(), batch(), {**batch(), "b": np.tile(np.arange(17), (8, 1))}, batch()]
+    more = [batch() for _ in range(6)]
+    stats = {}
+    for planner in ("host", "device"):
+        embeds = {
+            key: jaxcache.nnx.CachedEmbed(
+                jaxcache.EmbeddingCache(
+                    jaxcache.CacheConfig(64, 4, capacity, policy="lru", name=key), planner=planner
+                )
+            )
+            for key, capacity in (("a", 32), ("b", 16))
+        }
+        with pytest.raises(jaxcache.CapacityError, match="17 distinct ids"):
+            with jaxcache.prefetch(data, embeds, lookahead=2) as pipeline:
+                for _ in pipeline:
+                    pass
+        for embed in embeds.values():
+            embed.export()
+        with jaxcache.prefetch(more, embeds, lookahead=2) as pipeline:
+            assert len(list(pipeline)) == len(more)
+        stats[planner] = {key: embed.cache.stats.total for key, embed in embeds.items()}
+    assert stats["device"] == stats["host"]
+
+
+@pytest.mark.no_planner
 def test_tables_of_both_planners_are_refused_with_look_ahead():
     embeds = {
         key: jaxcache.nnx.CachedEmbed(

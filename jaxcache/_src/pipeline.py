@@ -638,7 +638,13 @@ class Prefetcher(Iterator[dict[str, Any]]):
     def _finish_planned(self) -> None:
         """At close, after the stager stopped: gathers the device plans it
         left and applies every table's staged rows of the batches that
-        waited, in order (each plan that ran must reach the device state)."""
+        waited, in order (each plan that ran must reach the device state).
+        A table's plans from its first refused one on did nothing: that
+        plan is taken back, so the table plans it next."""
+        refused = {}  # each table's first plan that did nothing
+        for item in self._deferred.values():
+            for key, plan, _ in item.refusals:
+                refused[key] = min(plan, refused.get(key, plan))
         while True:
             try:
                 work = self._work.get_nowait()
@@ -650,10 +656,16 @@ class Prefetcher(Iterator[dict[str, Any]]):
             for key, dispatched in work.dispatched.items():
                 try:
                     staged[key] = self._caches[key].gather(dispatched, defer=True)
-                except (PlanSkipped, ValueError, CapacityError):
-                    pass  # it did nothing
+                except PlanSkipped:
+                    pass  # it did nothing, after a refusal
+                except (ValueError, CapacityError):
+                    refused[key] = min(dispatched.index, refused.get(key, dispatched.index))
         for index in sorted(self._partials):
             self._apply(self._partials.pop(index))
+        for key, plan in refused.items():
+            planner = self._caches[key].planner
+            assert isinstance(planner, DevicePlanner)
+            planner.rollback(plan)
 
     # ------------------------------------------------------------ shutdown
     def close(self) -> None:
@@ -711,7 +723,11 @@ class Prefetcher(Iterator[dict[str, Any]]):
                 return
             if isinstance(item, _Failure):
                 self._apply(item.partial)
-            elif not isinstance(item, (_End, _Refused)):
+            elif isinstance(item, _Refused):  # taken back by ``_finish_planned``
+                held = self._deferred.get(item.index)
+                refusals = item.refusals if held is None else held.refusals + item.refusals
+                self._deferred[item.index] = _Refused(item.index, refusals)
+            elif not isinstance(item, _End):
                 self._apply(item[1])
 
     def __enter__(self) -> Prefetcher:
