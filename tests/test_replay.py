@@ -520,6 +520,32 @@ def test_vocabulary_replay_learns_the_bonus_a_cache_learns(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out) == out
 
 
+@pytest.mark.parametrize("default", ["zeros", "shared"])
+def test_the_budget_to_forget_nothing_forgets_nothing_and_one_less_does(default):
+    # With a shared row the ids have one row fewer than the budget.
+    rng = np.random.default_rng(5)
+    trace = rng.integers(-(2**62), 2**62, 40)[rng.integers(0, 40, (20, 6))]
+    vocabulary = jaxcache.DynamicVocabulary(protect=0, default=default)
+    need = jaxcache.sizing.replay_vocabulary(trace, rows=100, vocabulary=vocabulary)
+    need = need["rows_to_forget_nothing"]
+    enough = jaxcache.sizing.replay_vocabulary(trace, rows=need, vocabulary=vocabulary)
+    short = jaxcache.sizing.replay_vocabulary(trace, rows=need - 1, vocabulary=vocabulary)
+    assert enough["forgotten_ids"] == 0 < short["forgotten_ids"]
+
+
+@pytest.mark.parametrize("pad", [2**63, -(2**63) - 1, 1.5])
+def test_vocabulary_replay_refuses_a_padding_id_past_int64(tmp_path, capsys, pad):
+    trace = np.array([[2**63 - 1, 2**63 - 2, 5]])
+    with pytest.raises(ValueError, match=rf"padding_id={pad!r} must be an int64 id"):
+        jaxcache.sizing.replay_vocabulary(trace, rows=8, padding_id=pad)
+    if isinstance(pad, int):
+        path = tmp_path / "raw.npy"
+        np.save(path, trace)
+        with pytest.raises(SystemExit) as exit_:
+            main(["vocabulary", str(path), "--rows", "8", "--padding-id", str(pad)])
+        assert exit_.value.code == 2 and "must be an int64 id" in capsys.readouterr().err
+
+
 def test_vocabulary_replay_refuses_a_bonus_out_of_range(tmp_path, capsys):
     path = tmp_path / "raw.npy"
     np.save(path, np.arange(40, dtype=np.int64).reshape(4, 10))

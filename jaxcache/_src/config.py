@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from jaxcache._src import optimizers
-from jaxcache._src.validation import is_int
+from jaxcache._src.validation import check_padding_id, is_int
 
 __all__ = ["FORGET", "INITS", "POLICIES", "CacheConfig", "DynamicVocabulary"]
 
@@ -291,12 +291,7 @@ class CacheConfig:
                 f"num_embeddings={self.num_embeddings} leaves no row for ids besides the shared "
                 'row of DynamicVocabulary(default="shared"); use at least 2.'
             )
-        pad = self.padding_id
-        if pad is not None and (not is_int(pad) or not -(2**63) <= pad < 2**63):
-            raise ValueError(
-                f"padding_id={pad!r} must be an int64 id (such as -1) or None: ids are "
-                "compared with it as int64."
-            )
+        check_padding_id(self.padding_id)
         route = self.route_capacity
         if route is not None and (not is_int(route) or route < 1):
             raise ValueError(

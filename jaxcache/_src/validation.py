@@ -20,6 +20,15 @@ def is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+def check_padding_id(pad: object) -> None:
+    """Raises ``ValueError`` unless ``pad`` is ``None`` or an int64 value."""
+    if pad is not None and (not is_int(pad) or not -(2**63) <= pad < 2**63):
+        raise ValueError(
+            f"padding_id={pad!r} must be an int64 id (such as -1) or None: ids are "
+            "compared with it as int64."
+        )
+
+
 def is_integer_dtype(dtype: np.dtype) -> bool:
     """A signed or unsigned integer dtype: not bool, and not ``timedelta64``,
     which NumPy counts among its integers."""

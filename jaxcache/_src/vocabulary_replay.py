@@ -55,8 +55,10 @@ def replay_vocabulary(
       ``readmitted_ids`` (of those, ids that had a row before and were
       forgotten), ``forgotten_ids``, ``refused_lookups`` (ids not admitted
       yet), ``live_ids`` at the end, ``rows_to_forget_nothing`` (the least
-      budget whose buckets hold every id ever admitted, ``rows_to_hold``:
-      one this large never forgets; ``None`` if none would), with
+      budget whose buckets hold every id ever admitted, ``rows_to_hold``,
+      and the shared row if there is one: one this large never forgets an
+      id for want of room, though ``ttl`` still forgets; ``None`` if none
+      would), with
       ``forget="adaptive"`` the ``bonus`` learned by the end, and with
       ``capacity``: ``capacity``, ``unique_hit_rate``, ``rows_fetched``.
 
@@ -73,6 +75,7 @@ def replay_vocabulary(
       (7, 5, 3, 4)
     """
     spec = DynamicVocabulary() if vocabulary is None else vocabulary
+    validation.check_padding_id(padding_id)
     array = np.asarray(trace)
     if not validation.is_integer_dtype(array.dtype):
         raise TypeError(f"trace must hold integer raw ids, got dtype {array.dtype}.")
@@ -142,9 +145,7 @@ def replay_vocabulary(
         **counts,
         "distinct_ids": int(np.unique(np.concatenate(seen)).size),
         "live_ids": vocab.size,
-        "rows_to_forget_nothing": rows_to_hold(
-            np.fromiter(had_row, np.int64, len(had_row)), ways=int(spec.ways), seed=int(spec.seed)
-        ),
+        "rows_to_forget_nothing": _budget_to_hold(spec, had_row),
     }
     if learner is not None:
         learner.settle()
@@ -156,3 +157,12 @@ def replay_vocabulary(
             rows_fetched=fetched,
         )
     return out
+
+
+def _budget_to_hold(spec: DynamicVocabulary, ids: set[int]) -> int | None:
+    """The least budget whose rows for ids hold all of ``ids`` at once: the
+    rows ``rows_to_hold`` finds, and the shared row past them if any
+    (``DynamicVocabulary.id_rows``)."""
+    array = np.fromiter(ids, np.int64, len(ids))
+    hold = rows_to_hold(array, ways=int(spec.ways), seed=int(spec.seed))
+    return None if hold is None else hold + (spec.default == "shared")
