@@ -147,6 +147,11 @@ def test_budget_is_checked_and_defaults_to_a_share_of_memory(tmp_path):
     small = jaxcache.TieredTable(cfg, tmp_path / "a")  # the default fits the whole table
     assert small.stats().dram.slots == 10_000
     assert small.dram_budget == 10_000 * (12 + 16)
+    # A budget for every row holds every row, whether the shards divide them or not.
+    odd = jaxcache.TieredTable(jaxcache.CacheConfig(1000, 4, 10), tmp_path / "d", shards=16)
+    assert odd.stats().dram.slots == 1008
+    odd.gather(np.arange(1000))
+    assert odd.stats().disk.rows_read == 0
     with pytest.raises(ValueError, match="does not hold the index of 10,000 rows"):
         jaxcache.TieredTable(cfg, tmp_path / "b", dram_budget=100_000)
     with pytest.raises(ValueError, match="must be a positive number of bytes"):

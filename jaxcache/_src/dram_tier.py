@@ -134,6 +134,11 @@ class DramTier:
     ) -> None:
         shards = max(1, min(int(shards), int(slots)))
         per = int(slots) // shards
+        if slots >= num_rows:
+            # Room for every row: row r goes to shard r % shards, so each
+            # shard gets room for all of its rows (a few slots past
+            # ``num_rows`` when the shards do not divide it).
+            per = -(-int(num_rows) // shards)
         self.shards = shards
         self.per_shard = per
         self.slots = per * shards
