@@ -220,8 +220,20 @@ def test_frequencies_of_wrong_shape():
     ):
         jaxcache.EmbeddingCache(cfg, frequencies=np.zeros(99, np.int64))
     counts = np.full(100, 2**64 - 1, np.uint64)  # would wrap onto -1 as int64
-    with pytest.raises(ValueError, match=r"hold 18446744073709551615, past the int64"):
+    with pytest.raises(ValueError, match=r"hold 18446744073709551615, too near the int64"):
         jaxcache.EmbeddingCache(cfg, frequencies=counts)
+    counts = np.zeros(100, np.int64)
+    counts[0] = 2**63 - 1  # a lookup added to it would wrap to the least count
+    with pytest.raises(ValueError, match=r"pass counts below 2\*\*62, divided down"):
+        jaxcache.EmbeddingCache(cfg, frequencies=counts)
+    with pytest.raises(ValueError, match=r"pass counts below 2\*\*62"):
+        jaxcache.sizing.sweep(
+            np.array([[0, 1]]),
+            capacities=[10],
+            policies="lfu",
+            num_embeddings=100,
+            frequencies=counts,
+        )
 
 
 @pytest.mark.parametrize(

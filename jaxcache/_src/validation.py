@@ -171,9 +171,10 @@ def check_frequencies(frequencies: object, num_embeddings: int, hint: str) -> np
         )
     if counts.size and counts.min() < 0:
         raise ValueError(f"frequencies must be >= 0 (access counts), got {int(counts.min())}.")
-    if counts.size and int(counts.max()) > np.iinfo(np.int64).max:
+    if counts.size and int(counts.max()) >= 2**62:
+        # The policies add each lookup to them in int64: room for 2**62 more.
         raise ValueError(
-            f"frequencies hold {int(counts.max())}, past the int64 counts are kept in; "
-            "pass counts below 2**63."
+            f"frequencies hold {int(counts.max())}, too near the int64 counts are kept in "
+            "(each lookup adds to them); pass counts below 2**62, divided down if need be."
         )
     return counts.astype(np.int64)
