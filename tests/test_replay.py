@@ -392,6 +392,10 @@ BAD_INPUT = [
         ["{d}/trace.npy", "--batch", "2", "--capacity", "2", "--plot", "{d}/"],
         "is a folder; give a file in it",
     ),
+    (
+        ["{d}/trace.npy", "--batch", "2", "--capacity", "2", "--plot", "{d}/curve.xyz"],
+        "matplotlib cannot write",
+    ),
     (["{d}/trace.npy", "--batch", "2", "--capacity", "nan"], "a fraction of the table such as"),
     (["{d}/trace.npy", "--batch", "2", "--capacity", "inf"], "a fraction of the table such as"),
     (
@@ -531,6 +535,12 @@ def test_the_budget_to_forget_nothing_forgets_nothing_and_one_less_does(default)
     enough = jaxcache.sizing.replay_vocabulary(trace, rows=need, vocabulary=vocabulary)
     short = jaxcache.sizing.replay_vocabulary(trace, rows=need - 1, vocabulary=vocabulary)
     assert enough["forgotten_ids"] == 0 < short["forgotten_ids"]
+
+
+def test_vocabulary_replay_names_the_batch_its_cache_cannot_hold():
+    trace = np.concatenate([np.zeros((1, 7), np.int64), np.arange(7)[None]])
+    with pytest.raises(jaxcache.CapacityError, match=r"^batch 1: the batch has 7 distinct ids"):
+        jaxcache.sizing.replay_vocabulary(trace, rows=64, capacity=3, policy="lru")
 
 
 @pytest.mark.parametrize("pad", [2**63, -(2**63) - 1, 1.5])

@@ -313,11 +313,18 @@ def _check_plot(parser: argparse.ArgumentParser, path: str) -> None:
     if not os.path.isdir(folder):
         parser.error(f"argument --plot: no such folder {folder!r}; create it or pick another path.")
     try:
-        import matplotlib  # noqa: F401
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         parser.error(
             "argument --plot: drawing needs matplotlib; install it with "
             "pip install 'jaxcache[examples]', or leave --plot out."
+        )
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    extension = os.path.splitext(path)[1][1:].lower()
+    if extension and extension not in kinds:
+        parser.error(
+            f"argument --plot: matplotlib cannot write {path!r} (.{extension}); end the name "
+            f"with one of {', '.join(sorted(kinds))}, such as .png."
         )
 
 

@@ -114,9 +114,7 @@ def replay_vocabulary(
         try:
             done = vocab.admit(unique, lookups, step=step, distinct=True)
         except CapacityError as error:
-            refused = CapacityError(f"batch {step}: {error}")
-            refused.__dict__.update(vars(error))  # what was needed, and what was free
-            raise refused from None
+            raise _in_batch(step, error) from None
         if learner is not None:
             learner.offer(unique, lookups, step)
         new = done.new_ids.tolist()
@@ -134,7 +132,10 @@ def replay_vocabulary(
             given = done.rows
             if shared is not None:  # ids without a row read the shared row
                 given = np.where(given < 0, shared, given)
-            plan = planner.plan(np.append(given, -1)[inverse], train=True)
+            try:
+                plan = planner.plan(np.append(given, -1)[inverse], train=True)
+            except CapacityError as error:
+                raise _in_batch(step, error) from None
             planner.release(plan.index)
             distinct += plan.distinct
             hits += plan.hits - resident.size  # refetched: the device holds the old id's row
@@ -166,3 +167,10 @@ def _budget_to_hold(spec: DynamicVocabulary, ids: set[int]) -> int | None:
     array = np.fromiter(ids, np.int64, len(ids))
     hold = rows_to_hold(array, ways=int(spec.ways), seed=int(spec.seed))
     return None if hold is None else hold + (spec.default == "shared")
+
+
+def _in_batch(step: int, error: CapacityError) -> CapacityError:
+    """``error`` naming the batch of the trace it came from."""
+    refused = CapacityError(f"batch {step}: {error}")
+    refused.__dict__.update(vars(error))  # what was needed, and what was free
+    return refused
