@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxcache
 from tests.models import dense_params, make_cached, make_reference, zipf_batches
@@ -102,6 +104,49 @@ def test_bfloat16_rows_under_churn_equal_the_full_table():
     assert rows.tobytes() == full_rows.tobytes()
     assert state["accumulator"].tobytes() == full_state["accumulator"].tobytes()
     assert losses == full_losses
+
+
+@pytest.mark.parametrize("padding_id", [-1, None])
+def test_bfloat16_bags_pool_in_float32(padding_id):
+    # Summed in bfloat16, a bag of 1,000 copies of a row had a mean of up to
+    # 1.7x the row, and a weight of 1.003 counted as 1.
+    cfg = jaxcache.CacheConfig(64, 4, capacity=16, padding_id=padding_id, dtype="bfloat16")
+    row = np.asarray(jaxcache.HostTable(cfg, seed=0).rows[3], np.float32)
+    embed = jaxcache.nnx.CachedEmbed(
+        jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, seed=0)), combiner="mean"
+    )
+    ids = np.full((2, 1000), 3)
+    if padding_id is not None:
+        ids[1, 500:] = padding_id
+    pooled = np.asarray(embed(embed.prepare(ids, train=False)), np.float32)
+    np.testing.assert_array_equal(pooled, np.stack([row, row]))
+    weights = np.full((2, 1000), 1.003, np.float32)
+    embed_sum = jaxcache.nnx.CachedEmbed(
+        jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, seed=0)), combiner="sum"
+    )
+    total = np.asarray(embed_sum(embed_sum.prepare(ids, train=False), weights), np.float32)
+    real = (ids != padding_id).sum(1, keepdims=True)
+    np.testing.assert_allclose(total, 1.003 * real * row, rtol=1e-2)
+    assert not np.allclose(total, real * row, rtol=1e-3)  # the weights' digits count
+
+
+@pytest.mark.parametrize(("combiner", "padding_id"), [(None, None), ("sum", -1)])
+def test_bfloat16_gradients_of_a_repeated_id_add_up_in_float32(combiner, padding_id):
+    # 1,024 lookups of one row, each with gradient 1: summed in bfloat16 the
+    # total stopped at 256; the row takes one step of lr x 1024 = 1.
+    cfg = jaxcache.CacheConfig(
+        64, 4, 16, padding_id=padding_id, dtype="bfloat16", optimizer=jaxcache.sgd(1 / 1024)
+    )
+    embed = jaxcache.nnx.CachedEmbed(
+        jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, rows=np.zeros((64, 4)))),
+        combiner=combiner,
+    )
+
+    def loss(embed, lookup):
+        return embed(lookup).astype(jnp.float32).sum()
+
+    nnx.jit(jaxcache.nnx.value_and_grad(loss))(embed, embed.prepare(np.full((4, 256), 3)))
+    np.testing.assert_array_equal(np.asarray(embed.export()[0][3], np.float32), -np.ones(4))
 
 
 @pytest.mark.parametrize("opt_name", ["adam", "rowwise_adagrad"])

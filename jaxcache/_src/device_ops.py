@@ -170,7 +170,7 @@ def lookup_rows(rows: jax.Array, lookup: Lookup) -> jax.Array:
 
     def body(rows, requests, overflow, inverse, *delta):
         received = _received(rows, requests, overflow, axis, *delta)
-        return received.at[inverse].get(mode="fill", fill_value=0)
+        return received.at[inverse].get(mode="fill", fill_value=0).astype(rows.dtype)
 
     args = [rows, lookup.requests, lookup.overflow, lookup.inverse]
     specs = [spec, spec, PartitionSpec(), spec]
@@ -187,8 +187,11 @@ def _received(
 ) -> jax.Array:
     """Inside ``shard_map``: this device's received rows ``[R, D]``, plus its
     block of ``Lookup.delta`` when given (so the gradient w.r.t. it is each
-    received row's)."""
+    received row's), in float32 at least: the gradients of an id's
+    lookups add up into its received row in that type, not in bfloat16
+    (where 256 equal terms already stop growing)."""
     received = routed_gather(rows, requests, overflow, axis)
+    received = received.astype(_accumulator(received.dtype))
     if delta:
         received = received + delta[0][0].astype(received.dtype)
     return received
@@ -291,9 +294,11 @@ def pool(
     """Pools bags ``[..., L, D]`` over ``L`` by ``"sum"`` or ``"mean"``.
 
     Padding positions count for nothing; ``mean`` divides by the (weighted)
-    number of real ids, and an empty bag pools to zeros. ``weights``, when
-    given, has the ids' shape (``lookup.shape``); another shape raises a
-    ``ValueError``.
+    number of real ids, and an empty bag pools to zeros (a bag whose
+    weights sum to zero is not divided). Sums run in float32 at least, so
+    bfloat16 rows pool long bags and keep the weights' digits; the result
+    has the rows' dtype. ``weights``, when given, has the ids' shape
+    (``lookup.shape``); another shape raises a ``ValueError``.
 
     Examples:
       >>> import numpy as np, jaxcache
@@ -306,14 +311,22 @@ def pool(
       [[9.0, 10.0], [4.0, 5.0]]
     """
     check_weights(weights, lookup)
-    real = (lookup.inverse < lookup.received).astype(embeddings.dtype)
-    w = real if weights is None else real * weights.astype(embeddings.dtype)
-    total = jnp.einsum("...l,...ld->...d", w, embeddings)
+    acc = _accumulator(embeddings.dtype)
+    real = (lookup.inverse < lookup.received).astype(acc)
+    w = real if weights is None else real * weights.astype(acc)
+    total = jnp.einsum("...l,...ld->...d", w, embeddings, preferred_element_type=acc)
     check_combiner(combiner, pooled=True)
-    if combiner == "sum":
-        return total
-    count = jnp.sum(w, axis=-1, keepdims=True)
-    return total / jnp.where(count == 0, 1, count)
+    if combiner == "mean":
+        count = jnp.sum(w, axis=-1, keepdims=True)
+        total = total / jnp.where(count == 0, 1, count)
+    return total.astype(embeddings.dtype)
+
+
+def _accumulator(dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype pooling sums in: float32 at least. Summed in bfloat16, a bag
+    of a few hundred ids loses most of its last terms (256 copies of a row
+    already add nothing more), and weights lose their low digits."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _read_rows(
@@ -629,9 +642,10 @@ def _pool_real(
         # every element of a row (the pooled lookup's forward and backward
         # took 1.2-1.4x as long).
         embeddings = got.at[real].get(mode="fill", fill_value=0)
+        dtype, acc = rows.dtype, got.dtype  # float32 at least (``_received``)
         scale = None
         if w is not None:
-            scale = w.reshape(-1).at[at].get(mode="fill", fill_value=0).astype(embeddings.dtype)
+            scale = w.reshape(-1).at[at].get(mode="fill", fill_value=0).astype(acc)
             embeddings = embeddings * scale[:, None]
         bags = inverse.size // bag
         segment = at // bag  # padding falls in bag ``bags``: dropped
@@ -641,10 +655,10 @@ def _pool_real(
 
         total = per_bag(embeddings)
         if combiner == "mean":  # a bag's (weighted) number of real ids
-            count = per_bag(jnp.ones(at.shape, embeddings.dtype) if scale is None else scale)
+            count = per_bag(jnp.ones(at.shape, acc) if scale is None else scale)
             count = count[:, None]
             total = total / jnp.where(count == 0, 1, count)
-        return total.reshape(*inverse.shape[:-1], total.shape[-1])
+        return total.astype(dtype).reshape(*inverse.shape[:-1], total.shape[-1])
 
     args = [rows, lookup.requests, lookup.overflow, lookup.inverse, lookup.positions]
     specs = [spec, spec, PartitionSpec(), spec, spec]
