@@ -492,3 +492,28 @@ def test_capacities_that_do_not_split_over_the_mesh_name_the_fix():
         jaxcache.EmbeddingCache.full_table(cfg, mesh=mesh)
     full = jaxcache.EmbeddingCache.full_table(jaxcache.CacheConfig(3999, 2, 30), mesh=mesh)
     assert full.planner.resident_ids().size == 3999
+
+
+def test_a_loss_given_no_lookup_or_two_tables_of_one_name_is_refused():
+    # A loss that takes its Lookup by closure would train no row; two tables
+    # of one name would have one's gradients applied to the other.
+    from flax import nnx
+
+    def embed(name="embedding"):
+        cfg = jaxcache.CacheConfig(100, 4, 16, name=name)
+        return jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg))
+
+    model = nnx.List([embed()])
+    lookup = model[0].prepare(np.array([[1, 2]]))
+    with pytest.raises(ValueError, match="given no Lookup, so no cached row would get a grad"):
+        jaxcache.nnx.value_and_grad(lambda m: m[0](lookup).sum())(model)
+    value, _ = jaxcache.nnx.value_and_grad(lambda m, lk: m[0](lk).sum())(model, lookup)
+    assert np.isfinite(value)
+    twins = nnx.List([embed(), embed()])
+    lookup = twins[1].prepare(np.array([[1, 2]]))
+    with pytest.raises(ValueError, match="two CachedEmbed modules of the model serve a table"):
+        jaxcache.nnx.value_and_grad(lambda m, lk: m[1](lk).sum())(twins, lookup)
+    named = nnx.List([embed("users"), embed("items")])
+    lookup = named[1].prepare(np.array([[1, 2]]))
+    jaxcache.nnx.value_and_grad(lambda m, lk: m[1](lk).sum())(named, lookup)
+

@@ -269,10 +269,22 @@ def value_and_grad(
 
 
 def cached_tables(model: nnx.Module) -> dict[str, CachedEmbed]:
-    """The ``CachedEmbed`` modules of ``model`` by table name (the first of each name)."""
+    """The ``CachedEmbed`` modules of ``model`` by table name.
+
+    Raises:
+      ValueError: two modules serve one table name: a lookup could not say
+        which of them it reads.
+    """
     modules: dict[str, CachedEmbed] = {}
     for module in cached_embeds(model):
-        modules.setdefault(module.cache.name, module)
+        other = modules.setdefault(module.cache.name, module)
+        if other is not module:
+            raise ValueError(
+                f"two CachedEmbed modules of the model serve a table named "
+                f"{module.cache.name!r}; give each table's CacheConfig its own name= (a "
+                "Lookup names the table it reads), or use one CachedEmbed where one table "
+                "is looked up twice."
+            )
     return modules
 
 

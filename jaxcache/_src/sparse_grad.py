@@ -95,6 +95,12 @@ def sparse_value_and_grad(
       up table to ``(lookup, grad)``.
     """
     lookups = find_lookups(args, features, hint)
+    if not lookups:
+        raise ValueError(
+            "the loss function was given no Lookup, so no cached row would get a gradient; "
+            "pass each step's Lookup to it as an argument (a Lookup the function takes from "
+            "outside, by closure, is not differentiated)."
+        )
     deltas = [
         jnp.zeros((lk.requests.shape[0], lk.received, features[lk.table]), jnp.float32)
         for lk in lookups
