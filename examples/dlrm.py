@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
     progress = _common.Progress(args, cache)
     try:
         # A host thread stages the next --lookahead batches (plans them, writes
-        # back evicted rows, gathers the missing ones and starts their transfer)
-        # while the device trains on this one. Leaving the block stops it.
+        # back evicted rows, gathers the missing ones) while the device trains
+        # on this one; the loop transfers each. Leaving the block stops it.
         with jaxcache.prefetch(
             data.train, {"sparse": embed}, lookahead=args.lookahead, callback=args.host_callback
         ) as pipeline:

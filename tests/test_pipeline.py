@@ -197,6 +197,24 @@ def test_tables_waiting_for_room_when_another_refuses_stay_whole(planner):
         assert len(list(pipeline)) == 4
 
 
+def test_prepare_waits_until_no_pipeline_stages_ahead(planner):
+    # A batch prepared between the staged ones would take their rows or
+    # wait for them forever: refused until the pipeline is closed or done.
+    cfg = jaxcache.CacheConfig(200, 4, 34, policy="lru")
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner))
+    rng = np.random.default_rng(0)
+    batches = [{"ids": rng.integers(0, 200, (4, 4))} for _ in range(6)]
+    with jaxcache.prefetch(batches, {"ids": embed}, lookahead=1) as pipeline:
+        next(pipeline)
+        with pytest.raises(RuntimeError, match="while a jaxcache.prefetch stages its batches"):
+            embed.prepare(batches[0]["ids"], train=False)
+    embed.prepare(batches[0]["ids"], train=False)
+    assert len(list(jaxcache.prefetch(batches, {"ids": embed}, lookahead=1))) == 6
+    embed.prepare(batches[0]["ids"], train=False)  # a pipeline run to its end lets go
+    for _ in jaxcache.prefetch(batches, {"ids": embed}, lookahead=0):  # nothing ahead
+        embed.prepare(batches[0]["ids"], train=False)
+
+
 @pytest.mark.no_planner
 def test_a_batch_one_table_cannot_hold_leaves_the_others_planned_as_on_the_host():
     # Table b cannot hold batch 2; table a's plans after it were refused for

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -306,6 +307,9 @@ class EmbeddingCache:
             self.raw,
         )
         self.lifecycle = Lifecycle(self.planner, self.write_backs)
+        # Pipelines staging this table's batches ahead (``jaxcache.prefetch``
+        # with look-ahead), until closed: ``prepare`` would plan past them.
+        self.pipelines: weakref.WeakSet[Any] = weakref.WeakSet()
         self.callbacks = HostCallbacks(self.stager, self.lifecycle, platform, planner)
         # On an accelerator a read-out starts its copy to the host as soon as
         # the swap has run, so that landing it later finds it there; the CPU
@@ -421,6 +425,13 @@ class EmbeddingCache:
           as finished and may give its slots to other rows (to look ahead,
           use ``jaxcache.prefetch``, which protects the batches in flight).
         """
+        if self.pipelines:
+            raise RuntimeError(
+                f"prepare on table {self.name!r} while a jaxcache.prefetch stages its batches "
+                "ahead: the batch would take rows from under the batches staged, or wait for "
+                "them. Close that pipeline first (leave its with-block), then prepare, or "
+                "build it with lookahead=0."
+            )
         self.lifecycle.release_all()
         staged = self.stage(ids, train=train)
         return self.apply(state, staged), staged.lookup

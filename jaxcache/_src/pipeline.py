@@ -292,6 +292,8 @@ class Prefetcher(Iterator[dict[str, Any]]):
             target = self._stage_planned if self._device else self._produce
             self._thread = threading.Thread(target=target, name="jaxcache-prefetch", daemon=True)
             _OPEN.add(self)
+            for cache in caches:
+                cache.pipelines.add(self)
             if switch_interval is not None:
                 _SWITCH.hold(self, switch_interval)
             if self._device:
@@ -318,6 +320,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         if isinstance(item, _End):
             self._done = True
             _SWITCH.drop(self)  # the producer has finished
+            self._let_go()
             if self._device:
                 self._stop.set()  # nothing is left for the stager
             raise StopIteration
@@ -714,6 +717,12 @@ class Prefetcher(Iterator[dict[str, Any]]):
                     self._apply({key: staged})
         _SWITCH.drop(self)
         _OPEN.discard(self)
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Nothing is staged ahead any more: ``prepare`` may plan its tables."""
+        for cache in self._caches.values():
+            cache.pipelines.discard(self)
 
     def _drain(self) -> None:
         while True:
