@@ -227,6 +227,7 @@ class Checkpointer:
                 f"{self.directory}; steps must increase: save a step above {latest}, or save "
                 "into a new directory."
             )
+        _check_optimizer(optimizer)
         holders = find_tables(model, caches)
         for name in holders:
             table_record.check_name(name)
@@ -311,6 +312,7 @@ class Checkpointer:
         Returns:
           The ``CheckpointInfo``; resume the data at ``batches_consumed``.
         """
+        _check_optimizer(optimizer)
         step = self._resolve(step)
         meta = self._meta(step)
         holders = find_tables(model, caches)
@@ -513,3 +515,13 @@ class _TablesSave(ocp.args.CheckpointArgs):
 @dataclasses.dataclass
 class _TablesRestore(ocp.args.CheckpointArgs):
     pass
+
+
+def _check_optimizer(optimizer: object) -> None:
+    """Raises ``TypeError`` unless ``optimizer`` is ``None`` or an NNX object
+    (its state is restored in place; a Flax ``TrainState`` cannot be)."""
+    if optimizer is not None and not isinstance(optimizer, nnx.Pytree):
+        raise TypeError(
+            f"optimizer= takes an nnx.Optimizer, got {type(optimizer).__name__}; the optax "
+            "state of a Linen run is not saved here: save it beside the checkpoint."
+        )
