@@ -516,4 +516,3 @@ def test_a_loss_given_no_lookup_or_two_tables_of_one_name_is_refused():
     named = nnx.List([embed("users"), embed("items")])
     lookup = named[1].prepare(np.array([[1, 2]]))
     jaxcache.nnx.value_and_grad(lambda m, lk: m[1](lk).sum())(named, lookup)
-
