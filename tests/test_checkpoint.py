@@ -451,9 +451,9 @@ def test_mismatches_are_refused_before_anything_changes(tmp_path):
     with pytest.raises(ValueError, match="model's variables do not match"):
         checkpointer.restore(model=bigger)
     state = {"count": np.zeros(()), "mu": {"w": np.zeros(3)}}  # a TrainState-like pytree
-    with pytest.raises(TypeError, match="optimizer= takes an nnx.Optimizer, got dict"):
+    with pytest.raises(TypeError, match=r"optimizer= takes an nnx\.Optimizer, got dict"):
         checkpointer.restore(model=target[0], optimizer=state)
-    with pytest.raises(TypeError, match="optimizer= takes an nnx.Optimizer"):
+    with pytest.raises(TypeError, match=r"optimizer= takes an nnx\.Optimizer"):
         checkpointer.save(4, model=target[0], optimizer=state)
     np.testing.assert_array_equal(target[0].embed.cache.table.rows, rows)
     for x, y in zip(_dense(target[0]), dense, strict=True):

@@ -206,7 +206,7 @@ def test_prepare_waits_until_no_pipeline_stages_ahead(planner):
     batches = [{"ids": rng.integers(0, 200, (4, 4))} for _ in range(6)]
     with jaxcache.prefetch(batches, {"ids": embed}, lookahead=1) as pipeline:
         next(pipeline)
-        with pytest.raises(RuntimeError, match="while a jaxcache.prefetch stages its batches"):
+        with pytest.raises(RuntimeError, match=r"while a jaxcache\.prefetch stages its batches"):
             embed.prepare(batches[0]["ids"], train=False)
     embed.prepare(batches[0]["ids"], train=False)
     assert len(list(jaxcache.prefetch(batches, {"ids": embed}, lookahead=1))) == 6

@@ -644,7 +644,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         waited, in order (each plan that ran must reach the device state).
         A table's plans from its first refused one on did nothing: that
         plan is taken back, so the table plans it next."""
-        refused = {}  # each table's first plan that did nothing
+        refused: dict[str, int] = {}  # each table's first plan that did nothing
         for item in self._deferred.values():
             for key, plan, _ in item.refusals:
                 refused[key] = min(plan, refused.get(key, plan))

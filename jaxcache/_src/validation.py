@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import numpy as np
 
 __all__ = [
@@ -15,7 +17,7 @@ __all__ = [
 ]
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int | np.integer]:
     """A whole number: a Python or NumPy integer, not a bool."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
