@@ -323,9 +323,10 @@ def pool(
 
 
 def _accumulator(dtype: jnp.dtype) -> jnp.dtype:
-    """The dtype pooling sums in: float32 at least. Summed in bfloat16, a bag
-    of a few hundred ids loses most of its last terms (256 copies of a row
-    already add nothing more), and weights lose their low digits."""
+    """The dtype a batch's sums over rows run in (received rows, their
+    gradients, pooling): float32 at least. Summed in bfloat16, a bag of a few
+    hundred ids loses most of its last terms (256 copies of a row already add
+    nothing more), and weights lose their low digits."""
     return jnp.promote_types(dtype, jnp.float32)
 
 

@@ -424,6 +424,10 @@ class EmbeddingCache:
           one step before the next ``prepare``: that call counts this batch
           as finished and may give its slots to other rows (to look ahead,
           use ``jaxcache.prefetch``, which protects the batches in flight).
+
+        Raises:
+          RuntimeError: a ``jaxcache.prefetch`` with look-ahead is staging
+            this table's batches (close it first).
         """
         if self.pipelines:
             raise RuntimeError(

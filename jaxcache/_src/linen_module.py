@@ -235,7 +235,9 @@ def value_and_grad(
       where ``variables`` (the model's variables, or their ``COLLECTION``
       collection) are passed to ``fn`` unchanged and returned with the looked
       up rows and their optimizer state updated; ``value`` is ``(loss, aux)``
-      with ``has_aux``.
+      with ``has_aux``. It raises ``ValueError`` when ``args`` hold no
+      ``Lookup`` (a loss that takes its ``Lookup`` by closure would train no
+      row).
 
     Examples:
       >>> import jax, numpy as np, jaxcache, jaxcache.linen

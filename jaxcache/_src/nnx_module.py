@@ -216,7 +216,10 @@ def value_and_grad(
         applied conditionally (``update_if_finite``).
 
     Returns:
-      A function ``(model, *args) -> (value, grads)``.
+      A function ``(model, *args) -> (value, grads)``. It raises
+      ``ValueError`` when ``args`` hold no ``Lookup`` (a loss that takes its
+      ``Lookup`` by closure would train no row) or two of the model's
+      ``CachedEmbed`` modules share a table name.
 
     Examples:
       >>> import numpy as np, optax, jaxcache

@@ -491,14 +491,19 @@ class Prefetcher(Iterator[dict[str, Any]]):
                     self._planned.pop(0)
                 return item
             if item.index > self._taken:  # another of its tables may refuse in it too
-                held = self._deferred.get(item.index)
-                if held is not None:
-                    item = _Refused(item.index, held.refusals + item.refusals)
-                self._deferred[item.index] = item
+                self._defer(item)
                 continue
             failure = self._plan_again(item)
             if failure is not None:
                 return failure
+
+    def _defer(self, refused: _Refused) -> None:
+        """Holds ``refused`` until its batch is next, with any refusals of
+        the batch's other tables held before it."""
+        held = self._deferred.get(refused.index)
+        if held is not None:
+            refused = _Refused(refused.index, held.refusals + refused.refusals)
+        self._deferred[refused.index] = refused
 
     def _dispatch_until(self, last: int) -> None:
         """Dispatches the device plans of the batches up to index ``last``
@@ -733,9 +738,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
             if isinstance(item, _Failure):
                 self._apply(item.partial)
             elif isinstance(item, _Refused):  # taken back by ``_finish_planned``
-                held = self._deferred.get(item.index)
-                refusals = item.refusals if held is None else held.refusals + item.refusals
-                self._deferred[item.index] = _Refused(item.index, refusals)
+                self._defer(item)
             elif not isinstance(item, _End):
                 self._apply(item[1])
 
