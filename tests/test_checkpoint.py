@@ -446,6 +446,10 @@ def test_mismatches_are_refused_before_anything_changes(tmp_path):
     other_state = _model(_cache("lru", optimizer=jaxcache.adam(0.1)))
     with pytest.raises(ValueError, match="per-row optimizer state"):
         checkpointer.restore(model=other_state[0])
+    # Training with sgd from here would silently drop the accumulators.
+    stateless = _model(_cache("lru", optimizer=jaxcache.sgd(0.1)))
+    with pytest.raises(ValueError, match=r"keeps none; restore with .*'Adagrad'.*serving_config"):
+        checkpointer.restore(model=stateless[0])
     bigger = Tower(target[0].embed, F, D, seed=0)
     bigger.hidden = nnx.Linear(F * D, 32, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="model's variables do not match"):

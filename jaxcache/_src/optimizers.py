@@ -105,6 +105,9 @@ class SparseOptimizer:
 
     learning_rate: float
     registered_name: ClassVar[str] = ""
+    # False for a serving table's optimizer, which keeps no state and never
+    # updates: a checkpoint's per-row state may be left behind only there.
+    trains: ClassVar[bool] = True
     # Each hyperparameter's range, ``name: (low, high, example)``: ``low <=
     # value < high``, checked at construction like the learning rate.
     bounds: ClassVar[Bounds] = {}

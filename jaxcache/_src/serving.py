@@ -20,7 +20,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
@@ -46,6 +46,7 @@ class ReadOnly(optimizers.SparseOptimizer):
     """
 
     learning_rate: float = 0.0
+    trains: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         """Nothing to check: a read-only table has no learning rate."""

@@ -311,11 +311,15 @@ def _check_compatible(name: str, meta: dict[str, Any], cache: EmbeddingCache) ->
                     f"the saved value; build the cache from Checkpointer.cache_config({name!r})."
                 )
     row_state = _row_state_json(config)
-    if row_state and row_state != saved["row_state"]:
+    # A serving cache keeps rows only; a training cache dropping the saved
+    # state would silently restart each row's optimizer from nothing.
+    if row_state != saved["row_state"] and (row_state or config.optimizer.trains):
         raise ValueError(
             f"table {name!r}: the checkpoint's per-row optimizer state is "
-            f"{saved['row_state']} but this cache's optimizer keeps {row_state}; restore with "
-            "the same sparse optimizer (or a serving cache, which keeps none)."
+            f"{saved['row_state'] or 'none'} but this cache's optimizer keeps "
+            f"{row_state or 'none'}; restore with the same sparse optimizer "
+            f"({saved['optimizer']['type']!r}; Checkpointer.cache_config({name!r}) rebuilds "
+            "it), or into a serving cache (jaxcache.serving_config), which keeps rows only."
         )
 
 
