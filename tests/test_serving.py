@@ -190,3 +190,60 @@ def test_serving_raw_ids_scores_like_the_trained_model(tmp_path, planner):
     assert served_embed.cache.vocabulary.size == live
     assert served_embed.cache.stats.total.new_ids == 0
     assert served_embed.cache.stats.total.rows_to_host == 0
+
+
+def test_batch_sizes_bound_the_shapes_and_keep_the_scores(trained):
+    directory, held_out, expected, _ = trained
+    checkpointer = jaxcache.Checkpointer(directory, read_only=True)
+    embed, model = _dlrm(
+        jaxcache.EmbeddingCache(jaxcache.serving_config(checkpointer.cache_config()))
+    )
+    checkpointer.restore(model=model)
+    predict = jaxcache.models.make_predict_step(model)
+    shapes = set()
+
+    def scored(batch):
+        shapes.add(batch["dense"].shape[0])
+        return predict(batch["dense"], batch["sparse"])
+
+    server = jaxcache.Server(model, scored, {"sparse": embed}, batch_sizes=[16, 8, 8])
+    assert server.batch_sizes == (8, 16)
+    every = {k: np.concatenate([b[k] for b in held_out]) for k in ("dense", "sparse", "label")}
+    want = np.concatenate(expected)
+    cuts = np.cumsum([1, 5, 8, 16, 27, 35])  # sizes below, at and above the largest
+    requests = [
+        {k: v[a:b] for k, v in every.items()} for a, b in zip([0, *cuts[:-1]], cuts, strict=True)
+    ]
+    got = list(server.score(requests))
+    assert [len(s) for s in got] == [1, 5, 8, 16, 27, 35]
+    np.testing.assert_allclose(np.concatenate(got), want[: cuts[-1]], rtol=1e-6, atol=1e-7)
+    assert shapes == {8, 16} and server.summary()["batches"] == len(requests)
+    # Repeated samples add no distinct id: the cache saw the request's own ids.
+    assert embed.cache.stats.last.distinct == len(np.unique(requests[-1]["sparse"][32:]))
+
+
+def test_batch_sizes_refuse_what_they_cannot_pad(trained):
+    directory, held_out, _, _ = trained
+    checkpointer = jaxcache.Checkpointer(directory, read_only=True)
+    embed, model = _dlrm(
+        jaxcache.EmbeddingCache(jaxcache.serving_config(checkpointer.cache_config()))
+    )
+    for sizes in ([], [0, 8], [2.5]):
+        with pytest.raises(ValueError, match=r"batch_sizes=.*whole numbers of at least 1"):
+            jaxcache.Server(model, lambda b: b, {"sparse": embed}, batch_sizes=sizes)
+    predict = jaxcache.models.make_predict_step(model)
+    server = jaxcache.Server(
+        model, lambda b: predict(b["dense"], b["sparse"]), {"sparse": embed}, batch_sizes=[8]
+    )
+    batch = dict(held_out[0], dense=held_out[0]["dense"][:5])
+    with pytest.raises(
+        ValueError, match=r"batch\['dense'\] has 5 entries along axis 0 but the batch has 32"
+    ):
+        list(server.score([batch]))
+    summing = jaxcache.Server(
+        model, lambda b: predict(b["dense"], b["sparse"]).sum(), {"sparse": embed}, batch_sizes=[8]
+    )
+    with pytest.raises(ValueError, match=r"scores of shape \(\) for a batch of 8 samples"):
+        list(summing.score(held_out[:1]))
+    # The server scores again after a refused batch.
+    assert len(next(server.score(held_out[:1]))) == 32

@@ -116,6 +116,14 @@ class Server:
       lookahead: batches planned and transferred ahead.
       latency_window: how many of the latest batches' latencies are kept
         (a server runs for days: older ones are dropped).
+      batch_sizes: the batch sizes the model and the planner are compiled
+        for, e.g. ``(64, 256, 1024)``; default ``None``: each batch as it
+        comes, which compiles once per new size. With them, a batch of ``n``
+        samples is padded to the smallest size of at least ``n`` by
+        repeating its last sample (along the first axis of every array in
+        the batch), and one larger than the largest is scored in pieces of
+        that size; its scores are cut back to ``n``. Repeated samples add no
+        distinct id, so the cache and its statistics see the same ids.
 
     Attributes:
       latencies: seconds per batch of the latest ``latency_window``
@@ -143,8 +151,10 @@ class Server:
         *,
         lookahead: int = 2,
         latency_window: int = 100_000,
+        batch_sizes: Iterable[int] | None = None,
     ) -> None:
         check_lookahead(lookahead)
+        self.batch_sizes = None if batch_sizes is None else _check_batch_sizes(batch_sizes)
         if not is_int(latency_window) or latency_window < 1:
             raise ValueError(
                 f"latency_window={latency_window!r}: pass how many batches' latencies to "
@@ -175,15 +185,33 @@ class Server:
           ``predict(batch)`` as NumPy (copied to the host).
         """
         taken: collections.deque[float] = collections.deque()
+        # (samples of the piece that are real, its padded size, whether it
+        # ends its batch), one per piece the pipeline stages, in order.
+        pieces: collections.deque[tuple[int, int, bool]] = collections.deque()
 
         def source() -> Iterator[Mapping[str, Any]]:
             for batch in batches:
+                if self.batch_sizes is None:
+                    taken.append(time.perf_counter())
+                    yield batch
+                    continue
+                cut = list(_pieces(batch, self.batch_sizes, list(self.tables)))
                 taken.append(time.perf_counter())
-                yield batch
+                for i, (piece, used, size) in enumerate(cut):
+                    pieces.append((used, size, i == len(cut) - 1))
+                    yield piece
 
+        parts: list[np.ndarray] = []
         with prefetch(source(), self.tables, lookahead=self.lookahead, train=False) as pipeline:
             for batch in pipeline:
                 scores = np.asarray(jax.device_get(self.predict(batch)))
+                if self.batch_sizes is not None:
+                    used, size, last = pieces.popleft()
+                    parts.append(_cut(scores, used, size))
+                    if not last:
+                        continue
+                    scores = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                    parts = []
                 self.latencies.append(time.perf_counter() - taken.popleft())
                 yield scores
 
@@ -205,3 +233,72 @@ class Server:
             "hit_rate": sum(c.stats.total.hits for c in caches) / max(1, distinct),
             "bytes_to_host": sum(c.stats.bytes_to_host for c in caches),
         }
+
+
+def _check_batch_sizes(batch_sizes: Iterable[int]) -> tuple[int, ...]:
+    sizes = list(batch_sizes)
+    if not sizes or not all(is_int(n) and n >= 1 for n in sizes):
+        raise ValueError(
+            f"batch_sizes={sizes!r}: pass the batch sizes to compile for, whole numbers of "
+            "at least 1, e.g. (64, 256, 1024); or None to score each batch as it comes."
+        )
+    return tuple(sorted({int(n) for n in sizes}))
+
+
+def _samples(batch: Mapping[str, Any], keys: list[str]) -> int:
+    """The batch's number of samples: the first axis of its tables' ids."""
+    sizes = {key: np.shape(batch[key])[:1] for key in keys if key in batch}
+    if len(set(sizes.values())) != 1 or () in sizes.values():
+        raise ValueError(
+            f"the ids under {sorted(sizes)} have first axes {sizes}: with batch_sizes, every "
+            "table's ids must be an array of the same number of samples along axis 0."
+        )
+    return sizes.popitem()[1][0]
+
+
+def _pieces(
+    batch: Mapping[str, Any], sizes: tuple[int, ...], keys: list[str]
+) -> Iterator[tuple[dict[str, Any], int, int]]:
+    """``(piece, samples used, padded size)``: ``batch`` cut into pieces of
+    at most ``sizes[-1]`` samples, each padded to the smallest size that
+    holds it by repeating its last sample (every array leaf along axis 0;
+    scalars and strings as they are). All is checked before the first piece."""
+    batch = {key: np.asarray(value) if key in keys else value for key, value in batch.items()}
+    n = _samples(batch, keys)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        if np.ndim(leaf) and np.shape(leaf)[0] != n:
+            raise ValueError(
+                f"batch{jax.tree_util.keystr(path)} has {np.shape(leaf)[0]} entries along "
+                f"axis 0 but the batch has {n} samples; with batch_sizes every array of a batch "
+                "is cut and padded along axis 0, so each must hold one entry per sample (or be "
+                "a scalar)."
+            )
+    if n == 0:  # nothing to repeat: scored as it is
+        yield batch, 0, 0
+        return
+    for start in range(0, n, sizes[-1]):
+        used = min(sizes[-1], n - start)
+        size = next(s for s in sizes if s >= used)
+
+        def piece(leaf: Any, start: int = start, used: int = used, size: int = size) -> Any:
+            if not np.ndim(leaf):
+                return leaf
+            return _padded(np.asarray(leaf)[start : start + used], size)
+
+        yield jax.tree.map(piece, batch), used, size
+
+
+def _padded(value: np.ndarray, size: int) -> np.ndarray:
+    if len(value) == size:
+        return value
+    return np.concatenate([value, np.repeat(value[-1:], size - len(value), axis=0)])
+
+
+def _cut(scores: np.ndarray, used: int, size: int) -> np.ndarray:
+    if scores.ndim == 0 or scores.shape[0] != size:
+        raise ValueError(
+            f"predict returned scores of shape {scores.shape} for a batch of {size} samples; "
+            "with batch_sizes the scores must have one entry per sample along axis 0, which "
+            "are cut back to the batch's own samples."
+        )
+    return scores[:used]
