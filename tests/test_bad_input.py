@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fractions
 
 import jax
 import numpy as np
@@ -272,6 +273,9 @@ def test_bad_table_settings(tmp_path, kwargs, pattern):
             TypeError,
             r"SGD\(learning_rate=\.\.\.\) takes a constant step size, got a function",
         ),
+        (jaxcache.sgd, 1e39, ValueError, r"SGD\(learning_rate=1e\+39\): .* finite in float32"),
+        (jaxcache.adam, 1e-50, ValueError, r"Adam\(learning_rate=1e-50\): .* > 0 and finite"),
+        (jaxcache.sgd, fractions.Fraction(1, 10), TypeError, r"constant step size, got a Fraction"),
     ],
 )
 def test_bad_learning_rate(make, learning_rate, error, pattern):
@@ -299,21 +303,36 @@ def test_bad_learning_rate(make, learning_rate, error, pattern):
         ),
         (lambda: jaxcache.adam(0.1, b2=1.0), ValueError, r"Adam\(b2=1.0\)"),
         (lambda: jaxcache.adam(0.1, eps=float("nan")), ValueError, r"Adam\(eps=nan\)"),
-        (lambda: jaxcache.adagrad(0.1, eps="small"), TypeError, r"takes a number.*1e-7"),
+        (lambda: jaxcache.adagrad(0.1, eps="small"), TypeError, r"takes an int or a float.*1e-7"),
         (
             lambda: jaxcache.adam(0.1, eps=0.0),
             ValueError,
-            r"Adam\(eps=0\): .*NaN \(0 / 0\); pass eps > 0 such as 1e-8\.",
+            r"Adam\(eps=0.0\): .*NaN \(0 / 0 in float32.*pass eps >= 1.18e-38 such as 1e-8\.",
         ),
         (
             lambda: jaxcache.rowwise_adagrad(0.1, eps=0.0),
             ValueError,
-            r"RowwiseAdagrad\(eps=0 and initial_accumulator_value=0\).*or initial_accumulator",
+            r"RowwiseAdagrad\(eps=0.0, initial_accumulator_value=0.0\).*or initial_accumulator",
         ),
         (
             lambda: jaxcache.adagrad(0.1, initial_accumulator_value=0.0, eps=0.0),
             ValueError,
-            r"Adagrad\(eps=0 and initial_accumulator_value=0\)",
+            r"Adagrad\(eps=0.0, initial_accumulator_value=0.0\)",
+        ),
+        # In range as Python floats, out of it in float32, where rows are updated.
+        (lambda: jaxcache.adam(0.1, b1=1 - 1e-11), ValueError, r"b1 must be .* also in float32"),
+        (lambda: jaxcache.adam(0.1, b2=1 - 1e-11), ValueError, r"b2 must be .* also in float32"),
+        (lambda: jaxcache.adagrad(0.1, initial_accumulator_value=1e39), ValueError, "finite, also"),
+        (lambda: jaxcache.adam(0.1, eps=1e-50), ValueError, r"Adam\(eps=1e-50\): .*NaN"),
+        (
+            lambda: jaxcache.adagrad(0.1, initial_accumulator_value=0.0, eps=1e-40),
+            ValueError,
+            r"Adagrad\(eps=1e-40, .*values below 1.18e-38 are 0",
+        ),
+        (
+            lambda: jaxcache.rowwise_adagrad(0.1, initial_accumulator_value=1e-50, eps=0.0),
+            ValueError,
+            r"RowwiseAdagrad\(eps=0.0, initial_accumulator_value=1e-50\)",
         ),
     ],
 )

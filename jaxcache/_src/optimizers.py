@@ -21,7 +21,6 @@ Shape letters: ``U`` distinct rows in a batch, ``D`` row width.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
 
@@ -135,28 +134,31 @@ class SparseOptimizer:
 
     def __post_init__(self) -> None:
         rate, name = self.learning_rate, type(self).__name__
-        if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
+        if not _is_number(rate):
             raise TypeError(
                 f"{name}(learning_rate=...) takes a constant step size, got a "
                 f"{type(rate).__name__}; pass a positive number such as 0.01 (optax schedules "
                 "are for the dense parameters)."
             )
-        if not 0 < rate < float("inf"):
+        if not 0 < _as_float32(rate) < float("inf"):
             raise ValueError(
-                f"{name}(learning_rate={rate!r}): the learning rate must be > 0 and finite; "
-                "pass a positive step size such as 0.01."
+                f"{name}(learning_rate={rate!r}): the learning rate must be > 0 and finite "
+                "in float32, in which rows are updated; pass a positive step size such as 0.01."
             )
         for field, (low, high, example) in self.bounds.items():
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            if not _is_number(value):
                 raise TypeError(
-                    f"{name}({field}={value!r}) takes a number; pass one such as {example}."
+                    f"{name}({field}={value!r}) takes an int or a float; pass one such as "
+                    f"{example}."
                 )
-            if not low <= value < high:
+            # Updates run in float32: a value in range as a Python float can
+            # round out of it (a b1 of 1 - 1e-11 is 1.0, and divides by 0).
+            if not (low <= value < high and low <= _as_float32(value) < high):
                 upper = "finite" if high == float("inf") else f"< {high}"
                 raise ValueError(
-                    f"{name}({field}={value!r}): {field} must be >= {low} and {upper}; pass "
-                    f"a value such as {example}."
+                    f"{name}({field}={value!r}): {field} must be >= {low} and {upper}, also "
+                    f"in float32, in which rows are updated; pass a value such as {example}."
                 )
 
     def state_spec(self, features: int) -> dict[str, RowStateSpec]:
@@ -171,17 +173,40 @@ class SparseOptimizer:
         raise NotImplementedError
 
 
+def _is_number(value: object) -> bool:
+    """An int or a float (NumPy's too): what JAX multiplies a float32 array by."""
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(
+        value, bool | np.bool_
+    )
+
+
+def _as_float32(value: float) -> float:
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
+
+
+# The least normal float32: XLA flushes smaller ones to 0.
+_TINY = float(np.finfo(np.float32).tiny)
+
+
 def _check_denominator(optimizer: Any, start: str | None) -> None:
-    """Refuses ``eps=0`` where nothing else keeps a row's denominator above 0:
-    a row whose gradient is 0 on its first update would become 0 / 0 = NaN."""
-    if optimizer.eps > 0 or (start is not None and getattr(optimizer, start) > 0):
+    """Refuses an ``eps`` of 0 in float32 (below its least normal number,
+    which XLA flushes to 0) where nothing else keeps a row's denominator
+    above 0: a row whose gradient is 0 on its first update would become
+    0 / 0 = NaN."""
+    if _as_float32(optimizer.eps) >= _TINY:
+        return
+    if start is not None and _as_float32(getattr(optimizer, start)) >= _TINY:
         return
     name = type(optimizer).__name__
-    given = "eps=0" if start is None else f"eps=0 and {start}=0"
-    other = "" if start is None else f", or {start} > 0"
+    given = f"eps={optimizer.eps!r}"
+    if start is not None:
+        given += f", {start}={getattr(optimizer, start)!r}"
+    other = "" if start is None else f", or {start} of at least that"
     raise ValueError(
         f"{name}({given}): a row whose gradient is 0 on its first update would become NaN "
-        f"(0 / 0); pass eps > 0 such as {optimizer.bounds['eps'][2]}{other}."
+        f"(0 / 0 in float32, where values below {_TINY:.3g} are 0); pass eps >= {_TINY:.3g} "
+        f"such as {optimizer.bounds['eps'][2]}{other}."
     )
 
 
