@@ -231,6 +231,25 @@ def test_malformed_field_names_file_line_and_problem(tmp_path, lines, column, va
     assert message in str(error) and f"train.txt, line 7: {message}" in str(error)
 
 
+@pytest.mark.parametrize("value", ["200000005", "100000000", "ffffffffffffffff"])
+def test_raw_ids_refuse_a_hash_that_would_take_another_features_id(tmp_path, lines, value):
+    # 0x200000005 in C1 would be C2's id 5; 0x100000000 C1's empty field.
+    good = [line for line in lines[:40] if len(line.split("\t")) == 40]
+    good[6] = replace_field(good[6], 14, value)
+    write_lines(tmp_path / "manual" / "train.txt", good)
+    config = jd.CriteoConfig(name="strict_raw", raw_ids=True)
+    with pytest.raises(jd.DataFormatError, match=r"line 7: column 15 \(C1\) must be a 32-bit"):
+        jd.prepare(jd.CriteoBuilder(config=config, data_dir=tmp_path / "data"), tmp_path / "manual")
+    # Leading zeros are the same hash: "000000005" is C1's 5.
+    good[6] = replace_field(good[6], 14, "000000005")
+    write_lines(tmp_path / "manual" / "train.txt", good)
+    config = jd.CriteoConfig(name="padded_raw", raw_ids=True)
+    builder = jd.prepare(
+        jd.CriteoBuilder(config=config, data_dir=tmp_path / "data"), tmp_path / "manual"
+    )
+    assert 5 in read_all(builder)["sparse"][:, 0].tolist()
+
+
 def test_wrong_column_count_is_refused_without_skip(tmp_path, lines):
     good = [line for line in lines[:40] if len(line.split("\t")) == 40]
     good[2] += "\textra"

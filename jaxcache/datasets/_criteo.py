@@ -256,6 +256,17 @@ class _ParsedFile:
         counts = block.integers(_DENSE_COLUMNS, _DENSE_NAMES, allow_empty=True)
         hashes, empty = block.hexadecimal(_SPARSE_COLUMNS, _SPARSE_NAMES)
         if self.vocab is None:
+            # A raw id holds its feature above bit 33: a value of 2^32 or
+            # more would take another feature's id (or the empty field's).
+            block.mark(
+                _SPARSE_COLUMNS,
+                hashes >= np.uint64(1 << 32),
+                [
+                    f"column {c + 1} ({n}) must be a 32-bit hexadecimal hash (below 2^32: at most "
+                    "8 significant digits), or empty, for raw ids, which keep it unreduced"
+                    for c, n in zip(_SPARSE_COLUMNS, _SPARSE_NAMES, strict=True)
+                ],
+            )
             ids = raw_id(np.arange(NUM_SPARSE), np.where(empty, np.uint64(1 << 32), hashes))
         else:
             reduced = (hashes % (self.vocab - np.uint64(1)) + np.uint64(1)).astype(np.int64)
