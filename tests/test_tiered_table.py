@@ -11,6 +11,8 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jaxcache
 from jaxcache._src import cli
@@ -139,6 +141,56 @@ def test_columns_index_and_assign_like_arrays(tmp_path):
     assert len(table.rows) == 500 and table.rows.nbytes == 500 * 16
     with pytest.raises(IndexError, match="out of range"):
         table.rows[[500]]
+
+
+def _keys(n, d):
+    """Index keys of an ``[n, d]`` array: NumPy's forms along both axes."""
+    ints = st.lists(st.integers(-n, n - 1), max_size=6)
+    first = st.one_of(
+        st.integers(-n, n - 1),
+        ints,
+        ints.map(lambda x: np.array(x, np.int64)),
+        st.builds(
+            slice,
+            st.none() | st.integers(-n, n),
+            st.none() | st.integers(-n, n),
+            st.sampled_from([None, 1, 2, -1, -3]),
+        ),
+        st.lists(st.booleans(), min_size=n, max_size=n).map(np.array),
+        st.just(Ellipsis),
+    )
+    second = st.one_of(
+        st.integers(-d, d - 1),
+        st.lists(st.integers(-d, d - 1), max_size=6),
+        st.just(slice(None, None, -1)),
+    )
+    return st.one_of(first, st.tuples(first), st.tuples(first, second))
+
+
+@pytest.mark.no_planner
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_columns_index_and_assign_as_numpy_does(tmp_path_factory, data):
+    # Arrays on both axes pair their elements; duplicate rows assign as
+    # NumPy's last-wins; an empty list selects nothing.
+    cfg = jaxcache.CacheConfig(12, 3, 4)
+    table = tiered(cfg, tmp_path_factory.mktemp("t"), 3, seed=2)
+    reference = np.array(np.asarray(table.rows))
+    for _ in range(3):
+        key = data.draw(_keys(12, 3))
+        try:
+            want = reference[key]
+        except IndexError:  # pairs that do not broadcast: refused by both
+            with pytest.raises(IndexError):
+                table.rows[key]
+            continue
+        np.testing.assert_array_equal(table.rows[key], want)
+        value = np.arange(np.size(want), dtype=np.float32).reshape(np.shape(want)) + 100
+        reference[key] = value
+        table.rows[key] = value
+        np.testing.assert_array_equal(np.asarray(table.rows), reference)
 
 
 @pytest.mark.no_planner

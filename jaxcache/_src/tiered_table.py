@@ -140,7 +140,8 @@ class TieredTable(HostTable):
         shards) can share the directory.
       dram_budget: bytes of memory for the index and the DRAM tier (default:
         ``default_dram_budget()``, a fraction of the memory available now).
-        More than the table needs is not allocated.
+        More than the table needs (every row, rounded up to a whole number
+        per shard) is not allocated.
       rows: an existing ``[N, D]`` array (or memory map) to start from; when
         ``None`` rows are drawn from ``init``.
       init: initializer for new rows (default: ``embed_init()``).
@@ -376,10 +377,11 @@ class TieredTable(HostTable):
 class TableColumn:
     """One array of a ``TieredTable``: its rows, or one optimizer state.
 
-    Indexes and assigns like an array of shape ``[N_local, ...]`` along its
-    first axis (an index, a slice, a list or array of indices, a boolean
-    mask; further axes apply to the rows read), reading and writing through
-    the DRAM tier without changing what it holds. ``np.asarray(column)``
+    Indexes and assigns as a NumPy array of shape ``[N_local, ...]`` does
+    (its first axis by an index, a slice, a list or array of indices or a
+    boolean mask; further axes as NumPy's rules say, arrays on two axes
+    pairing their elements), reading and writing through the DRAM tier
+    without changing what it holds. ``np.asarray(column)``
     reads the whole column into memory.
 
     Examples:
@@ -415,52 +417,53 @@ class TableColumn:
     def __repr__(self) -> str:
         return f"TableColumn({self.name!r}, shape={self.shape}, dtype={self.dtype})"
 
-    def _rows(self, key: Any) -> tuple[np.ndarray, tuple[int, ...]]:
-        """Local rows selected by ``key`` along the first axis, and the shape
-        the selection takes (``()`` for one row)."""
+    def _rows(self, key: Any) -> tuple[np.ndarray, Any]:
+        """``(rows, position)``: the distinct local rows ``key`` selects along
+        the first axis, and the index into a block of them (in that order)
+        that takes the place of ``key``, so that the rest of an index applies
+        as NumPy applies it (an array beside another array pairs them)."""
         n = self.shape[0]
-        if key is Ellipsis:
-            key = slice(None)
-        if isinstance(key, slice):
-            rows = np.arange(*key.indices(n), dtype=np.int64)
-            return rows, rows.shape
+        if key is Ellipsis or isinstance(key, slice):
+            rows = np.arange(n, dtype=np.int64)
+            return (rows, Ellipsis) if key is Ellipsis else (rows[key], slice(None))
         index = np.asarray(key)
         if index.dtype == bool:
             if index.shape != (n,):
                 raise IndexError(f"a boolean mask of {self.name} needs shape ({n},).")
             rows = np.flatnonzero(index)
-            return rows, rows.shape
+            return rows, np.arange(rows.size)
+        if index.size == 0 and index.dtype == np.float64:  # ``[]``, as NumPy takes it
+            index = index.astype(np.int64)
         if not np.issubdtype(index.dtype, np.integer):
             raise IndexError(f"{self.name} is indexed by integers, slices or masks, not {key!r}.")
         flat = index.reshape(-1).astype(np.int64)
         flat = np.where(flat < 0, flat + n, flat)
         if flat.size and (flat.min() < 0 or flat.max() >= n):
             raise IndexError(f"index out of range for {self.name} of {n} rows.")
-        return flat, index.shape
+        # Distinct rows, so that writing the block back cannot undo one of
+        # its own cells with an older copy of the same row.
+        rows, inverse = np.unique(flat, return_inverse=True)
+        return rows, int(inverse[0]) if index.ndim == 0 else inverse.reshape(index.shape)
 
-    def _select(self, key: Any) -> tuple[np.ndarray, tuple[int, ...], tuple]:
-        """``(local rows, their shape, the index of the remaining axes)``."""
-        first, rest = (
-            (key[0] if key else slice(None), key[1:])
-            if isinstance(key, tuple)
-            else (
-                key,
-                (),
-            )
-        )
-        local, shape = self._rows(first)
-        return local, shape, (*(slice(None),) * len(shape), *rest)
+    def _select(self, key: Any) -> tuple[np.ndarray, tuple]:
+        """``(local rows, the index of a block of them that does what key does)``."""
+        if isinstance(key, tuple):
+            first, rest = (key[0], key[1:]) if key else (slice(None), ())
+        else:
+            first, rest = key, ()
+        local, position = self._rows(first)
+        return local, (position, *rest)
 
     def __getitem__(self, key: Any) -> Any:
-        local, shape, rest = self._select(key)
-        return self._column(local).reshape(*shape, *self.shape[1:])[rest]
+        local, index = self._select(key)
+        return self._column(local)[index]
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        local, shape, rest = self._select(key)
+        local, index = self._select(key)
         table = self._table
         rows, state = table._read(local, keep=False)
         target = rows if self.name == "rows" else state[self.name]
-        target.reshape(*shape, *self.shape[1:])[rest] = value
+        target[index] = value
         table._tier.write(local, np.arange(local.size), table._fields(rows, state))
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
