@@ -5,8 +5,9 @@ A serving table is an ``EmbeddingCache`` built from ``serving_config``: its
 and the device hold rows only. Batches are planned with ``train=False``, so no
 row is ever dirty and nothing is ever written back: ``cache.stats`` counts
 zero bytes device -> host. Restoring a training checkpoint into it
-(``Checkpointer.restore``) reads the rows and preloads the hottest ones by
-the access counts the training cache kept.
+(``Checkpointer.restore``) reads the rows and preloads the rows the training
+cache held, hottest first by the access counts it kept, then the hottest
+other ids by those counts while slots are left.
 
 ``Server`` scores batches with the same Flax module the model was trained
 with, in eval mode, through ``jaxcache.prefetch``: one cache per table is
@@ -72,9 +73,9 @@ def serving_config(
       capacity: rows on device, a count or a fraction of the table; default:
         the training capacity.
       policy: eviction policy while serving. The default ``"lfu"`` starts
-        from the access counts a checkpoint kept (``"lfu"`` and
-        ``"frequency"`` training caches keep them), so the hottest rows are
-        preloaded and stay; ``"frequency"`` also needs ``frequencies=`` when
+        from the access counts a checkpoint kept (``"adaptive"``, ``"lfu"``
+        and ``"frequency"`` training caches keep them), so the hottest rows
+        are preloaded and stay; ``"frequency"`` also needs ``frequencies=`` when
         the cache is built.
 
     Returns:
