@@ -239,8 +239,10 @@ def test_only_used_rows_are_written_back(policy):
         (
             dict(trace=np.array([3, -1]), batch=2),
             ValueError,
-            "holds -1 at index.*replay_vocabulary",
+            r"holds -1 at index.*padding_id \(--padding-id\) if it marks.*replay_vocabulary",
         ),
+        (dict(trace=np.array([-1, -1]), batch=2, padding_id=-1), ValueError, "padding_id=-1 only"),
+        (dict(trace=HAND_TRACE, batch=2, padding_id=2**63), ValueError, "must be an int64 id"),
         (dict(trace=HAND_TRACE), ValueError, "batch is needed"),
         (dict(trace=HAND_TRACE, batch=4), jaxcache.CapacityError, "batch 0 of the trace"),
         (dict(trace=HAND_TRACE, batch=2, policy="fifo"), ValueError, "unknown policy 'fifo'"),
@@ -253,9 +255,49 @@ def test_bad_arguments_raise_clear_errors(kwargs, error, match):
         replay(**kwargs)
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "adaptive"])
+def test_padding_takes_no_row_as_in_a_cache_with_that_padding_id(policy, planner):
+    # Multi-hot bags padded with -1, one step all padding: the replay counts
+    # what a training cache of that padding id counts.
+    rng = np.random.default_rng(3)
+    trace = rng.zipf(1.2, size=(24, 30)) % 400
+    trace[rng.random(trace.shape) < 0.4] = -1
+    trace[7] = -1
+    out = sweep(
+        trace,
+        capacities=[40, 90],
+        policies=[policy],
+        padding_id=-1,
+        planner=planner,
+        num_embeddings=400,
+    )
+    for result in out:
+        cfg = jaxcache.CacheConfig(
+            400, 2, capacity=result["capacity"], policy=policy, padding_id=-1
+        )
+        cache = jaxcache.EmbeddingCache(cfg, planner=planner)
+        state = cache.init_state()
+        for ids in trace:
+            state, _ = cache.prepare(state, ids.reshape(6, 5))
+        total = cache.stats.total
+        assert result["num_embeddings"] == 400 and result["lookups"] == total.lookups
+        assert (result["distinct"], result["hits"]) == (total.distinct, total.hits)
+        assert (result["rows_fetched"], result["evictions"]) == (total.misses, total.evictions)
+    tier = jaxcache.sizing.replay_dram_tier(
+        trace,
+        capacity=40,
+        dram_budget=12 * 400 + 60 * 8,
+        row_bytes=8,
+        policy=policy,
+        padding_id=-1,
+    )
+    assert tier["dram_lookups"] == out[0]["rows_fetched"] + out[0]["rows_warmed"]
+
+
 @pytest.fixture
 def files(tmp_path):
     np.save(tmp_path / "trace.npy", HAND_TRACE)
+    np.save(tmp_path / "padded.npy", np.stack([HAND_TRACE, np.full(10, -1)], 1).reshape(5, 4))
     np.save(tmp_path / "float.npy", HAND_TRACE.astype(np.float32))
     np.save(tmp_path / "rank3.npy", HAND_TRACE[:8].reshape(2, 2, 2))
     np.save(tmp_path / "short_counts.npy", np.ones(2, np.int64))
@@ -290,6 +332,14 @@ def test_cli_prints_one_json_object_per_run(files, capsys):
         ("frequency", 3),
     ]
     assert results[0] == replay(HAND_TRACE, batch=2, capacity=2, policy="lru")
+
+
+def test_cli_replays_a_padded_trace(files, capsys):
+    # Each step's two ids, then two padding ids: the same counts as without.
+    argv = ["replay", "{d}/padded.npy", "--capacity", "2", "--policy", "lru", "--padding-id", "-1"]
+    assert run_main(argv, files) == 0
+    (result,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert result == replay(HAND_TRACE, batch=2, capacity=2, policy="lru")
 
 
 def test_a_sweep_marks_capacities_below_a_batchs_distinct_ids_and_goes_on(files, capsys):
@@ -397,6 +447,11 @@ BAD_INPUT = [
         "matplotlib cannot write",
     ),
     (["{d}/trace.npy", "--batch", "2", "--capacity", "nan"], "a fraction of the table such as"),
+    (
+        ["{d}/trace.npy", "--batch", "2", "--capacity", "2", "--padding-id", str(2**63)],
+        "argument --padding-id: padding_id=9223372036854775808 must be an int64 id",
+    ),
+    (["{d}/padded.npy", "--capacity", "2"], "argument trace: trace holds -1 at index (0, 1)"),
     (["{d}/trace.npy", "--batch", "2", "--capacity", "inf"], "a fraction of the table such as"),
     (
         ["{d}/trace.npy", "--batch", "2", "--capacity", "2", "--dram-budget", "infG"],

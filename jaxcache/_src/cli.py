@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from jaxcache._src import replay as replay_lib
-from jaxcache._src import tier_replay
+from jaxcache._src import tier_replay, validation
 from jaxcache._src.config import DEFAULTS, FORGET, POLICIES, DynamicVocabulary
 from jaxcache._src.planner import CapacityError
 from jaxcache._src.vocabulary import _INT32_MAX
@@ -107,6 +107,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="int [num_embeddings] dataset counts that the frequency policy ranks and warms by "
         "(default: counted over the whole trace, for frequency only); given, they are also the "
         "prior of adaptive (warmed by them too) and seed lfu",
+    )
+    replay_parser.add_argument(
+        "--padding-id",
+        type=int,
+        default=None,
+        help="an id that marks padding (of multi-hot bags): it takes no row and is not counted",
     )
     replay_parser.add_argument(
         "--plot", metavar="OUT.png", help="also draw hit rate and miss ratio against capacity"
@@ -251,13 +257,15 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     frequencies = None
     if args.frequencies is not None:
         frequencies = _load(parser, "--frequencies", args.frequencies)
+    with _blame(parser, "--padding-id"):
+        validation.check_padding_id(args.padding_id)
     with _blame(parser, "trace"):
-        trace = replay_lib._check_trace(trace)
+        trace = replay_lib._check_trace(trace, args.padding_id)
     with _blame(parser, "--batch"):
-        replay_lib._split(trace, args.batch)
+        _, ids = replay_lib._read_trace(trace, args.batch, args.padding_id)
     flag = "--frequencies" if args.num_embeddings is None else "--num-embeddings"
     with _blame(parser, flag), _blame_memory(parser, None):
-        n = replay_lib._table_size(trace, args.num_embeddings, frequencies)
+        n = replay_lib._table_size(ids, args.num_embeddings, frequencies)
     with _blame(parser, "--frequencies"):
         replay_lib._check_frequencies(frequencies, n)
     with _blame(parser, capacity_flag), _blame_memory(parser, n):
@@ -270,6 +278,7 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             batch=args.batch,
             num_embeddings=args.num_embeddings,
             frequencies=frequencies,
+            padding_id=args.padding_id,
         )
         if args.sweep is None and not results[0]["feasible"]:
             raise CapacityError(results[0]["infeasible"])
@@ -289,6 +298,7 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                         batch=args.batch,
                         num_embeddings=n,
                         frequencies=frequencies,
+                        padding_id=args.padding_id,
                     ),
                 }
                 if result["feasible"]

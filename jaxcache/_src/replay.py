@@ -47,6 +47,7 @@ def replay(
     num_embeddings: int | None = None,
     frequencies: np.ndarray | None = None,
     planner: str = "host",
+    padding_id: int | None = None,
 ) -> Result:
     """Plans every batch of ``trace`` through one cache and counts what moved.
 
@@ -73,6 +74,9 @@ def replay(
         same way) and seed ``"lfu"``; ``"lru"`` and ``"belady"`` ignore them.
       planner: ``"host"`` or ``"device"`` (the device planner's program, on
         the default device): both make the same plans, so the same counts.
+      padding_id: an id that marks padding (of multi-hot bags), as in
+        :class:`jaxcache.CacheConfig`: it takes no row and is not counted;
+        the batches keep their other ids.
 
     Returns:
       A flat, JSON-ready dict: ``policy``, ``capacity``
@@ -109,6 +113,7 @@ def replay(
         num_embeddings=num_embeddings,
         frequencies=frequencies,
         planner=planner,
+        padding_id=padding_id,
     )
     if not result["feasible"]:
         raise CapacityError(result["infeasible"])
@@ -124,6 +129,7 @@ def sweep(
     num_embeddings: int | None = None,
     frequencies: np.ndarray | None = None,
     planner: str = "host",
+    padding_id: int | None = None,
 ) -> list[Result]:
     """Replays ``trace`` at every capacity for every policy: a miss-ratio curve.
 
@@ -150,9 +156,8 @@ def sweep(
       >>> [r["feasible"] for r in small], small[0]["infeasible"].split(";")[0]
       ([False, True], 'batch 0 of the trace: the batch has 58 distinct ids but capacity is 10 rows')
     """
-    trace = _check_trace(trace)
-    batches = _split(trace, batch)
-    n = _table_size(trace, num_embeddings, frequencies)
+    batches, ids = _read_trace(trace, batch, padding_id)
+    n = _table_size(ids, num_embeddings, frequencies)
     frequencies = _check_frequencies(frequencies, n)
     names = _check_policies(policies)
     if isinstance(capacities, (int, float, np.number)):
@@ -164,7 +169,7 @@ def sweep(
         raise ValueError(f"planner={planner!r} is not a planner; use 'host' or 'device'.")
     counts = frequencies
     if counts is None and "frequency" in names:
-        counts = np.bincount(trace.reshape(-1), minlength=n)
+        counts = np.bincount(ids, minlength=n)
     # A capacity below a batch's distinct ids is refused here, in the words
     # of the planner's CapacityError, so no replay below meets one.
     distinct = np.array([np.unique(ids).size for ids in batches])
@@ -518,8 +523,22 @@ def _ratio(part: int, whole: int) -> float:
 # Checks, one argument each, so the command line can say which flag is wrong.
 
 
-def _check_trace(trace: object) -> np.ndarray:
-    """``trace`` as an integer array of rank 1 or 2 with ids >= 0."""
+def _read_trace(
+    trace: object, batch: int | None, padding_id: int | None
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """``(batches, ids)``: the checked trace's batches without their padding,
+    and all its ids but padding, flat."""
+    array = _check_trace(trace, padding_id)
+    batches = _split(array, batch)
+    if padding_id is None:
+        return batches, array.reshape(-1)
+    return [ids[ids != padding_id] for ids in batches], array[array != padding_id]
+
+
+def _check_trace(trace: object, padding_id: int | None = None) -> np.ndarray:
+    """``trace`` as an integer array of rank 1 or 2 with ids >= 0 (but
+    ``padding_id``), and at least one that is not padding."""
+    validation.check_padding_id(padding_id)
     array = np.asarray(trace)
     if not validation.is_integer_dtype(array.dtype):
         raise TypeError(
@@ -534,12 +553,18 @@ def _check_trace(trace: object) -> np.ndarray:
         )
     if array.size == 0:
         raise ValueError(f"trace is empty (shape {array.shape}); it needs at least one id.")
-    if array.min() < 0:
-        where = tuple(int(i) for i in np.argwhere(array < 0)[0])
+    real = array != padding_id if padding_id is not None else np.ones(array.shape, bool)
+    if not real.any():
         raise ValueError(
-            f"trace holds {int(array[where])} at index {where}; ids must be >= 0. Drop padding "
-            "ids before replaying. Size raw ids' rows with `jaxcache vocabulary` (in Python, "
-            "jaxcache.sizing.replay_vocabulary)."
+            f"trace holds padding_id={padding_id} only; it needs at least one id to replay."
+        )
+    negative = real & (array < 0)
+    if negative.any():
+        where = tuple(int(i) for i in np.argwhere(negative)[0])
+        raise ValueError(
+            f"trace holds {int(array[where])} at index {where}; ids must be >= 0. Pass "
+            "padding_id (--padding-id) if it marks padding. Size raw ids' rows with `jaxcache "
+            "vocabulary` (in Python, jaxcache.sizing.replay_vocabulary)."
         )
     return array
 
@@ -563,11 +588,10 @@ def _split(trace: np.ndarray, batch: int | None) -> list[np.ndarray]:
     return batches
 
 
-def _table_size(
-    trace: np.ndarray, num_embeddings: int | None, frequencies: np.ndarray | None
-) -> int:
-    """``N``: given, else the length of ``frequencies``, else the largest id plus one."""
-    largest = int(trace.max())
+def _table_size(ids: np.ndarray, num_embeddings: int | None, frequencies: np.ndarray | None) -> int:
+    """``N``: given, else the length of ``frequencies``, else the largest id
+    (of ``ids``, the trace's without padding) plus one."""
+    largest = int(ids.max())
     if num_embeddings is None:
         if frequencies is None or np.ndim(frequencies) != 1:
             return _addressable(largest + 1)

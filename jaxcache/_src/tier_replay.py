@@ -62,12 +62,13 @@ def replay_dram_tier(
     num_embeddings: int | None = None,
     frequencies: np.ndarray | None = None,
     shards: int = 16,
+    padding_id: int | None = None,
 ) -> dict[str, Any]:
     """Plans every batch of ``trace`` and runs its row traffic through a DRAM tier.
 
     Args:
-      trace, capacity, policy, batch, num_embeddings, frequencies: as in
-        :func:`jaxcache.replay`.
+      trace, capacity, policy, batch, num_embeddings, frequencies, padding_id:
+        as in :func:`jaxcache.replay`.
       dram_budget: bytes of the ``TieredTable``'s budget (its index, 12 bytes
         a row, and the rows it keeps in memory).
       row_bytes: bytes of one row with its optimizer state (``D * 4 + 4``
@@ -93,9 +94,8 @@ def replay_dram_tier(
       >>> out["dram_rows"], out["dram_lookups"] > out["dram_hits"] > 0
       (496, True)
     """
-    trace = replay_lib._check_trace(trace)
-    batches = replay_lib._split(trace, batch)
-    n = replay_lib._table_size(trace, num_embeddings, frequencies)
+    batches, ids = replay_lib._read_trace(trace, batch, padding_id)
+    n = replay_lib._table_size(ids, num_embeddings, frequencies)
     frequencies = replay_lib._check_frequencies(frequencies, n)
     policy = replay_lib._check_policies([policy])[0]
     if policy == "belady":
@@ -120,7 +120,7 @@ def replay_dram_tier(
         tier.fill(rows, np.empty((rows.size, 0), np.uint8))
     counts = frequencies
     if counts is None and policy == "frequency":
-        counts = np.bincount(trace.reshape(-1), minlength=n)
+        counts = np.bincount(ids, minlength=n)
     config = CacheConfig(num_embeddings=n, features=1, capacity=capacity, policy=policy)
     prior = counts if policy == "frequency" else frequencies
     planner = Planner(config, frequencies=prior)
