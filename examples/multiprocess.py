@@ -31,8 +31,15 @@ the synthetic ids) and the table a dynamic vocabulary of ``ROWS`` rows
 (``jaxcache.DynamicVocabulary``): the host planner keeps the whole
 vocabulary in every process, the device planner each device its buckets.
 
+Started here, the launcher then trains the same steps in one process of as
+many devices and checks that the processes' losses and the whole trained
+table equal that run's (within 1e-5: reductions across processes may sum
+in another order); ``--skip-reference`` leaves that run out, and so does
+``--checkpoint``, whose processes resume where the last run stopped.
+
 The last line of stdout is one JSON object (from process 0, or from the
-launcher: the processes' results and whether they agree).
+launcher: the processes' results, the one-process run's, and whether they
+agree).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 from _flags import check_ranges  # examples/_flags.py
 
@@ -64,6 +72,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--checkpoint", default=None, help="directory: resume from its latest step, save at the end"
+    )
+    parser.add_argument(
+        "--skip-reference",
+        action="store_true",
+        help="launcher only: do not train in one process to compare with",
     )
     parser.add_argument(
         "--raw-ids", type=int, default=None, help="raw ids through a vocabulary of this many rows"
@@ -104,17 +117,49 @@ def _free_port() -> int:
 
 
 def launch(args: argparse.Namespace) -> int:
-    """Starts ``--num-processes`` copies of this program on localhost."""
+    """Starts ``--num-processes`` copies of this program on localhost, then
+    (unless told not to) one process of as many devices, and compares them."""
+    import numpy as np
+
     coordinator = f"127.0.0.1:{_free_port()}"
     argv = [a for a in sys.argv[1:]]
+    with tempfile.TemporaryDirectory() as work:
+        tables = os.path.join(work, "processes.npy"), os.path.join(work, "one.npy")
+        saved = ["--save", args.save or tables[0]]
+        results = _collect(
+            [
+                [*argv, *saved, "--process-id", str(i), "--coordinator", coordinator]
+                for i in range(args.num_processes)
+            ]
+        )
+        agree = all(r["losses"] == results[0]["losses"] for r in results)
+        one = None
+        if not (args.skip_reference or args.checkpoint):
+            devices = str(args.num_processes * args.devices_per_process)
+            single = ["--num-processes", "1", "--process-id", "0", "--devices-per-process", devices]
+            (one,) = _collect([[*argv, "--save", tables[1], *single]])
+            agree = (
+                agree
+                and len(one["losses"]) == len(results[0]["losses"])
+                and np.allclose(one["losses"], results[0]["losses"], rtol=0, atol=1e-5)
+                and np.allclose(np.load(saved[1]), np.load(tables[1]), rtol=0, atol=1e-5)
+                and one["live_ids"] == results[0]["live_ids"]
+            )
+    print(json.dumps({"processes": results, "one_process": one, "agree": bool(agree)}))
+    return 0 if agree else 1
+
+
+def _collect(commands: list[list[str]]) -> list[dict]:
+    """Runs this program once per argument list, all at once, and returns
+    each one's last line of stdout as JSON."""
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, *argv, "--process-id", str(i), "--coordinator", coordinator],
+            [sys.executable, __file__, *command],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for i in range(args.num_processes)
+        for command in commands
     ]
     results = []
     for i, proc in enumerate(procs):
@@ -123,9 +168,7 @@ def launch(args: argparse.Namespace) -> int:
             sys.stderr.write(err)
             raise SystemExit(f"process {i} failed with exit code {proc.returncode}")
         results.append(json.loads(out.strip().splitlines()[-1]))
-    agree = all(r["losses"] == results[0]["losses"] for r in results)
-    print(json.dumps({"processes": results, "agree": agree}))
-    return 0 if agree else 1
+    return results
 
 
 def run(args: argparse.Namespace) -> dict:

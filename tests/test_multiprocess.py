@@ -20,6 +20,8 @@ EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "multiproce
 # A cache of 4% of a small table: rows are evicted and fetched again.
 FLAGS = ["--batch-size", "64", "--seed", "3", "--scale", "0.0005", "--cache-fraction", "0.04"]
 TWO = ["--num-processes", "2", "--devices-per-process", "2"]
+# The tests compare with one process themselves, as the launcher does unless told not to.
+TWO_ONLY = [*TWO, "--skip-reference"]
 ONE = ["--num-processes", "1", "--process-id", "0", "--devices-per-process", "4"]
 
 
@@ -49,16 +51,16 @@ def single(singles, planner, tmp_path_factory):
     return singles[planner]
 
 
-def test_two_processes_match_one_process(single, tmp_path):
-    single, one_rows = single
+def test_two_processes_match_one_process(planner, tmp_path):
+    # The launcher trains the same steps in one process of four devices and
+    # compares the losses and the whole trained table (1e-5: cross-process
+    # reductions may sum in another order).
     launched = _run(*TWO, "--steps", "8", "--save", str(tmp_path / "two.npy"))
     assert launched["agree"]
-    first = launched["processes"][0]
+    first, single = launched["processes"][0], launched["one_process"]
     assert first["global_devices"] == single["global_devices"] == 4
-    # Cross-process reductions may sum in another order.
     np.testing.assert_allclose(first["losses"], single["losses"], atol=1e-5)
-    # The whole trained table, gathered from both processes, is the same.
-    np.testing.assert_allclose(np.load(tmp_path / "two.npy"), one_rows, atol=1e-5)
+    assert np.load(tmp_path / "two.npy").shape == (single["num_embeddings"], 16)
     # Rows really move. The hit rates differ a little: with two processes
     # each id may only use the slots of its home process's devices.
     assert first["evictions"] > 0 and single["evictions"] > 0
@@ -80,7 +82,7 @@ def test_split_tables_checkpoint_and_resume_on_any_process_count(single, tmp_pat
     single, one_rows = single
     # Two processes train four steps and save: each writes its own host rows.
     saved = tmp_path / "saved"
-    _run(*TWO, "--steps", "4", "--checkpoint", str(saved), "--save", str(tmp_path / "at4.npy"))
+    _run(*TWO_ONLY, "--steps", "4", "--checkpoint", str(saved), "--save", str(tmp_path / "at4.npy"))
     table = saved / "4" / "tables" / "embedding"
     assert (table / "rows.shard-0-of-2.npy").exists() and (table / "rows.shard-1-of-2.npy").exists()
     # The checkpoint's exported table is the one trained so far, in id order.
@@ -88,7 +90,7 @@ def test_split_tables_checkpoint_and_resume_on_any_process_count(single, tmp_pat
     np.testing.assert_array_equal(np.load(exported["embedding"]), np.load(tmp_path / "at4.npy"))
     # Resumed on two processes, or on one, the next four steps end where eight
     # uninterrupted steps in one process end.
-    for name, processes in (("two", TWO), ("one", ONE)):
+    for name, processes in (("two", TWO_ONLY), ("one", ONE)):
         directory = tmp_path / name
         shutil.copytree(saved, directory)
         rows = tmp_path / f"{name}.npy"
@@ -115,7 +117,7 @@ def test_raw_ids_on_two_processes_match_one_and_resume_on_one(tmp_path):
     single = _run(*ONE, *raw, "--steps", "8", "--save", str(tmp_path / "one.npy"))
     assert single["forgotten_ids"] > 100 and single["refused_lookups"] > 100
     saved = tmp_path / "saved"
-    two = _run(*TWO, *raw, "--steps", "4", "--checkpoint", str(saved))
+    two = _run(*TWO_ONLY, *raw, "--steps", "4", "--checkpoint", str(saved))
     assert two["agree"] and sorted(p["host_rows"] for p in two["processes"]) == [200, 200]
     np.testing.assert_allclose(two["processes"][0]["losses"], single["losses"][:4], atol=1e-5)
     assert two["processes"][0]["bonus"] == two["processes"][1]["bonus"]
