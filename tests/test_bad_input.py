@@ -535,3 +535,42 @@ def test_a_loss_given_no_lookup_or_two_tables_of_one_name_is_refused():
     named = nnx.List([embed("users"), embed("items")])
     lookup = named[1].prepare(np.array([[1, 2]]))
     jaxcache.nnx.value_and_grad(lambda m, lk: m[1](lk).sum())(named, lookup)
+
+
+def test_a_lookup_used_after_a_later_plan_is_refused(planner, tmp_path):
+    # prepare([1, 2]), prepare([3, 4]), prepare([5, 6]) give 1's and 2's
+    # slots to 5 and 6: a step through the first lookup would train them.
+    cfg = jaxcache.CacheConfig(100, 2, 4, optimizer=jaxcache.sgd(1.0))
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner), combiner="sum")
+    first = embed.prepare(np.array([[1, 2]]))
+    embed.prepare(np.array([[3, 4]]))
+    last = embed.prepare(np.array([[5, 6]]))
+    rows = np.array(embed.get_state().rows)
+    grad = jaxcache.nnx.value_and_grad(lambda m, lk: m(lk).sum())
+    stale = r"Lookup of table 'embedding' \(plan 0\) is stale: plan 2 has been applied since"
+    with pytest.raises(ValueError, match=stale + r".*jaxcache\.prefetch"):
+        grad(embed, first)
+    with pytest.raises(ValueError, match=stale):
+        embed(first)
+    with pytest.raises(ValueError, match=stale):
+        jax.jit(lambda lk: lk.inverse.sum())(first)  # entering any jitted step
+    np.testing.assert_array_equal(embed.get_state().rows, rows)  # nothing trained
+    grad(embed, last)  # the current lookup serves its step
+    # Through a pipeline: each batch's lookup serves until the next is applied.
+    batches = [{"ids": np.array([[i, i + 1]])} for i in range(0, 20, 2)]
+    with jaxcache.prefetch(batches, {"ids": embed}, lookahead=2) as pipeline:
+        kept = next(pipeline)["ids"]
+        grad(embed, kept)
+        grad(embed, next(pipeline)["ids"])
+        with pytest.raises(ValueError, match="is stale"):
+            grad(embed, kept)
+        for batch in pipeline:
+            grad(embed, batch["ids"])
+    # A restore replaces every slot: lookups made before it are stale.
+    current = embed.prepare(np.array([[7, 8]]))
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(1, caches=[embed])
+    checkpointer.restore(1, caches=[embed])
+    with pytest.raises(ValueError, match=r"\(plan 13\) is stale: a restore has been applied since"):
+        embed(current)
+    embed(embed.prepare(np.array([[7, 8]])))

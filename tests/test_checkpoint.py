@@ -575,6 +575,57 @@ def test_save_refuses_batches_staged_ahead(tmp_path):
     assert checkpointer.steps() == []
 
 
+def test_save_and_restore_refuse_an_open_look_ahead_pipeline(tmp_path):
+    # Its thread plans the next batches meanwhile: refused every time, not
+    # only when it happens to have planned one already.
+    model, optimizer = _model(_cache("lru"))
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(0, model=model, optimizer=optimizer)
+    items = [{"ids": ids, "y": y} for ids, y in _data(5)]
+    with jaxcache.prefetch(items, {"ids": model.embed}, lookahead=1) as pipeline:
+        for i, batch in enumerate(pipeline):
+            _train_step(model, optimizer, batch["ids"], batch["y"])
+            with pytest.raises(RuntimeError, match=r"open jaxcache\.prefetch with look-ahead"):
+                checkpointer.save(i + 1, model=model, optimizer=optimizer)
+            with pytest.raises(RuntimeError, match=r"open jaxcache\.prefetch with look-ahead"):
+                checkpointer.restore(0, model=model, optimizer=optimizer)
+    assert checkpointer.steps() == [0]
+    checkpointer.save(5, model=model, optimizer=optimizer)  # after its with-block
+
+
+def test_a_rollback_lands_evicted_rows_first_and_restores_every_table(tmp_path):
+    # Table b's last step evicts rows its step before changed: their
+    # write-back is pending when the model is rolled back to step 1.
+    def table(name):
+        cfg = jaxcache.CacheConfig(100, 4, 4, policy="lru", optimizer=jaxcache.sgd(0.1), name=name)
+        return jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg), combiner="sum")
+
+    model = nnx.List([table("a"), table("b")])
+
+    @nnx.jit
+    def step(model, la, lb):
+        grad = jaxcache.nnx.value_and_grad(lambda m, la, lb: (m[0](la) * m[1](lb)).sum() + 1)
+        grad(model, la, lb)
+
+    def train(a, b):
+        step(model, model[0].prepare(np.array([a])), model[1].prepare(np.array([b])))
+
+    train([1, 2, 3, 4], [1, 2, 3, 4])
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(1, caches=list(model))
+    saved = [m.export() for m in model]
+    train([1, 2, 3, 4], [5, 6, 7, 8])
+    train([1, 2, 3, 4], [9, 10, 11, 12])  # evicts b's changed rows 5..8
+    assert model[1].cache.write_backs.busy()
+    checkpointer.restore(1, caches=list(model))
+    for m, (rows, _) in zip(model, saved, strict=True):
+        np.testing.assert_array_equal(m.export()[0], rows)
+    # A write-back landing after the restore would have put 5..8 back.
+    train([1, 2, 3, 4], [1, 2, 3, 4])
+    model[1].flush()
+    np.testing.assert_array_equal(model[1].cache.table.rows[5:9], saved[1][0][5:9])
+
+
 # ---------------------------------------------------------- crash safety
 _CRASH_CHILD = """
 import os, signal, sys

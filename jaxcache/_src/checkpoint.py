@@ -329,7 +329,10 @@ class Checkpointer:
             if item not in meta["items"]:
                 raise ValueError(f"checkpoint {step} has no {item} state; pass {item}=None.")
             updates.append((node, self._restore_dense(step, item, node)))
-        # Everything matched: from here on, state changes.
+        # Everything matched: from here on, state changes. Rows evicted by
+        # the last steps land first, or they would land over restored ones.
+        for holder in holders.values():
+            holder.cache.land_write_backs()
         for name, holder in holders.items():
             table_record.restore_table(saved[name], holder)
         for node, state in updates:
@@ -441,7 +444,25 @@ def _check_step(value: Any, name: str) -> int:
 
 
 def _check_nothing_in_flight(name: str, cache: EmbeddingCache) -> None:
-    ahead = cache.lifecycle.in_flight()
+    """Refuses a table whose pipeline may plan while it is saved or
+    restored, or which holds plans its training loop may not have stepped.
+    (Write-backs of applied plans are no reason: they land first.)"""
+    if cache.pipelines:
+        # Its thread plans the next batches meanwhile: refusing only when
+        # it has planned one would depend on timing.
+        raise RuntimeError(
+            f"table {name!r} is staged by an open jaxcache.prefetch with look-ahead, which "
+            "plans its next batches meanwhile; save or restore after its with-block ends "
+            "(let it run to the end of the batches up to this step)."
+        )
+    lifecycle = cache.lifecycle
+    if lifecycle.offered() or lifecycle.unapplied():
+        raise RuntimeError(
+            f"table {name!r} has batches staged that no step has taken (plans "
+            f"{list(lifecycle.unapplied())}, {lifecycle.offered()} offered to a host-callback "
+            "step); step or close them before saving or restoring."
+        )
+    ahead = lifecycle.in_flight()
     if len(ahead) > 1:
         raise RuntimeError(
             f"table {name!r} has {len(ahead)} batches planned that the training loop may not "

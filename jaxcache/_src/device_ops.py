@@ -67,19 +67,6 @@ class CacheState(NamedTuple):
     opt: dict[str, jax.Array]
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=[
-        "requests",
-        "overflow",
-        "inverse",
-        "owner_slots",
-        "owner_inverse",
-        "delta",
-        "positions",
-    ],
-    meta_fields=["table", "mesh", "axis", "train"],
-)
 @dataclasses.dataclass(frozen=True)
 class Lookup:
     """A batch of ids already mapped to cache slots and routed (device arrays).
@@ -113,6 +100,11 @@ class Lookup:
       train: the batch was prepared for training (``train=True``), so its
         rows are written back when they leave the cache. The sparse update
         refuses a lookup prepared with ``train=False``.
+
+    A lookup made by ``prepare`` serves until the cache applies the next
+    plan: that swap may give its slots to other rows, so passing it to a
+    step afterwards (to a jitted function, or to the module) raises
+    ``ValueError`` instead of reading and training the wrong rows.
 
     Examples:
       >>> import numpy as np, jaxcache
@@ -148,6 +140,49 @@ class Lookup:
     def with_delta(self, delta: jax.Array | None) -> Lookup:
         """The same lookup with ``delta`` attached."""
         return dataclasses.replace(self, delta=delta)
+
+    def check_fresh(self) -> None:
+        """Raises ``ValueError`` if the cache that made this lookup has
+        applied a later plan since (set by the cache, which knows; a
+        lookup inside a traced function is always fresh)."""
+        guard = self.__dict__.get("_guard")
+        if guard is not None:
+            guard()
+
+
+# Flattening is where a host-side lookup enters every jitted call (and
+# ``jax.tree`` functions), so a stale one is refused there.
+_LOOKUP_DATA = (
+    "requests",
+    "overflow",
+    "inverse",
+    "owner_slots",
+    "owner_inverse",
+    "delta",
+    "positions",
+)
+_LOOKUP_META = ("table", "mesh", "axis", "train")
+
+
+def _flatten_lookup(lookup: Lookup) -> tuple[list, tuple]:
+    lookup.check_fresh()
+    return [getattr(lookup, n) for n in _LOOKUP_DATA], tuple(
+        getattr(lookup, n) for n in _LOOKUP_META
+    )
+
+
+def _flatten_lookup_with_keys(lookup: Lookup) -> tuple[list, tuple]:
+    children, meta = _flatten_lookup(lookup)
+    keys = [jax.tree_util.GetAttrKey(n) for n in _LOOKUP_DATA]
+    return list(zip(keys, children, strict=True)), meta
+
+
+jax.tree_util.register_pytree_with_keys(
+    Lookup,
+    _flatten_lookup_with_keys,
+    lambda meta, children: Lookup(*children, *meta),
+    _flatten_lookup,
+)
 
 
 def lookup_rows(rows: jax.Array, lookup: Lookup) -> jax.Array:
@@ -510,6 +545,7 @@ def apply_sparse(
             "are not written back when they leave the cache and this update would be lost; "
             "prepare (or prefetch) the batches you train on with train=True."
         )
+    lookup.check_fresh()
     spec = PartitionSpec(lookup.axis)
     k = lookup.requests.shape[2]
 
@@ -570,6 +606,7 @@ def embed(
             f"lookup is for table {lookup.table!r} but this module serves {table!r}; "
             "prepare ids with the cache of the module that looks them up."
         )
+    lookup.check_fresh()
     if combiner is None and weights is not None:
         raise ValueError(
             "weights need a combiner ('sum' or 'mean'); build the module with "

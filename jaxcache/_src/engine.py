@@ -674,7 +674,7 @@ class EmbeddingCache:
                 None if host.moves is None else self.blocks.transfer(host.moves, self.row_sharding)
             )
             lookup = self._device_lookup(host.route, train=host.train)
-        return Staged(host.plan, moves, lookup)
+        return Staged(host.plan, moves, self.lifecycle.guard(lookup, host.plan.index, self.name))
 
     def _device_staged(self, host: DeviceStaged) -> Staged:
         """``to_device`` of a batch planned on the device: its rows go over;
@@ -702,7 +702,7 @@ class EmbeddingCache:
             axis=self.axis,
             train=host.plan.train,
         )
-        return Staged(host.plan, moves, lookup)
+        return Staged(host.plan, moves, self.lifecycle.guard(lookup, host.plan.index, self.name))
 
     def _device_lookup(self, route: routing.HostRoute, *, train: bool = True) -> Lookup:
         """The device ``Lookup`` of this process's blocks of a route."""

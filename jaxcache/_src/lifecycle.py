@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import threading
 
+from jaxcache._src.device_ops import Lookup
 from jaxcache._src.device_planner import DevicePlanner
 from jaxcache._src.partitions import Partitions
 from jaxcache._src.stager import HostStaged
@@ -43,6 +44,9 @@ class Lifecycle:
         self.partitions = partitions
         self.write_backs = write_backs
         self.applied = -1  # the last plan whose rows reached the device
+        # Bumped when a restore replaces the device state: every lookup
+        # made before it is stale, whatever the plan indices say.
+        self.epoch = 0
         self._offers: collections.deque[HostStaged] = collections.deque()
         self._offer_lock = threading.Lock()
 
@@ -70,6 +74,25 @@ class Lifecycle:
     def restored(self) -> None:
         """A checkpoint put every planned row on the device: all applied."""
         self.applied = self.next_index - 1
+        self.epoch += 1
+
+    def guard(self, lookup: Lookup, index: int, table: str) -> Lookup:
+        """Ties ``lookup``, the route of plan ``index``, to this cache: from
+        the next plan applied (or a restore) on, using it raises."""
+        epoch = self.epoch
+
+        def check() -> None:
+            if self.applied > index or self.epoch != epoch:
+                since = "a restore" if self.epoch != epoch else f"plan {self.applied}"
+                raise ValueError(
+                    f"this Lookup of table {table!r} (plan {index}) is stale: {since} has been "
+                    "applied since, and may have given its slots to other rows. A Lookup "
+                    "serves the step after its prepare; prepare each batch just before its "
+                    "step, or look ahead with jaxcache.prefetch."
+                )
+
+        object.__setattr__(lookup, "_guard", check)
+        return lookup
 
     def unapplied(self) -> range:
         """Plans made whose rows have not reached the device yet."""
