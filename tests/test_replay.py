@@ -258,7 +258,10 @@ def test_bad_arguments_raise_clear_errors(kwargs, error, match):
 @pytest.mark.parametrize("policy", ["lru", "lfu", "adaptive"])
 def test_padding_takes_no_row_as_in_a_cache_with_that_padding_id(policy, planner):
     # Multi-hot bags padded with -1, one step all padding: the replay counts
-    # what a training cache of that padding id counts.
+    # what a training cache of that padding id counts. (The device planner
+    # makes the host planner's plans; one policy of it is enough here.)
+    if planner == "device" and policy != "adaptive":
+        pytest.skip("the device planner's padding is checked with the adaptive policy")
     rng = np.random.default_rng(3)
     trace = rng.zipf(1.2, size=(24, 30)) % 400
     trace[rng.random(trace.shape) < 0.4] = -1
