@@ -359,6 +359,7 @@ def time_steps(
             if at_warmup is not None:
                 at_warmup()
             cpu, wall = _harness.ThreadCPU(), time.perf_counter()
+            compiled = jaxcache.testing.compilations()
         timing.losses.append(train_step(*args))
         if i:
             timing.losses[-2].block_until_ready()  # the loss of the step before
@@ -370,6 +371,20 @@ def time_steps(
     timing.cores = (time.process_time() - cpu.process) / (time.perf_counter() - wall)
     timing.cpu = cpu.per_step(i + 1 - warmup)
     timing.parts = {"step": intervals}
+    timing.compilations = jaxcache.testing.compilations() - compiled
+
+
+def planner_name(cache: jaxcache.EmbeddingCache) -> str:
+    """``"device"`` or ``"host"``: which planner ``cache`` has."""
+    return str(cache.planner_kind)
+
+
+def report_compilations(timings: Iterable[Timing]) -> None:
+    """A warning line naming the runs that compiled inside their timed steps
+    (a batch of a new padded size): their medians hold a compile or two."""
+    compiled = {t.name: t.compilations for t in timings if t.compilations}
+    if compiled:
+        print(f"warning: compilations inside the timed steps (raise --warmup): {compiled}")
 
 
 def run_staged_loop(
@@ -410,7 +425,13 @@ class Bench:
     def __init__(self, setup: Setup, args: argparse.Namespace) -> None:
         self.setup = setup
         self.args = args
-        self.batches = list(setup.data.batches(args.warmup + args.steps))
+        # int32 ids, as a loader hands them over, for the cache and the plain
+        # table alike: 64-bit ids would cost the device planner two words an
+        # id, and JAX would convert them on the training thread of the plain.
+        self.batches = [
+            {**b, "sparse": np.asarray(b["sparse"], np.int32)}
+            for b in setup.data.batches(args.warmup + args.steps)
+        ]
         self.frequencies = setup.data.count_frequencies(args.profile_batches)
         self.base = setup.initial_rows(args.seed)
         self.common = {"warmup": args.warmup, "seed": args.seed}

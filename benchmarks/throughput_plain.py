@@ -167,8 +167,8 @@ def run_plain(
     real = max(int(np.count_nonzero(b["sparse"] >= 0)) for b in batches)
     step_fn = functools.partial(_plain_step, real=real, pooled=setup.combiner is not None)
     step = jaxcache.nnx.jit_step(step_fn, model, optimizer)
-    # int32 as a loader would hand them over: with 64-bit types off, JAX
-    # would convert the generator's int64 ids on the training thread.
+    # int32 as a loader would hand them over (``Bench`` gives the cache the
+    # same): with 64-bit types off, JAX would convert int64 on this thread.
     ids = [np.asarray(b["sparse"], np.int32) for b in batches]
     timing = _training.Timing("plain", rows.shape[0])
     steps = ((b["dense"], jax.device_put(i), b["label"]) for b, i in zip(batches, ids, strict=True))
@@ -219,6 +219,7 @@ def cached_over_plain(bench: _training.Bench, prefix: str = "") -> dict[str, flo
             f"{1 / seconds:>8.1f}{plain / seconds:>11.2f}{hit:>9}{first.loss:>11.6f}"
             f"{abs(first.loss - reference):>9.1e}"
         )
+    _training.report_compilations(t for timings in results.values() for t in timings)
     print(
         "  loops read each loss one step later; plain/this: the plain step over this one; "
         "hit rate and final loss of the first round; |dloss|: vs plain (the same model "

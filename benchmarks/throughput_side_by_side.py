@@ -95,9 +95,11 @@ def side_by_side(bench: _training.Bench) -> tuple[float, float]:
     full_step = float(np.median(per_round(("full", k), "step")))
     pipelined = float(np.median(per_round(("cached", k), "step")))
     reference = results["cached", 0][0].loss
+    planner = _training.planner_name(bench.cache(0.02))
     print()
     print(
-        f"{bench.setup.name}, cache 2% ({args.policy}), side by side: {args.rounds} round(s) of "
+        f"{bench.setup.name}, cache 2% ({args.policy}, {planner} planner, the backend's default; "
+        f"the full table's too), side by side: {args.rounds} round(s) of "
         f"{args.steps} steps after {args.warmup} warm-up; median over the rounds of each run's "
         "median, ms per step"
     )
@@ -124,6 +126,7 @@ def side_by_side(bench: _training.Bench) -> tuple[float, float]:
         print(line)
         if part == "staging":
             print(f"{'    ideal: max(a, b)':<36}{1e3 * ideal:>8.2f}")
+    _training.report_compilations(t for timings in results.values() for t in timings)
     _print_cpu(rows, results, ideal, pipelined, ("cached", k))
     for key in [key for key in runs if key[0] in ("cached", "callback", "batch-sized")]:
         timings = results[key]

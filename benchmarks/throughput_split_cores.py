@@ -19,6 +19,7 @@ from typing import Any
 
 import _harness
 import _training
+import jax
 import numpy as np
 
 
@@ -36,6 +37,9 @@ def split_cores(bench: _training.Bench) -> float | None:
     cannot be made (one core, or not Linux).
     """
     args = bench.args
+    if jax.default_backend() != "cpu":
+        print("\nsplit cores: skipped (the device is an accelerator, with cores of its own)")
+        return None
     cores = sorted(os.sched_getaffinity(0))
     listed = bool(_harness.threads())
     if len(cores) < 2 or not listed:
