@@ -626,6 +626,33 @@ def test_a_rollback_lands_evicted_rows_first_and_restores_every_table(tmp_path):
     np.testing.assert_array_equal(model[1].cache.table.rows[5:9], saved[1][0][5:9])
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_restored_cache_plans_the_next_pipeline_as_the_saved_one(tmp_path, planner, policy):
+    # The first plans of the next pipeline still protect the rows of the
+    # last ones (their bound is the pipeline's, not "all finished"): the
+    # restored cache must keep that bound, or it evicts other rows.
+    rng = np.random.default_rng(0)
+    p = 1 / np.arange(1, 401) ** 1.0
+    batches = [{"ids": rng.choice(400, size=(8, 2), p=p / p.sum())} for _ in range(24)]
+    cfg = jaxcache.CacheConfig(400, 4, 48, policy=policy, optimizer=jaxcache.adagrad(0.1))
+    saved = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg))
+    with jaxcache.prefetch(batches[:12], {"ids": saved}, lookahead=2) as pipeline:
+        for _ in pipeline:
+            pass
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(12, caches=[saved])
+    restored = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg))
+    checkpointer.restore(caches=[restored])
+    for embed in (saved, restored):
+        with jaxcache.prefetch(batches[12:], {"ids": embed}, lookahead=2) as pipeline:
+            for _ in pipeline:
+                pass
+    assert restored.cache.stats.total == saved.cache.stats.total
+    np.testing.assert_array_equal(
+        restored.cache.planner.resident_ids(), saved.cache.planner.resident_ids()
+    )
+
+
 # ---------------------------------------------------------- crash safety
 _CRASH_CHILD = """
 import os, signal, sys

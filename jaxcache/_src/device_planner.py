@@ -333,7 +333,11 @@ class DevicePlanner:
 
     def state_meta(self) -> dict[str, Any]:
         """The scalars of ``state_arrays`` (``Partitions.state_meta``)."""
-        return {"next_index": int(self.next_index), "policy": self.config.policy}
+        return {
+            "next_index": int(self.next_index),
+            "finished": int(self._finished),
+            "policy": self.config.policy,
+        }
 
     def check_state_arrays(
         self, parts: Sequence[Mapping[str, np.ndarray]], meta: Mapping[str, Any]

@@ -586,6 +586,7 @@ class Partitions:
             "id_of_slot": self.id_of_slot,
             "last_use": self.last_use,
             "next_index": self.next_index,
+            "finished": self.finished,
             "policy": self.policy_state(),
         }
 
@@ -624,8 +625,18 @@ class Partitions:
 
     def state_meta(self) -> dict[str, Any]:
         """The planners' scalars for a checkpoint, JSON-serialisable:
-        ``{"next_index": int, "policy": name}``."""
-        return {"next_index": int(self.next_index), "policy": self.planners[0].policy.name}
+        ``{"next_index": int, "finished": int, "policy": name}``."""
+        return {
+            "next_index": int(self.next_index),
+            "finished": self.finished,
+            "policy": self.planners[0].policy.name,
+        }
+
+    @property
+    def finished(self) -> int:
+        """The latest bound a plan was made under: plans after it still
+        protect their rows from the next plan (``Planner.finished``)."""
+        return max(p.finished for p in self.planners)
 
     def check_state_arrays(
         self, parts: Sequence[Mapping[str, np.ndarray]], meta: Mapping[str, Any]
@@ -681,6 +692,8 @@ class Partitions:
             "next_index": int(meta["next_index"]),
             "policy": policy,
         }
+        if "finished" in meta:  # absent from checkpoints saved before it was kept
+            state["finished"] = int(meta["finished"])
         check_state({**state, "policy": {}}, n)
         for key in _per_id_keys(policy, self.planners[0].policy.per_id):
             shares = [policy[key]] if shards == 1 else policy[key]
@@ -781,6 +794,8 @@ class Partitions:
                 "next_index": state["next_index"],
                 "policy": part_policy,
             }
+            if "finished" in state:
+                part["finished"] = state["finished"]
             planner.check_state_dict(part)
             parts.append(part)
         for planner, part in zip(self.planners, parts, strict=True):

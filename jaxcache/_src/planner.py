@@ -297,8 +297,10 @@ class Planner:
         not copies: write them out before planning again.
 
         Returns:
-          ``{"id_of_slot": int64 [C], "last_use": int64 [C], "next_index": int,
-          "policy": dict}``.
+          ``{"id_of_slot": int64 [C], "last_use": int64 [C], "finished": int,
+          "next_index": int, "policy": dict}``: ``finished`` is the bound of
+          the latest plan (``finished``), which a restore onto the same
+          capacity and policy keeps.
 
         Examples:
           >>> import numpy as np, jaxcache
@@ -320,6 +322,7 @@ class Planner:
         return {
             "id_of_slot": self.id_of_slot,
             "last_use": self.last_use,
+            "finished": self._finished,
             "next_index": self.next_index,
             "policy": self.policy.state_dict(),
         }
@@ -327,6 +330,12 @@ class Planner:
     def check_state_dict(self, state: dict[str, Any]) -> None:
         """Raises ``ValueError`` when ``state`` (a ``state_dict``) does not fit this table."""
         check_state(state, self.config.num_embeddings)
+
+    @property
+    def finished(self) -> int:
+        """The latest bound a plan was made under (``plan``'s ``finished``):
+        rows of the plans after it are still protected from the next plan."""
+        return self._finished
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a ``state_dict``, onto this planner's capacity.
@@ -375,6 +384,9 @@ class Planner:
             self.id_of_slot[:] = ids
             self.slot_of_id[resident_ids] = resident
             self.last_use[:] = last_use
+            # The same bound as before: the next pipeline's first plans keep
+            # protecting the rows of the last ones, as they would have.
+            self._finished = min(int(state.get("finished", self.released)), self.released)
             self._placed(resident, resident_ids)
             return
         recency = last_use[resident]
