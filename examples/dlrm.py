@@ -118,6 +118,10 @@ def main(argv: list[str] | None = None) -> dict:
                 progress.step(loss)
     except jaxcache.CapacityError as error:
         sys.exit(f"error: {error} (--cache-fraction sets the capacity.)")
+    except ValueError as error:
+        if args.callback_rows is None or "callback_rows" not in str(error):
+            raise
+        sys.exit(f"error: {error} (--callback-rows sets it.)")
     trained = progress.finish()
 
     # Held-out batches look their rows up for reading only (train=False).

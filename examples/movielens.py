@@ -88,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--steps must be at least 1.")
     if not 0 < args.cache_fraction <= 1:
         parser.error(f"--cache-fraction={args.cache_fraction} must be in (0, 1], e.g. 0.1.")
+    if not 0 < args.learning_rate < math.inf:
+        parser.error(f"--learning-rate={args.learning_rate} must be a finite rate > 0, e.g. 0.005.")
+    if not 0 <= args.weight_decay < math.inf:
+        parser.error(f"--weight-decay={args.weight_decay} must be finite and >= 0, e.g. 0.05.")
     return args
 
 

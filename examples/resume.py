@@ -110,10 +110,29 @@ def train(args: argparse.Namespace) -> dict:
     data, embed, model, optimizer, train_step = build(args)
     checkpointer = jaxcache.Checkpointer(directory, max_to_keep=args.max_to_keep)
     start, losses, resumed_from = 0, [], None
-    if checkpointer.latest_step() is not None:
+    latest = checkpointer.latest_step()
+    if latest is not None:
+        # The stream and the model must be the saved run's: another seed or
+        # batch size would train on other batches in silence.
+        saved = checkpointer.info(latest).extra["model"]
+        changed = {k: (v, saved[k]) for k, v in model_options(args, data).items() if saved[k] != v}
+        if changed:
+            flags = ", ".join(
+                f"--{k.replace('_', '-')} {now} (saved: {was})" for k, (now, was) in changed.items()
+            )
+            raise SystemExit(
+                f"resume.py: {directory} holds a run of other options: {flags}; resume with the "
+                "saved ones, or give another --checkpoint-dir."
+            )
         info = checkpointer.restore(model=model, optimizer=optimizer)
         start, losses, resumed_from = info.batches_consumed, info.extra["losses"], info.step
         print(f"restored step {info.step}: continuing from batch {start}")
+    saves = [min(first + args.every, args.steps) for first in range(start, args.steps, args.every)]
+    if args.kill_at is not None and args.kill_at not in saves:
+        raise SystemExit(
+            f"resume.py: --kill-at {args.kill_at} is not a step this run saves a checkpoint "
+            f"at ({saves}); pick one of them."
+        )
     for first in range(start, args.steps, args.every):
         count = min(args.every, args.steps - first)
         batches = data.batches(count, start=first)
