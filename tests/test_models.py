@@ -92,3 +92,24 @@ def test_a_step_that_changes_the_model_structure_is_refused():
     step = jaxcache.nnx.jit_step(grows, Counter())
     with pytest.raises(ValueError, match="grows changed the structure"):
         step(np.float32(1.0))
+
+
+def test_dlrm_refuses_sizes_that_build_no_model_and_rows_of_another_width():
+    embed, _ = _model()
+    for kwargs, pattern in (
+        ({"num_sparse": 0}, r"DLRM\(num_sparse=0\): num_sparse must be a whole number >= 1"),
+        ({"features": 0}, r"DLRM\(features=0\)"),
+        ({"bottom": (16, -1)}, r"sizes=\[13, 16, -1, 8\]: every width"),
+    ):
+        options = {"num_sparse": DATA.num_features, "features": 8, **kwargs}
+        with pytest.raises(ValueError, match=pattern):
+            jaxcache.models.DLRM(embed, **options, rngs=nnx.Rngs(0))
+    wider = jaxcache.models.DLRM(embed, num_sparse=DATA.num_features, features=16, rngs=nnx.Rngs(0))
+    batch = next(iter(DATA.batches(1)))
+    lookup = embed.prepare(batch["sparse"], train=False)
+    with pytest.raises(ValueError, match=r"the rows' width must be the model's features=16"):
+        wider(batch["dense"], lookup)
+    with pytest.raises(ValueError, match="the batch sizes must agree"):
+        jaxcache.models.DLRM(embed, num_sparse=DATA.num_features, features=8, rngs=nnx.Rngs(0))(
+            batch["dense"][:5], lookup
+        )

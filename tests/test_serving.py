@@ -121,6 +121,13 @@ def test_a_server_keeps_the_latest_latencies():
     batches = [{"ids": np.array([[i, i + 1], [i + 2, i + 3]])} for i in range(5)]
     assert len(list(server.score(batches))) == 5
     assert len(server.latencies) == 3 and server.summary()["batches"] == 3
+    assert server.summary()["hit_rate"] == 12 / 20  # the first sight of each id missed
+    # After a warm-up, reset: the figures count the batches since, whose ids
+    # (1..7, all resident by now) all hit.
+    server.reset()
+    assert server.summary()["batches"] == 0
+    list(server.score(batches[1:3]))
+    assert server.summary()["batches"] == 2 and server.summary()["hit_rate"] == 1.0
 
 
 def test_serve_example_runs_with_no_arguments():

@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxcache._src.device_ops import Lookup
 from jaxcache._src.nnx_module import CachedEmbed, jit_step, value_and_grad
+from jaxcache._src.validation import is_int
 
 __all__ = [
     "DLRM",
@@ -57,6 +58,8 @@ class MLP(nnx.Module):
     ) -> None:
         if len(sizes) < 2:
             raise ValueError(f"sizes={list(sizes)} needs at least an input and an output width.")
+        if not all(is_int(n) and n >= 1 for n in sizes):
+            raise ValueError(f"sizes={list(sizes)}: every width must be a whole number >= 1.")
         self.layers = nnx.List([nnx.Linear(i, o, rngs=rngs) for i, o in itertools.pairwise(sizes)])
         self.final_activation = final_activation
 
@@ -114,6 +117,12 @@ class DLRM(nnx.Module):
         top: Sequence[int] = (512, 256),
         rngs: nnx.Rngs,
     ) -> None:
+        for name, value in (("num_sparse", num_sparse), ("features", features)):
+            if not is_int(value) or value < 1:
+                raise ValueError(
+                    f"DLRM({name}={value!r}): {name} must be a whole number >= 1 (the "
+                    "categorical features of a sample; the width D of the table's rows)."
+                )
         self.embed = embed
         self.num_sparse = num_sparse
         self.bottom = MLP([num_dense, *bottom, features], rngs=rngs, final_activation=True)
@@ -128,6 +137,12 @@ class DLRM(nnx.Module):
             raise ValueError(
                 f"the embedding returned {emb.shape}, expected [B, {self.num_sparse}, D]; pass "
                 "ids as [B, F] (or [B, F, L] bags with a pooling CachedEmbed)."
+            )
+        if emb.shape[-1] != x.shape[-1] or emb.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"the embedding returned {emb.shape} but the dense features give "
+                f"{tuple(x.shape)} after the bottom MLP: the batch sizes must agree and the "
+                f"rows' width must be the model's features={x.shape[-1]}."
             )
         z = jnp.concatenate([x[:, None, :], emb.astype(x.dtype)], axis=1)
         gram = jnp.einsum("bid,bjd->bij", z, z)

@@ -128,9 +128,10 @@ class Server:
 
     Attributes:
       latencies: seconds per batch of the latest ``latency_window``
-        batches (a ``collections.deque``; ``clear()`` it after a warm-up),
+        batches (a ``collections.deque``),
         from taking the batch from the source to its scores being on the
-        host (the time it waited in the pipeline included).
+        host (the time it waited in the pipeline included). ``reset()``
+        after a warm-up starts them, and ``summary``'s counts, afresh.
 
     Examples:
       >>> import numpy as np, jax.numpy as jnp, jaxcache
@@ -175,6 +176,24 @@ class Server:
         self.tables = dict(tables)
         self.lookahead = lookahead
         self.latencies: collections.deque[float] = collections.deque(maxlen=int(latency_window))
+        self._since = self._counts()
+
+    def reset(self) -> None:
+        """Starts ``summary`` afresh, e.g. after a warm-up: clears
+        ``latencies`` and counts hits and bytes from now on."""
+        self.latencies.clear()
+        self._since = self._counts()
+
+    def _counts(self) -> np.ndarray:
+        """Hits, distinct ids and bytes written back so far, all tables together."""
+        caches = [holder.cache for holder in self.tables.values()]
+        return np.array(
+            [
+                sum(c.stats.total.hits for c in caches),
+                sum(c.stats.total.distinct for c in caches),
+                sum(c.stats.bytes_to_host for c in caches),
+            ]
+        )
 
     def score(self, batches: Iterable[Mapping[str, Any]]) -> Iterator[np.ndarray]:
         """Scores of each batch, in order, as NumPy arrays.
@@ -218,21 +237,21 @@ class Server:
 
     def summary(self) -> dict[str, float]:
         """Latency percentiles (ms) of the batches in ``latencies`` and their
-        number, and the hit rate and bytes written back so far.
+        number, and the hit rate and bytes written back since the server was
+        built or last ``reset``.
 
         The hit rate is over distinct ids per batch, all tables together.
         """
         latencies = np.asarray(self.latencies or [np.nan]) * 1e3
         p50, p90, p99 = np.percentile(latencies, [50, 90, 99])
-        caches = [holder.cache for holder in self.tables.values()]
-        distinct = sum(c.stats.total.distinct for c in caches)
+        hits, distinct, written = (int(x) for x in self._counts() - self._since)
         return {
             "batches": len(self.latencies),
             "p50_ms": float(p50),
             "p90_ms": float(p90),
             "p99_ms": float(p99),
-            "hit_rate": sum(c.stats.total.hits for c in caches) / max(1, distinct),
-            "bytes_to_host": sum(c.stats.bytes_to_host for c in caches),
+            "hit_rate": hits / max(1, distinct),
+            "bytes_to_host": written,
         }
 
 
