@@ -953,8 +953,9 @@ class EmbeddingCache:
           >>> state, _ = cache.prepare(cache.init_state(), np.array([1, 2]))
           >>> cache.flush(state)
           >>> arrays, meta = cache.state_arrays(), cache.state_meta()
-          >>> sorted(arrays), sorted(meta)
-          (['planner.id_of_slot', 'planner.last_use'], ['buckets', 'next_index', 'policy', 'stats'])
+          >>> sorted(arrays), sorted(meta)  # doctest: +NORMALIZE_WHITESPACE
+          (['planner.id_of_slot', 'planner.last_use'],
+           ['buckets', 'finished', 'next_index', 'policy', 'stats'])
           >>> other = jaxcache.EmbeddingCache(cfg, table=cache.table)
           >>> other.load_state_arrays([arrays], meta)
           >>> other.planner.resident_ids().tolist(), other.stats.total.misses

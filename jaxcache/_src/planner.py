@@ -385,8 +385,12 @@ class Planner:
             self.slot_of_id[resident_ids] = resident
             self.last_use[:] = last_use
             # The same bound as before: the next pipeline's first plans keep
-            # protecting the rows of the last ones, as they would have.
+            # protecting the rows of the last ones, as they would have; the
+            # room check counts those rows by the plans that used them last.
             self._finished = min(int(state.get("finished", self.released)), self.released)
+            kept = np.flatnonzero(self.last_use > self._finished)
+            for index in np.unique(self.last_use[kept]):
+                self._in_flight[int(index)] = kept[self.last_use[kept] == index]
             self._placed(resident, resident_ids)
             return
         recency = last_use[resident]
