@@ -374,11 +374,6 @@ def time_steps(
     timing.compilations = jaxcache.testing.compilations() - compiled
 
 
-def planner_name(cache: jaxcache.EmbeddingCache) -> str:
-    """``"device"`` or ``"host"``: which planner ``cache`` has."""
-    return str(cache.planner_kind)
-
-
 def report_compilations(timings: Iterable[Timing]) -> None:
     """A warning line naming the runs that compiled inside their timed steps
     (a batch of a new padded size): their medians hold a compile or two."""

@@ -48,8 +48,9 @@ def side_by_side(bench: _training.Bench) -> tuple[float, float]:
         "blocking": functools.partial(bench.blocking, 0.02, "cache 2%, blocking"),
         "staged": bench.staged,
     }
+    probe = bench.cache(0.02)  # the backend's default planner, as every run here
     try:
-        bench.cache(0.02).callbacks.check()
+        probe.callbacks.check()
         callbacks = True
     except RuntimeError as refused:  # one CPU core
         print(f"\nhost-callback form skipped: {refused}")
@@ -95,11 +96,10 @@ def side_by_side(bench: _training.Bench) -> tuple[float, float]:
     full_step = float(np.median(per_round(("full", k), "step")))
     pipelined = float(np.median(per_round(("cached", k), "step")))
     reference = results["cached", 0][0].loss
-    planner = _training.planner_name(bench.cache(0.02))
     print()
     print(
-        f"{bench.setup.name}, cache 2% ({args.policy}, {planner} planner, the backend's default; "
-        f"the full table's too), side by side: {args.rounds} round(s) of "
+        f"{bench.setup.name}, cache 2% ({args.policy}, {probe.planner_kind} planner, the "
+        f"backend's default; the full table's too), side by side: {args.rounds} round(s) of "
         f"{args.steps} steps after {args.warmup} warm-up; median over the rounds of each run's "
         "median, ms per step"
     )

@@ -553,13 +553,14 @@ def _check_trace(trace: object, padding_id: int | None = None) -> np.ndarray:
         )
     if array.size == 0:
         raise ValueError(f"trace is empty (shape {array.shape}); it needs at least one id.")
-    real = array != padding_id if padding_id is not None else np.ones(array.shape, bool)
-    if not real.any():
+    if padding_id is not None and (array == padding_id).all():
         raise ValueError(
             f"trace holds padding_id={padding_id} only; it needs at least one id to replay."
         )
-    negative = real & (array < 0)
-    if negative.any():
+    negative = array < 0 if array.min() < 0 else None  # the usual trace: no mask at all
+    if negative is not None and padding_id is not None:
+        negative &= array != padding_id
+    if negative is not None and negative.any():
         where = tuple(int(i) for i in np.argwhere(negative)[0])
         raise ValueError(
             f"trace holds {int(array[where])} at index {where}; ids must be >= 0. Pass "

@@ -163,8 +163,8 @@ class Server:
                 "keep, a whole number of at least 1."
             )
         for key, holder in tables.items():
-            optimizer = getattr(getattr(holder, "cache", None), "config", None)
-            if not isinstance(getattr(optimizer, "optimizer", None), ReadOnly):
+            config = getattr(getattr(holder, "cache", None), "config", None)
+            if getattr(getattr(config, "optimizer", None), "trains", True):
                 raise ValueError(
                     f"tables[{key!r}] is not a serving table; build its cache from "
                     "jaxcache.serving_config(config), which keeps no optimizer state and "
