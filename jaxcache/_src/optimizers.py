@@ -89,6 +89,9 @@ class SparseOptimizer:
 
     Attributes:
       registered_name: the name the class is registered under.
+      trains: ``False`` only for an optimizer that never updates rows (a
+        serving table's): a checkpoint's per-row state may be restored into
+        such a cache without its state; any other must keep the saved state.
 
     Examples:
       >>> import dataclasses, jax.numpy as jnp, jaxcache
