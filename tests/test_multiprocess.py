@@ -36,22 +36,8 @@ def _run(*args):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def singles():
-    return {}
-
-
-@pytest.fixture
-def single(singles, planner, tmp_path_factory):
-    """Eight steps in one process of four devices, and its trained table (once
-    per planner)."""
-    if planner not in singles:
-        path = tmp_path_factory.mktemp("single") / "one.npy"
-        singles[planner] = _run(*ONE, "--steps", "8", "--save", str(path)), np.load(path)
-    return singles[planner]
-
-
-def test_two_processes_match_one_process(planner, tmp_path):
+@pytest.mark.slow
+def test_two_processes_match_one_process_and_resume_on_any_process_count(planner, tmp_path):
     # The launcher trains the same steps in one process of four devices and
     # compares the losses and the whole trained table (1e-5: cross-process
     # reductions may sum in another order).
@@ -60,7 +46,8 @@ def test_two_processes_match_one_process(planner, tmp_path):
     first, single = launched["processes"][0], launched["one_process"]
     assert first["global_devices"] == single["global_devices"] == 4
     np.testing.assert_allclose(first["losses"], single["losses"], atol=1e-5)
-    assert np.load(tmp_path / "two.npy").shape == (single["num_embeddings"], 16)
+    eight_steps = np.load(tmp_path / "two.npy")
+    assert eight_steps.shape == (single["num_embeddings"], 16)
     # Rows really move. The hit rates differ a little: with two processes
     # each id may only use the slots of its home process's devices.
     assert first["evictions"] > 0 and single["evictions"] > 0
@@ -76,10 +63,6 @@ def test_two_processes_match_one_process(planner, tmp_path):
         assert abs(process["planner_bytes"] - single["planner_bytes"] / 2) < 64
     assert sum(p["planned_ids"] for p in launched["processes"]) == single["planned_ids"]
 
-
-@pytest.mark.slow
-def test_split_tables_checkpoint_and_resume_on_any_process_count(single, tmp_path):
-    single, one_rows = single
     # Two processes train four steps and save: each writes its own host rows.
     saved = tmp_path / "saved"
     _run(*TWO_ONLY, "--steps", "4", "--checkpoint", str(saved), "--save", str(tmp_path / "at4.npy"))
@@ -88,8 +71,8 @@ def test_split_tables_checkpoint_and_resume_on_any_process_count(single, tmp_pat
     # The checkpoint's exported table is the one trained so far, in id order.
     exported = jaxcache.Checkpointer(saved, read_only=True).export(tmp_path / "export")
     np.testing.assert_array_equal(np.load(exported["embedding"]), np.load(tmp_path / "at4.npy"))
-    # Resumed on two processes, or on one, the next four steps end where eight
-    # uninterrupted steps in one process end.
+    # Resumed on two processes, or on one, the next four steps end where the
+    # eight uninterrupted steps above end.
     for name, processes in (("two", TWO_ONLY), ("one", ONE)):
         directory = tmp_path / name
         shutil.copytree(saved, directory)
@@ -99,7 +82,7 @@ def test_split_tables_checkpoint_and_resume_on_any_process_count(single, tmp_pat
         )
         losses = resumed["processes"][0]["losses"] if "processes" in resumed else resumed["losses"]
         np.testing.assert_allclose(losses, single["losses"][4:], atol=1e-5)
-        np.testing.assert_allclose(np.load(rows), one_rows, atol=1e-5)
+        np.testing.assert_allclose(np.load(rows), eight_steps, atol=1e-5)
 
 
 @pytest.mark.slow
