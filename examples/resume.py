@@ -127,21 +127,25 @@ def train(args: argparse.Namespace) -> dict:
         info = checkpointer.restore(model=model, optimizer=optimizer)
         start, losses, resumed_from = info.batches_consumed, info.extra["losses"], info.step
         print(f"restored step {info.step}: continuing from batch {start}")
-    saves = [min(first + args.every, args.steps) for first in range(start, args.steps, args.every)]
+    # Segments of --every batches, each ending in a checkpoint.
+    segments = [
+        (first, min(first + args.every, args.steps))
+        for first in range(start, args.steps, args.every)
+    ]
+    saves = [step for _, step in segments]
     if args.kill_at is not None and args.kill_at not in saves:
         raise SystemExit(
             f"resume.py: --kill-at {args.kill_at} is not a step this run saves a checkpoint "
             f"at ({saves}); pick one of them."
         )
-    for first in range(start, args.steps, args.every):
-        count = min(args.every, args.steps - first)
+    for first, step in segments:
+        count = step - first
         batches = data.batches(count, start=first)
         with jaxcache.prefetch(batches, {"sparse": embed}, lookahead=args.lookahead) as pipeline:
             step_losses = [
                 train_step(batch["dense"], batch["sparse"], batch["label"]) for batch in pipeline
             ]
         losses += [float(loss) for loss in step_losses]
-        step = first + count
         checkpointer.save(
             step,
             model=model,
