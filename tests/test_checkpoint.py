@@ -487,13 +487,18 @@ def test_a_table_name_that_cannot_name_a_directory_is_refused(tmp_path, name):
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("change", [{"seed": 1}, {"ways": 32}, {"default": "shared"}])
+@pytest.mark.parametrize(
+    "change", [{"seed": 1}, {"ways": 32}, {"default": "shared"}, {"padding_id": 7919}]
+)
 def test_raw_ids_restore_only_into_the_vocabulary_that_placed_them(tmp_path, change):
     # The seed and ways place an id in its bucket, the default may take a
-    # row: another value would not find the saved ids in their rows.
-    def embed(**fields):
+    # row: another value would not find the saved ids in their rows. A
+    # padding id that is a saved id (7919) would strand its row.
+    def embed(padding_id=-1, **fields):
         vocabulary = jaxcache.DynamicVocabulary(**fields)
-        return jaxcache.nnx.CachedEmbed(_cache(capacity=64, vocabulary=vocabulary))
+        return jaxcache.nnx.CachedEmbed(
+            _cache(capacity=64, vocabulary=vocabulary, padding_id=padding_id)
+        )
 
     saved = embed()
     saved.prepare(np.arange(40) * 7919)
@@ -501,7 +506,7 @@ def test_raw_ids_restore_only_into_the_vocabulary_that_placed_them(tmp_path, cha
     checkpointer.save(1, caches=[saved])
     target = embed(**change)
     (field,) = change
-    with pytest.raises(ValueError, match=rf"vocabulary has {field}=.*Checkpointer.cache_config"):
+    with pytest.raises(ValueError, match=rf"{field}=.*Checkpointer.cache_config"):
         checkpointer.restore(caches=[target])
     assert target.cache.vocabulary.size == 0
 

@@ -310,6 +310,15 @@ def _check_compatible(name: str, meta: dict[str, Any], cache: EmbeddingCache) ->
                     f"{getattr(config.vocabulary, field)!r}, and the saved rows are laid out for "
                     f"the saved value; build the cache from Checkpointer.cache_config({name!r})."
                 )
+        # Any int64 may be a raw id: another padding id may be a saved live
+        # id, whose row no lookup would reach again.
+        if saved.get("padding_id") != config.padding_id:
+            raise ValueError(
+                f"table {name!r}: the checkpoint's raw ids were padded with padding_id="
+                f"{saved.get('padding_id')!r} but the cache has padding_id={config.padding_id!r}, "
+                "which may be an id with a saved row; build the cache from "
+                f"Checkpointer.cache_config({name!r})."
+            )
     row_state = _row_state_json(config)
     # A serving cache keeps rows only; a training cache dropping the saved
     # state would silently restart each row's optimizer from nothing.
