@@ -170,6 +170,37 @@ def test_a_batch_one_table_refuses_leaves_the_other_tables_whole(lookahead):
     np.testing.assert_array_equal(a.export()[0], truth)
 
 
+@pytest.mark.parametrize("lookahead", [0, 2])
+@pytest.mark.parametrize(
+    ("b", "error", "message"),
+    [
+        (None, KeyError, r"no ids under 'b'"),
+        (np.array([[3.0, 4.0]]), TypeError, r"ids must be an integer array, got dtype float64"),
+    ],
+)
+def test_a_batch_a_table_cannot_take_is_refused_before_any_table_plans_it(
+    lookahead, b, error, message
+):
+    # A missing table or ids of a wrong type are found on the host before
+    # any plan: the raw-id table before the refusing one neither counts the
+    # batch's ids as seen nor gives them rows. (Values are checked as each
+    # table plans: see test_a_batch_one_table_refuses_leaves_the_other_tables_whole.)
+    def embed(name, vocabulary=None):
+        cfg = jaxcache.CacheConfig(100, 4, 16, name=name, vocabulary=vocabulary)
+        return jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg))
+
+    a, other = embed("a", jaxcache.DynamicVocabulary()), embed("b")
+    good = {"a": np.array([[10**12, 7]]), "b": np.array([[3, 4]])}
+    bad = {"a": good["a"] + 1} | ({} if b is None else {"b": b})
+    with pytest.raises(error, match=message):
+        tables = {"a": a, "b": other}
+        with jaxcache.prefetch([good, bad], tables, lookahead=lookahead) as pipeline:
+            for _ in pipeline:
+                pass
+    assert a.cache.stats.steps == other.cache.stats.steps == 1
+    assert a.cache.vocabulary.size == 2  # 10**12 + 1 and 8 got no row
+
+
 def test_tables_waiting_for_room_when_another_refuses_stay_whole(planner):
     # Tables a, c and d wait for room in the batch whose ids table b
     # refuses: the error ends the loop, and every table is left as after

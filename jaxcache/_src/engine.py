@@ -32,7 +32,7 @@ import numpy as np
 from jax.experimental import io_callback
 from jax.sharding import Mesh
 
-from jaxcache._src import device_ops, kernels, routing
+from jaxcache._src import device_ops, kernels, routing, validation
 from jaxcache._src.agreement import agreement
 from jaxcache._src.blocks import Blocks, gather_entries, gather_shards, local_data
 from jaxcache._src.config import CacheConfig
@@ -542,22 +542,26 @@ class EmbeddingCache:
           train: the step will update these rows.
           released: plan as if only plans up to this index were finished.
         """
-        self.check_dispatch(ids)
-        assert isinstance(self.planner, DevicePlanner)
-        with self.stats.timers.time("plan"):
-            return self.planner.dispatch(ids, train=train, released=released)
-
-    def check_dispatch(self, ids: np.ndarray) -> None:
-        """Raises the error ``dispatch`` would raise on the host for ``ids``
-        before anything is dispatched (a batch that does not split over the
-        devices, ids of a wrong type); values are checked in the plan. A
-        pipeline checks every table of a batch before it dispatches any."""
         if not isinstance(self.planner, DevicePlanner):
             raise RuntimeError(
                 'dispatch plans on the device: build the cache with planner="device", or '
                 "stage the batch with stage_host."
             )
-        self.planner.checked_ids(ids)
+        self.check_batch(ids)
+        with self.stats.timers.time("plan"):
+            return self.planner.dispatch(ids, train=train, released=released)
+
+    def check_batch(self, ids: np.ndarray) -> None:
+        """Raises the error planning ``ids`` would raise before it plans
+        (ids of a wrong type or rank, a batch that does not split over the
+        devices); either planner checks the values as it plans. A pipeline
+        checks every table of a batch before any plans it."""
+        if isinstance(self.planner, DevicePlanner):
+            self.planner.checked_ids(ids)
+        elif self.config.vocabulary is not None:
+            validation.check_raw_ids(ids, "ids")
+        else:
+            validation.check_id_type(ids, "ids")
         self.stager.check_batch(np.shape(ids))
 
     def gather(self, planned: DeviceStep | Dispatched, *, defer: bool = False) -> DeviceStaged:

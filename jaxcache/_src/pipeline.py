@@ -358,9 +358,10 @@ class Prefetcher(Iterator[dict[str, Any]]):
             return batch, {}
         staged: dict[str, Staged] = {}
         try:
+            ids = _all_ids(batch, self._caches)
             for key, cache in self._caches.items():
                 cache.lifecycle.release_all()
-                staged[key] = cache.stage(_ids(batch, key), train=self.train)
+                staged[key] = cache.stage(ids[key], train=self.train)
         except Exception as error:  # the tables staged before it are applied
             return _Failure(error, staged)
         return batch, staged
@@ -409,8 +410,9 @@ class Prefetcher(Iterator[dict[str, Any]]):
                     if self._stop.is_set():
                         return
                     staged = {}
+                    ids = _all_ids(batch, self._caches)
                     for key, cache in self._caches.items():
-                        staged[key] = self._stage_with_retry(cache, _ids(batch, key))
+                        staged[key] = self._stage_with_retry(cache, ids[key])
                     self._queue.put((batch, staged))
                     staged = {}
         except BaseException as error:  # re-raised in the training loop
@@ -532,8 +534,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
                 if isinstance(cache.planner, DevicePlanner)
             }
             try:  # every table's ids, before any plan: a refusal leaves none half-made
-                for key, cache in planned.items():
-                    cache.check_dispatch(_ids(item, key))
+                _all_ids(item, self._caches)
             except Exception as error:  # raised in order, after the batches before it
                 self._source_done = True
                 self._work.put(_Failure(error, {}))
@@ -755,6 +756,17 @@ def check_lookahead(lookahead: Any) -> None:
         raise ValueError(
             f"lookahead={lookahead!r} must be an integer >= 0 (0 = no background thread)."
         )
+
+
+def _all_ids(batch: Mapping[str, Any], caches: Mapping[str, EmbeddingCache]) -> dict[str, Any]:
+    """Every table's ids of ``batch``, each checked as far as the host can
+    before planning (``EmbeddingCache.check_batch``): a batch missing a
+    table, or with ids of a wrong type or shape, is refused before any
+    table plans it."""
+    ids = {key: _ids(batch, key) for key in caches}
+    for key, cache in caches.items():
+        cache.check_batch(ids[key])
+    return ids
 
 
 def _ids(batch: Mapping[str, Any], key: str) -> Any:

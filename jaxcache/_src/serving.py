@@ -124,7 +124,10 @@ class Server:
         repeating its last sample (along the first axis of every array in
         the batch), and one larger than the largest is scored in pieces of
         that size; its scores are cut back to ``n``. Repeated samples add no
-        distinct id, so the cache and its statistics see the same ids.
+        distinct id, so the batch fetches the same rows and ``summary``'s
+        hit rate (over distinct ids) is unchanged; figures per lookup
+        (``cache.stats`` lookups and refused lookups, the lookup counts of
+        ``lfu`` and ``adaptive``) include the repeats.
 
     Attributes:
       latencies: seconds per batch of the latest ``latency_window``
