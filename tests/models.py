@@ -77,7 +77,11 @@ def _tower(cache: jaxcache.EmbeddingCache, num_features: int, seed: int, combine
     return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
 
-def make_cached(cache: jaxcache.EmbeddingCache, num_features: int, *, seed=0, combiner=None):
+def make_cached(
+    cache: jaxcache.EmbeddingCache, num_features: int, *, seed=0, combiner=None, schedule=None
+):
+    """The cached model and its step; ``schedule(step)`` (optional) scales
+    the sparse learning rate at each step of the dense optimizer."""
     model, optimizer = _tower(cache, num_features, seed, combiner)
 
     @nnx.jit
@@ -85,7 +89,8 @@ def make_cached(cache: jaxcache.EmbeddingCache, num_features: int, *, seed=0, co
         def loss_fn(model, lookup):
             return bce(model(lookup, weights), labels)
 
-        loss, grads = jaxcache.nnx.value_and_grad(loss_fn)(model, lookup)
+        scale = None if schedule is None else schedule(optimizer.step[...])
+        loss, grads = jaxcache.nnx.value_and_grad(loss_fn, learning_rate_scale=scale)(model, lookup)
         optimizer.update(model, grads)
         return loss
 
@@ -120,7 +125,7 @@ def make_callback(cache: jaxcache.EmbeddingCache, num_features: int, *, seed=0):
 
 
 def make_reference(
-    rows, opt: jaxcache.SparseOptimizer, num_features: int, *, seed=0, combiner=None
+    rows, opt: jaxcache.SparseOptimizer, num_features: int, *, seed=0, combiner=None, schedule=None
 ):
     model = Tower(ReferenceEmbed(rows, opt, combiner), num_features, rows.shape[1], seed=seed)
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
@@ -134,6 +139,7 @@ def make_reference(
         loss, grads = nnx.value_and_grad(loss_fn, argnums=diff)(model)
         table_grad = grads["embed"]["table"][...]
         grads = nnx.state(grads, nnx.Param)
+        sparse = opt if schedule is None else opt.scaled(schedule(optimizer.step[...]))
         optimizer.update(model, grads)
         embed = model.embed
         table = embed.table[...]
@@ -142,7 +148,7 @@ def make_reference(
         def take(x):
             return x.at[touched].get(mode="fill", fill_value=0)
 
-        new_rows, new_state = embed.optimizer.update(
+        new_rows, new_state = sparse.update(
             take(table), take(table_grad), {k: take(v) for k, v in state.items()}
         )
         # Padding (one past the last row) updates nothing.

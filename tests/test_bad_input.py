@@ -574,3 +574,26 @@ def test_a_lookup_used_after_a_later_plan_is_refused(planner, tmp_path):
     with pytest.raises(ValueError, match=r"\(plan 13\) is stale: a restore has been applied since"):
         embed(current)
     embed(embed.prepare(np.array([[7, 8]])))
+
+
+@pytest.mark.parametrize(
+    ("factor", "error", "message"),
+    [
+        (-1.0, ValueError, r"learning_rate_scale=-1.0 must be >= 0 and finite"),
+        (float("nan"), ValueError, r"learning_rate_scale=nan must be >= 0"),
+        (1e39, ValueError, r"finite in float32"),
+        ("0.5", TypeError, r"takes a number or a scalar array, got a str"),
+        (True, TypeError, r"got a bool"),
+        (np.ones(2, np.float32), ValueError, r"must be a real scalar, got shape \(2,\)"),
+        (np.array(1 + 1j), ValueError, r"dtype complex128"),
+    ],
+)
+def test_a_bad_learning_rate_scale_is_refused_before_any_step(factor, error, message):
+    loss_fn = lambda model, lookup: model(lookup).sum()  # noqa: E731
+    with pytest.raises(error, match=message):
+        jaxcache.nnx.value_and_grad(loss_fn, learning_rate_scale=factor)
+    cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 2, 8))
+    with pytest.raises(error, match=message):
+        jaxcache.linen.value_and_grad(loss_fn, cache, learning_rate_scale=factor)
+    with pytest.raises(error, match=message):
+        jaxcache.sgd(0.1).scaled(factor)

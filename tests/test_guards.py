@@ -69,6 +69,23 @@ def test_guarded_steps_match_plain_steps_when_finite():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_a_learning_rate_scale_of_zero_trains_the_dense_part_alone():
+    model, optimizer = _model()
+    start = _snapshot(model, optimizer)
+
+    @nnx.jit
+    def step(model, optimizer, lookup, labels, factor):
+        update = jaxcache.nnx.update_if_finite(_loss_fn, learning_rate_scale=factor)
+        return update(model, optimizer, lookup, labels)
+
+    for b in _batches(3):
+        _, check = step(model, optimizer, model.embed.prepare(b["ids"]), b["y"], np.float32(0))
+        jaxcache.nnx.raise_if_nonfinite(check, step=0)
+    after = _snapshot(model, optimizer)
+    np.testing.assert_array_equal(after[0], start[0])  # the rows
+    assert not np.array_equal(after[-1], start[-1])  # a dense parameter moved
+
+
 @pytest.mark.parametrize("poison", ["labels", "row"])
 def test_a_nonfinite_step_is_skipped_and_named(poison):
     model, optimizer = _model()

@@ -327,6 +327,34 @@ def make_held_linen(cache, learning_rate, seed=0):
     return holder, train
 
 
+@pytest.mark.parametrize("guarded", [False, True])
+@pytest.mark.parametrize(("factor", "rate"), [(3.0, 1.5), (0.0, 0.0)])
+def test_a_learning_rate_scale_multiplies_the_sparse_rate(guarded, factor, rate):
+    # sgd(0.5) at a traced factor of 3 steps as sgd(1.5); at 0 the rows stay.
+    cfg = jaxcache.CacheConfig(100, 2, capacity=8, optimizer=jaxcache.sgd(0.5))
+    cache = jaxcache.EmbeddingCache(cfg)
+    embed = jaxcache.linen.CachedEmbed(cache, combiner="sum")
+    variables = embed.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (1, 2)))
+
+    def loss_fn(params, variables, lookup):
+        return embed.apply(variables, lookup).sum()
+
+    @jax.jit
+    def step(variables, lookup, factor):
+        if guarded:
+            tx = optax.sgd(0.1)
+            update = jaxcache.linen.update_if_finite(loss_fn, cache, tx, learning_rate_scale=factor)
+            return update({}, tx.init({}), variables, lookup)[3]
+        grad_fn = jaxcache.linen.value_and_grad(loss_fn, cache, learning_rate_scale=factor)
+        return grad_fn({}, variables, lookup)[2]
+
+    variables, lookup = jaxcache.linen.prepare(cache, variables, np.array([[5, 5]]))
+    before = cache.table.rows[5].copy()
+    variables = step(variables, lookup, jnp.float32(factor))
+    rows, _ = jaxcache.linen.export(cache, variables)
+    np.testing.assert_allclose(rows[5], before - 2 * rate, rtol=1e-6)  # gradient 2
+
+
 def test_a_linen_model_is_checkpointed_and_restored_exactly(tmp_path):
     """Checkpointer(model=holder) saves a Linen model's variables and every table
     of its holders; restored into another cache and other variables, training

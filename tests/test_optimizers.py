@@ -32,6 +32,28 @@ def test_rows_follow_optax(sparse, dense):
     np.testing.assert_allclose(rows, dense_params, atol=1e-6)
 
 
+@pytest.mark.parametrize(("sparse", "dense"), CASES, ids=lambda x: type(x).__name__)
+def test_a_scaled_rate_follows_an_optax_schedule(sparse, dense):
+    # Warm-up from 0, then decay: each step's factor of the configured rate
+    # against optax reading the same rates from its schedule (at the
+    # update's count, 0 first).
+    factors = [0.0, 0.25, 1.0, 0.5, 0.125]
+    rates = jnp.asarray([sparse.learning_rate * f for f in factors], jnp.float32)
+    scheduled = {"SGD": optax.sgd, "Adagrad": optax.adagrad, "Adam": optax.adam}
+    dense = scheduled[type(sparse).__name__](lambda count: rates[count])
+    rng = np.random.default_rng(1)
+    rows = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
+    state = {k: jnp.full((5, *s.shape), s.init, s.dtype) for k, s in sparse.state_spec(3).items()}
+    dense_params, dense_state = rows, dense.init(rows)
+    for factor in factors:
+        grads = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
+        rows, state = sparse.scaled(jnp.float32(factor)).update(rows, grads, state)
+        updates, dense_state = dense.update(grads, dense_state, dense_params)
+        dense_params = optax.apply_updates(dense_params, updates)
+    np.testing.assert_allclose(rows, dense_params, atol=1e-6)
+    assert float(sparse.learning_rate) in (0.3, 0.05)  # the configuration keeps its rate
+
+
 def test_rowwise_adagrad_rule():
     opt = jaxcache.rowwise_adagrad(0.5, initial_accumulator_value=1.0)
     rows = jnp.zeros((1, 2))

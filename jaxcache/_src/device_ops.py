@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -509,6 +509,8 @@ def apply_sparse(
     lookup: Lookup,
     grads: jax.Array,
     optimizer: SparseOptimizer,
+    *,
+    learning_rate_scale: Any = None,
 ) -> CacheState:
     """Applies ``optimizer`` to the rows ``lookup`` touched, on their owners.
 
@@ -523,6 +525,8 @@ def apply_sparse(
       grads: ``[n, R, D]`` gradient of each row each device received (the
         gradient of the lookup's ``delta``).
       optimizer: the sparse optimizer.
+      learning_rate_scale: multiplies its learning rate for this step (a
+        number or a scalar array: a schedule's value); default: none.
 
     Returns:
       The updated state.
@@ -546,6 +550,8 @@ def apply_sparse(
             "prepare (or prefetch) the batches you train on with train=True."
         )
     lookup.check_fresh()
+    if learning_rate_scale is not None:
+        optimizer = optimizer.scaled(learning_rate_scale)
     spec = PartitionSpec(lookup.axis)
     k = lookup.requests.shape[2]
 

@@ -58,19 +58,27 @@ class NonFiniteError(FloatingPointError):
         self.tables = tables
 
 
-def _apply(model: nnx.Module, optimizer: nnx.Optimizer, grads: Any, rows: RowGrads) -> None:
+def _apply(
+    model: nnx.Module, optimizer: nnx.Optimizer, grads: Any, rows: RowGrads, scale: Any
+) -> None:
     optimizer.update(model, grads)
     modules = cached_tables(model)
     for table, (lookup, grad) in rows.items():
-        modules[table].apply_gradients(lookup, grad)
+        modules[table].apply_gradients(lookup, grad, learning_rate_scale=scale)
 
 
-def _skip(model: nnx.Module, optimizer: nnx.Optimizer, grads: Any, rows: RowGrads) -> None:
-    del model, optimizer, grads, rows
+def _skip(
+    model: nnx.Module, optimizer: nnx.Optimizer, grads: Any, rows: RowGrads, scale: Any
+) -> None:
+    del model, optimizer, grads, rows, scale
 
 
 def update_if_finite(
-    fn: Callable[..., Any], *, has_aux: bool = False, wrt: Any = nnx.Param
+    fn: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    wrt: Any = nnx.Param,
+    learning_rate_scale: Any = None,
 ) -> Callable[..., tuple[Any, FiniteCheck]]:
     """The training update of ``fn``, skipped as a whole unless everything is finite.
 
@@ -87,6 +95,7 @@ def update_if_finite(
       fn: the loss function ``fn(model, *args) -> loss`` (or ``(loss, aux)``).
       has_aux: ``fn`` returns ``(loss, aux)``.
       wrt: filter of the dense variables to differentiate.
+      learning_rate_scale: as for ``value_and_grad``.
 
     Returns:
       A function ``(model, optimizer, *args) -> (value, FiniteCheck)``.
@@ -110,13 +119,16 @@ def update_if_finite(
       ...     print(str(error).split(";")[0])
       step 0: non-finite values in the loss and the rows or row gradients of table 'embedding'
     """
-    grad_fn = value_and_grad(fn, has_aux=has_aux, wrt=wrt, apply_rows=False)
+    grad_fn = value_and_grad(
+        fn, has_aux=has_aux, wrt=wrt, apply_rows=False, learning_rate_scale=learning_rate_scale
+    )
 
     def step(model: nnx.Module, optimizer: nnx.Optimizer, *args: Any) -> tuple[Any, FiniteCheck]:
         value, grads, rows = grad_fn(model, *args)
         states = {name: module.get_state() for name, module in cached_tables(model).items()}
         check = finite_check(value[0] if has_aux else value, grads, rows, states)
-        nnx.cond(check.ok(), _apply, _skip, model, optimizer, grads, rows)
+        scale = learning_rate_scale
+        nnx.cond(check.ok(), _apply, _skip, model, optimizer, grads, rows, scale)
         return value, check
 
     return step

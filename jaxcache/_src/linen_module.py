@@ -65,6 +65,7 @@ import optax
 from jaxcache._src import device_ops, sparse_grad
 from jaxcache._src.device_ops import CacheState, Lookup, check_combiner
 from jaxcache._src.engine import EmbeddingCache
+from jaxcache._src.optimizers import check_rate_scale
 from jaxcache._src.sparse_grad import FiniteCheck
 
 __all__ = [
@@ -213,6 +214,7 @@ def value_and_grad(
     caches: EmbeddingCache | Sequence[EmbeddingCache],
     *,
     has_aux: bool = False,
+    learning_rate_scale: Any = None,
 ) -> Callable[..., tuple[Any, Any, Variables]]:
     """Like ``jax.value_and_grad``, with the cached rows trained in the same step.
 
@@ -229,6 +231,10 @@ def value_and_grad(
       fn: the loss ``fn(params, variables, *args) -> loss`` (or ``(loss, aux)``).
       caches: the cache (or caches) of the tables ``fn`` looks up.
       has_aux: ``fn`` returns ``(loss, aux)``.
+      learning_rate_scale: multiplies every table's sparse learning rate in
+        this step: a number >= 0 or a scalar array, such as an optax
+        schedule's value at the step (warm-up, decay). Default: the
+        configured rates.
 
     Returns:
       A function ``(params, variables, *args) -> (value, grads, variables)``,
@@ -255,6 +261,8 @@ def value_and_grad(
       >>> np.allclose(rows[5], before - 2.0)  # id 5 appears twice: gradient 2, step 1.0
       True
     """
+    if learning_rate_scale is not None:
+        check_rate_scale(learning_rate_scale)
     by_table = _by_table(caches)
     grads_of = _row_grads_of(fn, by_table, has_aux)
     optimizers = {name: cache.config.optimizer for name, cache in by_table.items()}
@@ -262,7 +270,8 @@ def value_and_grad(
     def wrapped(params: Any, variables: Variables, *args: Any) -> tuple[Any, Any, Variables]:
         value, grads, row_grads = grads_of(params, variables, args)
         states, put = _table_states(variables, row_grads)
-        return value, grads, put(sparse_grad.apply_rows(states, row_grads, optimizers))
+        new = sparse_grad.apply_rows(states, row_grads, optimizers, learning_rate_scale)
+        return value, grads, put(new)
 
     return wrapped
 
@@ -349,6 +358,7 @@ def update_if_finite(
     tx: optax.GradientTransformation,
     *,
     has_aux: bool = False,
+    learning_rate_scale: Any = None,
 ) -> Callable[..., tuple[Any, Any, Any, Variables, FiniteCheck]]:
     """The training update of ``fn``, skipped as a whole unless everything is finite.
 
@@ -365,6 +375,7 @@ def update_if_finite(
       caches: the cache (or caches) of the tables ``fn`` looks up.
       tx: the optax optimizer of ``params``.
       has_aux: ``fn`` returns ``(loss, aux)``.
+      learning_rate_scale: as for ``value_and_grad``.
 
     Returns:
       A function ``(params, opt_state, variables, *args) -> (value, params,
@@ -388,6 +399,8 @@ def update_if_finite(
       ...                                  variables["jaxcache"]["embedding"]["rows"])
       (False, True)
     """
+    if learning_rate_scale is not None:
+        check_rate_scale(learning_rate_scale)
     by_table = _by_table(caches)
     grads_of = _row_grads_of(fn, by_table, has_aux)
     optimizers = {name: cache.config.optimizer for name, cache in by_table.items()}
@@ -400,7 +413,8 @@ def update_if_finite(
         def apply(params, opt_state, states):
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-            return params, opt_state, sparse_grad.apply_rows(states, row_grads, optimizers)
+            new = sparse_grad.apply_rows(states, row_grads, optimizers, learning_rate_scale)
+            return params, opt_state, new
 
         def skip(params, opt_state, states):
             return params, opt_state, states

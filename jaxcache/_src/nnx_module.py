@@ -13,6 +13,7 @@ from flax import nnx
 from jaxcache._src import device_ops, sparse_grad
 from jaxcache._src.device_ops import CacheState, Lookup, check_combiner
 from jaxcache._src.engine import EmbeddingCache
+from jaxcache._src.optimizers import check_rate_scale
 
 __all__ = [
     "CacheOptState",
@@ -159,10 +160,19 @@ class CachedEmbed(nnx.Module):
             weights=weights,
         )
 
-    def apply_gradients(self, lookup: Lookup, grads: jax.Array) -> None:
-        """Sparse optimizer step on the rows of ``lookup`` (``grads``: ``[U, D]``)."""
+    def apply_gradients(
+        self, lookup: Lookup, grads: jax.Array, *, learning_rate_scale: Any = None
+    ) -> None:
+        """Sparse optimizer step on the rows of ``lookup`` (``grads``: ``[U, D]``),
+        at the configured learning rate times ``learning_rate_scale`` if given."""
         self.set_state(
-            device_ops.apply_sparse(self.get_state(), lookup, grads, self.cache.config.optimizer)
+            device_ops.apply_sparse(
+                self.get_state(),
+                lookup,
+                grads,
+                self.cache.config.optimizer,
+                learning_rate_scale=learning_rate_scale,
+            )
         )
 
     def flush(self) -> None:
@@ -195,6 +205,7 @@ def value_and_grad(
     has_aux: bool = False,
     wrt: Any = nnx.Param,
     apply_rows: bool = True,
+    learning_rate_scale: Any = None,
 ) -> Callable[..., tuple[Any, ...]]:
     """Like ``nnx.value_and_grad``, with the cached rows trained in the same step.
 
@@ -214,6 +225,11 @@ def value_and_grad(
         ``(value, grads, row_grads)``, ``row_grads`` mapping each table's name
         to ``(lookup, grad)`` for ``CachedEmbed.apply_gradients``: for updates
         applied conditionally (``update_if_finite``).
+      learning_rate_scale: multiplies every table's sparse learning rate in
+        this step: a number >= 0 or a scalar array, such as an optax
+        schedule's value at the dense optimizer's step for warm-up and
+        decay, ``schedule(optimizer.step[...])`` with ``schedule`` giving a
+        factor (1.0 at the configured rate). Default: the configured rates.
 
     Returns:
       A function ``(model, *args) -> (value, grads)``. It raises
@@ -246,6 +262,9 @@ def value_and_grad(
       True
     """
 
+    if learning_rate_scale is not None:
+        check_rate_scale(learning_rate_scale)
+
     def wrapped(model: nnx.Module, *args: Any) -> tuple[Any, ...]:
         modules = cached_tables(model)
         features = {name: m.cache.config.features for name, m in modules.items()}
@@ -265,7 +284,7 @@ def value_and_grad(
         if not apply_rows:
             return value, grads, row_grads
         for table, (lookup, grad) in row_grads.items():
-            modules[table].apply_gradients(lookup, grad)
+            modules[table].apply_gradients(lookup, grad, learning_rate_scale=learning_rate_scale)
         return value, grads
 
     return wrapped

@@ -20,6 +20,7 @@ Shape letters: ``U`` distinct rows in a batch, ``D`` row width.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
@@ -174,6 +175,54 @@ class SparseOptimizer:
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Returns updated ``rows [U, D]`` and ``state`` for the touched rows."""
         raise NotImplementedError
+
+    def scaled(self, factor: Any) -> SparseOptimizer:
+        """This optimizer stepping at ``learning_rate * factor``, for one step.
+
+        ``factor`` is a number >= 0 or a scalar array, typically traced in a
+        jitted step: a learning-rate schedule's value at the step
+        (``jaxcache.nnx.value_and_grad(..., learning_rate_scale=)``). The
+        copy lives in that step's trace only; the configuration, its hash
+        and checkpoints keep the constant rate.
+
+        Examples:
+          >>> import jax.numpy as jnp, jaxcache
+          >>> half = jaxcache.sgd(0.5).scaled(jnp.float32(0.5))
+          >>> rows, _ = half.update(jnp.ones((1, 2)), jnp.ones((1, 2)), {})
+          >>> rows.tolist()
+          [[0.75, 0.75]]
+        """
+        check_rate_scale(factor)
+        out = copy.copy(self)
+        # Frozen, as the configuration is: set on the copy alone.
+        object.__setattr__(out, "learning_rate", self.learning_rate * factor)
+        return out
+
+
+def check_rate_scale(factor: Any) -> None:
+    """Raises unless ``factor`` is a number >= 0 and finite in float32, or a
+    real scalar array (a traced one is checked for shape and type only)."""
+    if _is_number(factor):
+        if not 0 <= _as_float32(factor) < float("inf"):
+            raise ValueError(
+                f"learning_rate_scale={factor!r} must be >= 0 and finite in float32 (it "
+                "multiplies each table's sparse learning rate); pass a schedule's factor "
+                "such as 1.0."
+            )
+        return
+    dtype = getattr(factor, "dtype", None)
+    if dtype is None or isinstance(factor, bool | np.bool_):
+        raise TypeError(
+            f"learning_rate_scale takes a number or a scalar array, got a "
+            f"{type(factor).__name__}; pass e.g. schedule(step) of an optax schedule."
+        )
+    if np.ndim(factor) != 0 or not (
+        jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+    ):
+        raise ValueError(
+            f"learning_rate_scale must be a real scalar, got shape {np.shape(factor)} and "
+            f"dtype {dtype}; pass one value for the step, e.g. schedule(step)."
+        )
 
 
 def _is_number(value: object) -> bool:

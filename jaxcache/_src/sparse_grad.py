@@ -114,10 +114,18 @@ def apply_rows(
     states: Mapping[str, CacheState],
     row_grads: RowGrads,
     optimizers: Mapping[str, SparseOptimizer],
+    learning_rate_scale: Any = None,
 ) -> dict[str, CacheState]:
-    """Each looked up table's new device state after its sparse optimizer step."""
+    """Each looked up table's new device state after its sparse optimizer
+    step (at its learning rate times ``learning_rate_scale``, if given)."""
     return {
-        table: apply_sparse(states[table], lookup, grad, optimizers[table])
+        table: apply_sparse(
+            states[table],
+            lookup,
+            grad,
+            optimizers[table],
+            learning_rate_scale=learning_rate_scale,
+        )
         for table, (lookup, grad) in row_grads.items()
     }
 
