@@ -64,6 +64,25 @@ def test_the_train_step_computes_what_nnx_jit_computes():
     )
 
 
+def test_a_sparse_schedule_scales_the_rows_rate_alone():
+    # A factor of 0 for the first three steps, then 1: rows train from step 3.
+    tx = jaxcache.models.dense_optimizer("adam", 0.01)
+    embed, model = _model()
+    start = embed.export()[0]
+    dense = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model.top))]
+    _, step = jaxcache.models.make_train_step(
+        model, tx, sparse_schedule=lambda count: (count >= 3).astype(np.float32)
+    )
+    _train(embed, model, None, step, 3)
+    np.testing.assert_array_equal(embed.export()[0], start)
+    moved = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model.top))]
+    assert not all(np.array_equal(a, b) for a, b in zip(dense, moved, strict=True))
+    _train(embed, model, None, step, 1)
+    assert not np.array_equal(embed.export()[0], start)
+    with pytest.raises(TypeError, match=r"sparse_schedule must be a function of the step"):
+        jaxcache.models.make_train_step(model, tx, sparse_schedule=0.5)
+
+
 def test_the_predict_step_reads_the_variables_and_leaves_them_alone():
     embed, model = _model()
     predict = jaxcache.models.make_predict_step(model)

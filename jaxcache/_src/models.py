@@ -11,8 +11,10 @@ Shape letters: ``B`` batch, ``F`` sparse features, ``D`` embedding width,
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -185,11 +187,15 @@ def _train_step(
     dense: jax.Array,
     sparse: Lookup,
     labels: jax.Array,
+    *,
+    sparse_schedule: Callable[[jax.Array], Any] | None = None,
 ) -> jax.Array:
     def loss_fn(model, dense, sparse, labels):
         return bce_loss(model(dense, sparse), labels)
 
-    loss, grads = value_and_grad(loss_fn)(model, dense, sparse, labels)
+    # The step's factor, read before optimizer.update counts this step.
+    scale = None if sparse_schedule is None else sparse_schedule(optimizer.step[...])
+    loss, grads = value_and_grad(loss_fn, learning_rate_scale=scale)(model, dense, sparse, labels)
     optimizer.update(model, grads)
     return loss
 
@@ -200,9 +206,11 @@ def _train_step_ids(
     dense: jax.Array,
     ids: jax.Array,
     labels: jax.Array,
+    *,
+    sparse_schedule: Callable[[jax.Array], Any] | None = None,
 ) -> jax.Array:
     lookup = model.embed.lookup_ids(ids)  # type: ignore[attr-defined]  # make_train_step checks
-    return _train_step(model, optimizer, dense, lookup, labels)
+    return _train_step(model, optimizer, dense, lookup, labels, sparse_schedule=sparse_schedule)
 
 
 def _predict_step(model: nnx.Module, dense: jax.Array, sparse: Lookup) -> jax.Array:
@@ -210,7 +218,11 @@ def _predict_step(model: nnx.Module, dense: jax.Array, sparse: Lookup) -> jax.Ar
 
 
 def make_train_step(
-    model: nnx.Module, tx: optax.GradientTransformation, *, host_callback: bool = False
+    model: nnx.Module,
+    tx: optax.GradientTransformation,
+    *,
+    host_callback: bool = False,
+    sparse_schedule: Callable[[jax.Array], Any] | None = None,
 ) -> tuple[nnx.Optimizer, TrainStep]:
     """The jitted training step of ``model`` (BCE loss).
 
@@ -227,6 +239,10 @@ def make_train_step(
         looks them up inside with ``model.embed.lookup_ids`` (the host-callback
         form, same results, slower); feed it from
         ``jaxcache.prefetch(..., callback=True)`` to stage batches ahead.
+      sparse_schedule: ``step -> factor`` of the rows' learning rates (an
+        optax schedule, 1.0 at the configured rates), read at the dense
+        optimizer's step count: warm-up and decay of the rows (pass a
+        schedule to ``tx`` for the dense parameters). Default: constant.
 
     Returns:
       ``(optimizer, step)``: the ``nnx.Optimizer`` state and
@@ -265,7 +281,13 @@ def make_train_step(
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     # The model and optimizer are donated: every variable, the cache rows
     # included, is updated in place instead of being copied each step.
+    if sparse_schedule is not None and not callable(sparse_schedule):
+        raise TypeError(
+            f"sparse_schedule must be a function of the step (an optax schedule), got a "
+            f"{type(sparse_schedule).__name__}; e.g. optax.linear_schedule(0.0, 1.0, 1000)."
+        )
     step = _train_step_ids if host_callback else _train_step
+    step = functools.partial(step, sparse_schedule=sparse_schedule)
     return optimizer, jit_step(step, model, optimizer)
 
 
