@@ -182,6 +182,31 @@ def test_an_empty_batch_plans_as_on_the_host(devices, raw, bags):
     assert caches["device"].stats.steps == len(batches)
 
 
+def test_raw_ids_waiting_for_room_plan_as_the_host_planner():
+    # Rows of forgotten ids, still resident, are given to new ids and
+    # fetched again into their slots: a refusal for room must count them
+    # among the hits, as the host planner does, or it waits for a later
+    # plan than the host and then protects fewer rows.
+    rng = np.random.default_rng(6)  # a stream where such a refusal happens
+    pool = rng.integers(-(2**62), 2**62, 600)
+    zipf = 1.0 / np.arange(1, 601) ** 1.05
+    batches = [{"r": pool[rng.choice(600, (32, 1), p=zipf / zipf.sum())]} for _ in range(30)]
+    vocabulary = jaxcache.DynamicVocabulary(admit_after=2, forget="lru", ways=16)
+    cfg = jaxcache.CacheConfig(64, 4, capacity=48, vocabulary=vocabulary)
+
+    def run(planner):
+        cache = jaxcache.EmbeddingCache(cfg, planner=planner, mesh=_mesh(4))
+        with jaxcache.prefetch(batches, {"r": jaxcache.nnx.CachedEmbed(cache)}) as pipeline:
+            for _ in pipeline:
+                pass
+        return cache
+
+    host, device = run("host"), run("device")
+    assert host.stats.total.forgotten_ids > 50
+    assert device.stats.total == host.stats.total
+    np.testing.assert_array_equal(device.planner.id_of_slot, host.planner.id_of_slot)
+
+
 @pytest.mark.parametrize("devices", [1, 2])
 def test_adaptive_keys_stay_in_int32_in_a_run_of_any_length(devices):
     # The host's keys grow by 256 a plan (int64); the device's move down

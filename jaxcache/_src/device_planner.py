@@ -852,11 +852,16 @@ class DevicePlanner:
         hit_slots = local_data(dispatched.out.hit_slots).reshape(len(self.layout.own), -1)
         worst, message = -1, ""
         for b, device in enumerate(self.layout.own):
-            misses = int(info[b, COLUMN["misses"]])
+            hits = hit_slots[b][hit_slots[b] >= 0]
+            # A raw id given a row that is resident with its old id's values
+            # keeps the slot (fetched again into it): one of the hits, as on
+            # the host, not one of the misses that need a victim, although
+            # the "misses" column counts every fetch.
+            again = hits.size - int(info[b, COLUMN["hits"]])
+            misses = int(info[b, COLUMN["misses"]]) - again
             available = int(info[b, COLUMN["available"]])
             if misses <= available:
                 continue
-            hits = hit_slots[b][hit_slots[b] >= 0]
             room = cl - hits.size - misses
             others = np.delete(last_use[b].astype(np.int64), hits)
             fits_after = int(-np.partition(-others, room)[room])
