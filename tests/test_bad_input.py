@@ -597,3 +597,9 @@ def test_a_bad_learning_rate_scale_is_refused_before_any_step(factor, error, mes
         jaxcache.linen.value_and_grad(loss_fn, cache, learning_rate_scale=factor)
     with pytest.raises(error, match=message):
         jaxcache.sgd(0.1).scaled(factor)
+
+
+def test_a_learning_rate_scale_for_rows_the_caller_applies_is_refused():
+    loss_fn = lambda model, lookup: model(lookup).sum()  # noqa: E731
+    with pytest.raises(ValueError, match=r"pass it to CachedEmbed\.apply_gradients instead"):
+        jaxcache.nnx.value_and_grad(loss_fn, apply_rows=False, learning_rate_scale=0.5)

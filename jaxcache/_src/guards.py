@@ -28,6 +28,7 @@ import jax
 from flax import nnx
 
 from jaxcache._src.nnx_module import cached_tables, value_and_grad
+from jaxcache._src.optimizers import check_rate_scale
 from jaxcache._src.sparse_grad import FiniteCheck, RowGrads, finite_check
 
 __all__ = [
@@ -119,16 +120,15 @@ def update_if_finite(
       ...     print(str(error).split(";")[0])
       step 0: non-finite values in the loss and the rows or row gradients of table 'embedding'
     """
-    grad_fn = value_and_grad(
-        fn, has_aux=has_aux, wrt=wrt, apply_rows=False, learning_rate_scale=learning_rate_scale
-    )
+    if learning_rate_scale is not None:
+        check_rate_scale(learning_rate_scale)
+    grad_fn = value_and_grad(fn, has_aux=has_aux, wrt=wrt, apply_rows=False)
 
     def step(model: nnx.Module, optimizer: nnx.Optimizer, *args: Any) -> tuple[Any, FiniteCheck]:
         value, grads, rows = grad_fn(model, *args)
         states = {name: module.get_state() for name, module in cached_tables(model).items()}
         check = finite_check(value[0] if has_aux else value, grads, rows, states)
-        scale = learning_rate_scale
-        nnx.cond(check.ok(), _apply, _skip, model, optimizer, grads, rows, scale)
+        nnx.cond(check.ok(), _apply, _skip, model, optimizer, grads, rows, learning_rate_scale)
         return value, check
 
     return step

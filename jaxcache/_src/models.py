@@ -278,14 +278,14 @@ def make_train_step(
             f"{type(getattr(model, 'embed', None)).__name__}); pass lookups from "
             "CachedEmbed.prepare with host_callback=False instead."
         )
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    # The model and optimizer are donated: every variable, the cache rows
-    # included, is updated in place instead of being copied each step.
     if sparse_schedule is not None and not callable(sparse_schedule):
         raise TypeError(
             f"sparse_schedule must be a function of the step (an optax schedule), got a "
             f"{type(sparse_schedule).__name__}; e.g. optax.linear_schedule(0.0, 1.0, 1000)."
         )
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    # The model and optimizer are donated: every variable, the cache rows
+    # included, is updated in place instead of being copied each step.
     step = _train_step_ids if host_callback else _train_step
     step = functools.partial(step, sparse_schedule=sparse_schedule)
     return optimizer, jit_step(step, model, optimizer)

@@ -230,6 +230,7 @@ def value_and_grad(
         schedule's value at the dense optimizer's step for warm-up and
         decay, ``schedule(optimizer.step[...])`` with ``schedule`` giving a
         factor (1.0 at the configured rate). Default: the configured rates.
+        Refused with ``apply_rows=False``, whose caller applies the rows.
 
     Returns:
       A function ``(model, *args) -> (value, grads)``. It raises
@@ -264,6 +265,11 @@ def value_and_grad(
 
     if learning_rate_scale is not None:
         check_rate_scale(learning_rate_scale)
+        if not apply_rows:
+            raise ValueError(
+                "learning_rate_scale scales the rows' update, which apply_rows=False leaves "
+                "to the caller; pass it to CachedEmbed.apply_gradients instead."
+            )
 
     def wrapped(model: nnx.Module, *args: Any) -> tuple[Any, ...]:
         modules = cached_tables(model)
