@@ -240,3 +240,27 @@ def test_weighted_bags_with_padding_match_full_table(combiner):
         b = ref_train(ids, y[:B], weights)
         assert abs(float(a) - float(b)) <= 1e-6
     assert_same_training(cached, reference, [])
+
+
+def test_an_evaluation_model_over_the_training_cache_reads_the_trained_rows():
+    # A second CachedEmbed over the training model's cache, as an evaluation
+    # model is built beside the training one: its lookups between training
+    # steps bring rows in and evict others, and it must read what training
+    # wrote, while training goes on to match the whole table.
+    opt = OPTIMIZERS["adam"]
+    batches = list(zipf_batches(N, B, F, 10, seed=7))
+    cfg = jaxcache.CacheConfig(N, D, capacity=130, optimizer=opt)
+    table = jaxcache.HostTable(cfg, seed=8)
+    reference, ref_train = make_reference(np.array(table.rows), opt, F)
+    cache = jaxcache.EmbeddingCache(cfg, table=table)
+    cached, train = make_cached(cache, F)
+    evaluator = jaxcache.nnx.CachedEmbed(cache)
+    rng = np.random.default_rng(9)
+    losses = []
+    for ids, y in batches:
+        losses.append((float(train(ids, y)), float(ref_train(ids, y))))
+        probe = np.concatenate([ids[:2].reshape(-1), rng.integers(0, N, 24)])
+        got = evaluator(evaluator.prepare(probe, train=False))
+        assert _max_diff(got, reference.embed.table[...][probe]) <= 1e-6
+    assert cache.stats.total.evictions > 3 * cfg.capacity
+    assert_same_training(cached, reference, losses)

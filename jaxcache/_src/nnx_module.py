@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -64,6 +65,10 @@ class CachedEmbed(nnx.Module):
     gathers the rows. Train with ``jaxcache.nnx.value_and_grad``, which applies
     the sparse optimizer to the touched rows in the same step.
 
+    Modules built over one cache share its device half, as Flax modules share
+    a variable: an evaluation model beside the training model reads the rows
+    the training model wrote, and rows either one brings in serve both.
+
     Args:
       cache: the engine (host table, planner, statistics).
       combiner: ``None`` to return one row per id, or ``"sum"``/``"mean"`` to
@@ -83,9 +88,7 @@ class CachedEmbed(nnx.Module):
         check_combiner(combiner)
         self.cache = cache
         self.combiner = combiner
-        state = cache.init_state()
-        self.rows = CacheRows(state.rows)
-        self.opt_state = CacheOptState(state.opt)
+        self.rows, self.opt_state = _device_half(cache)
 
     def get_state(self) -> CacheState:
         """The device state as a ``CacheState``."""
@@ -294,6 +297,22 @@ def value_and_grad(
         return value, grads
 
     return wrapped
+
+
+# The device half of each cache that a CachedEmbed serves, built once. The
+# cache's directory says which rows its slots hold; a second module with
+# rows of its own would read rows resident only in the first one's.
+_DEVICE_HALVES: weakref.WeakKeyDictionary[EmbeddingCache, tuple[CacheRows, CacheOptState]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _device_half(cache: EmbeddingCache) -> tuple[CacheRows, CacheOptState]:
+    half = _DEVICE_HALVES.get(cache)
+    if half is None:
+        state = cache.init_state()
+        half = _DEVICE_HALVES[cache] = (CacheRows(state.rows), CacheOptState(state.opt))
+    return half
 
 
 def cached_tables(model: nnx.Module) -> dict[str, CachedEmbed]:
