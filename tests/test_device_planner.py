@@ -291,6 +291,37 @@ def test_a_checkpoint_of_one_planner_restores_exactly_into_the_other(saved, rest
     assert original.stats.last == other.stats.last
 
 
+@pytest.mark.parametrize("devices", [1, 4])
+def test_a_restore_onto_more_slots_plans_as_the_host_planner(tmp_path, devices):
+    # Restored onto more slots than there are counted ids, the cache warms
+    # its free slots with the hottest counted rows; those never used keep
+    # the adaptive key of a row last used before plan 0, below every key of
+    # normal running. Free slots must still be taken before any of them.
+    def embed(capacity, devices, planner):
+        cfg = jaxcache.CacheConfig(100, 2, capacity=capacity, optimizer=jaxcache.adagrad(0.1))
+        cache = jaxcache.EmbeddingCache(cfg, planner=planner, mesh=_mesh(devices))
+        return jaxcache.nnx.CachedEmbed(cache)
+
+    saved = embed(8 * devices, devices, "host")
+    for b in range(6):  # 48 ids, each seen once
+        saved.prepare(np.arange(8 * b, 8 * b + 8).reshape(4, 2))
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(6, caches=[saved])
+    restored = {kind: embed(64, 1, kind) for kind in ("host", "device")}
+    for module in restored.values():
+        checkpointer.restore(caches=[module])
+    rng = np.random.default_rng(0)
+    for step in range(8):
+        ids = np.arange(60 + 8 * step, 68 + 8 * step) if step < 2 else rng.integers(0, 100, 8)
+        for module in restored.values():
+            module.prepare(ids.reshape(4, 2))
+        host, device = (restored[kind].cache for kind in ("host", "device"))
+        assert device.stats.last == host.stats.last, step
+        np.testing.assert_array_equal(device.planner.id_of_slot, host.planner.id_of_slot)
+        if step == 0:  # 16 slots were free: 8 misses take 8 of them
+            assert (host.stats.last.misses, host.stats.last.evictions) == (8, 0)
+
+
 def test_ids_past_int32_are_found_on_the_device_with_nothing_changed():
     cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, 8), planner="device")
     state, _ = cache.prepare(cache.init_state(), np.array([1, 2]))

@@ -240,6 +240,9 @@ def test_split_by_home_finds_the_first_id_out_of_range(keep_all):
     assert split_by_home(ids, 0, 2, -1, 12, 2, keep, *out) == -1
 
 
+_FREE = -(2**63)  # a free slot's key: below every priority, so taken first
+
+
 def _check_victims(priority: np.ndarray, data: st.DataObject) -> None:
     """``choose_victims`` against a sort of the unprotected slots of a
     random reserve by ``(key, slot)``; ``priority`` has one key per slot."""
@@ -250,7 +253,7 @@ def _check_victims(priority: np.ndarray, data: st.DataObject) -> None:
     last_use = rng.integers(0, 10, capacity)  # used after plan 8: in flight
     id_of_slot = np.where(rng.random(capacity) < 0.1, -1, rng.integers(0, 10**6, capacity))
     free = [s for s in reserve if mark[s] != 7 and last_use[s] <= 8]
-    key = {s: -1 if id_of_slot[s] < 0 else int(priority[s]) for s in free}
+    key = {s: _FREE if id_of_slot[s] < 0 else int(priority[s]) for s in free}
     expected = sorted(free, key=lambda s: (key[s], s))
     count = data.draw(st.integers(1, len(free) + 2))
     out = np.full(count, -5, np.int64)
@@ -290,7 +293,7 @@ _keys = st.one_of(
 def _check_reserve(priority: list[int], id_of_slot: np.ndarray, size: int) -> None:
     """``reserve_candidates`` against a sort of every slot by ``(key, slot)``."""
     capacity = len(priority)
-    key = [-1 if i < 0 else k for i, k in zip(id_of_slot.tolist(), priority, strict=True)]
+    key = [_FREE if i < 0 else k for i, k in zip(id_of_slot.tolist(), priority, strict=True)]
     ranked = sorted(range(capacity), key=lambda s: (key[s], s))
     out = np.full(size, -5, np.int64)
     scratch = np.empty(capacity, np.uint64)

@@ -504,7 +504,8 @@ def choose_victims(reserve, mark, stamp, last_use, finished, id_of_slot, priorit
 
     A slot of ``reserve`` may be evicted unless stamped (a hit of the batch,
     or counted in flight) or used by a plan after ``finished``; its key is
-    ``-1`` for a free slot, else ``priority[slot]``. One pass lists those
+    the lowest int64 for a free slot (free slots go first, whatever the
+    priorities), else ``priority[slot]``. One pass lists those
     slots with their keys, ``_select`` finds the ``count``-th key (a radix
     select, as ``reserve_candidates``), and the slots are put in order
     through a bitmap of all slots (two passes over ``C / 64`` words), not
@@ -527,7 +528,7 @@ def choose_victims(reserve, mark, stamp, last_use, finished, id_of_slot, priorit
     for s in reserve:
         if mark[s] == stamp or last_use[s] > finished:
             continue
-        key = np.uint64(np.int64(-1) if id_of_slot[s] < 0 else priority[s]) ^ sign
+        key = np.uint64(0) if id_of_slot[s] < 0 else np.uint64(priority[s]) ^ sign
         slots[found] = s
         keys[found] = key
         lo = min(lo, key)
@@ -572,7 +573,8 @@ def choose_victims(reserve, mark, stamp, last_use, finished, id_of_slot, priorit
 def reserve_candidates(id_of_slot, priority, size, keys, out):
     """The ``size`` slots of lowest ``(key, slot)``, into ``out``: every slot
     whose key is below the ``size``-th lowest key, by slot, then the lowest
-    slots of that key. A key is ``-1`` for a free slot, else ``priority[slot]``;
+    slots of that key. A key is the lowest int64 for a free slot, else
+    ``priority[slot]``;
     ``keys`` is scratch of the slots' number.
 
     The ``size``-th key is found by ``_select``. No pass branches on a key
@@ -588,7 +590,7 @@ def reserve_candidates(id_of_slot, priority, size, keys, out):
     lo = ~np.uint64(0)
     hi = np.uint64(0)
     for s in range(capacity):
-        k = np.uint64(np.int64(-1) if id_of_slot[s] < 0 else priority[s]) ^ sign
+        k = np.uint64(0) if id_of_slot[s] < 0 else np.uint64(priority[s]) ^ sign
         keys[s] = k
         lo = min(lo, k)
         hi = max(hi, k)

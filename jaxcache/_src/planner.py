@@ -758,12 +758,12 @@ class Planner:
     def _choose_victims(self, count: int) -> np.ndarray:
         """The ``count`` unprotected slots of lowest ``(key, slot)``, by slot.
 
-        Free slots come first (key -1); then the policy's priority of the
-        resident row, lowest first; ties go to the lower slot. Victims are
-        picked among a reserve of low-key candidates, so a step costs
-        ``O(reserve)`` rather than ``O(C)``; the reserve is rebuilt with one
-        partial sort over all slots only when it no longer provably holds the
-        answer.
+        Free slots come first (the lowest int64 key, below any priority, as on
+        the device planner); then the policy's priority of the resident row,
+        lowest first; ties go to the lower slot. Victims are picked among a
+        reserve of low-key candidates, so a step costs ``O(reserve)`` rather
+        than ``O(C)``; the reserve is rebuilt with one partial sort over all
+        slots only when it no longer provably holds the answer.
         """
         if count == 0:
             return np.empty(0, np.int32)
