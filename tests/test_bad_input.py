@@ -496,7 +496,11 @@ def test_a_combiner_refuses_ids_without_a_bag_axis(combiner):
     # Pooling the last axis of [B] ids would make the whole batch one row.
     cfg = jaxcache.CacheConfig(10, 2, capacity=8)
     embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg), combiner=combiner)
-    lookup = embed.prepare(np.array([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"ids have shape \(3,\).*ids\[:, None\]"):
+        embed.prepare(np.array([1, 2, 3]))
+    # A module over the same cache without a combiner prepares them; the
+    # pooling module still refuses the lookup.
+    lookup = jaxcache.nnx.CachedEmbed(embed.cache).prepare(np.array([1, 2, 3]))
     with pytest.raises(ValueError, match=r"ids have shape \(3,\).*ids\[:, None\]"):
         embed(lookup)
     assert embed(embed.prepare(np.array([[1], [2], [3]]))).shape == (3, 2)
@@ -603,3 +607,115 @@ def test_a_learning_rate_scale_for_rows_the_caller_applies_is_refused():
     loss_fn = lambda model, lookup: model(lookup).sum()  # noqa: E731
     with pytest.raises(ValueError, match=r"pass it to CachedEmbed\.apply_gradients instead"):
         jaxcache.nnx.value_and_grad(loss_fn, apply_rows=False, learning_rate_scale=0.5)
+
+
+def _other_state(capacity=8, **optimizer):
+    cfg = jaxcache.CacheConfig(100, 4, capacity, padding_id=-1, **optimizer)
+    return jaxcache.EmbeddingCache(cfg, planner="host").init_state()
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "pattern"),
+    [
+        ("donated", ValueError, r"donated to an earlier swap.*Pass the state the last call"),
+        ("capacity", ValueError, r"rows has shape \[16, 4\].*holds \[8, 4\] float32"),
+        ("optimizer", ValueError, r"holds \['accumulator'\].*whose state is \[\]"),
+        ("tuple", TypeError, r"takes its device state as a CacheState.*got tuple"),
+    ],
+)
+def test_a_state_not_of_the_cache_is_refused_before_the_plan(cache_and_state, bad, error, pattern):
+    # Planned against a state it then cannot swap into, the cache would
+    # count rows resident that the device never received, and later write
+    # what those slots hold over the host table.
+    cache, state = cache_and_state
+    old = state
+    state, _ = cache.prepare(state, np.array([4, 5]))  # donates ``old``
+    wrong = {
+        "donated": old,
+        "capacity": _other_state(16),
+        "optimizer": _other_state(optimizer=jaxcache.adagrad(0.1)),
+        "tuple": tuple(state),
+    }[bad]
+    snapshot = _snapshot(cache)
+    for call in (lambda: cache.prepare(wrong, np.array([6, 7])), lambda: cache.flush(wrong)):
+        with pytest.raises(error, match=pattern):
+            call()
+        _assert_unchanged(cache, snapshot)
+    state, lookup = cache.prepare(state, np.array([6, 1]))  # the right state still works
+    rows = jaxcache.device.lookup_rows(state.rows, lookup)
+    np.testing.assert_array_equal(rows, cache.table.rows[[6, 1]])
+
+
+def test_a_lookup_of_another_cache_of_the_same_name_is_refused(planner):
+    # Both tables are named "embedding": only the cache tells their slots apart.
+    def embed(seed):
+        cfg = jaxcache.CacheConfig(100, 4, 8, optimizer=jaxcache.sgd(0.5))
+        return jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner, seed=seed))
+
+    a, b = embed(0), embed(1)
+    b.prepare(np.array([50, 60, 70]))
+    lookup = a.prepare(np.array([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"made by another EmbeddingCache.*different CacheConfig"):
+        b(lookup)
+    with pytest.raises(ValueError, match=r"made by another EmbeddingCache"):
+        jax.jit(lambda lk: b(lk))(lookup)
+    grads = jax.numpy.ones((1, lookup.received, 4))
+    before = np.array(b.rows[...])
+    with pytest.raises(ValueError, match=r"made by another EmbeddingCache"):
+        b.apply_gradients(lookup, grads)
+    np.testing.assert_array_equal(b.rows[...], before)
+    np.testing.assert_array_equal(a(lookup), a.cache.table.rows[[1, 2, 3]])
+
+
+def test_bags_of_the_wrong_rank_are_refused_before_the_plan(planner):
+    cfg = jaxcache.CacheConfig(100, 4, 8)
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner), combiner="sum")
+    snapshot = _snapshot(embed.cache)
+    with pytest.raises(ValueError, match=r"combiner='sum' pools the last axis.*shape \(3,\)"):
+        embed.prepare(np.array([5, 6, 7]))
+    with pytest.raises(ValueError, match=r"combiner='sum' pools the last axis"):
+        with jaxcache.prefetch(iter([{"ids": np.array([5, 6, 7])}]), {"ids": embed}) as batches:
+            next(iter(batches))
+    _assert_unchanged(embed.cache, snapshot)
+
+
+def test_apply_gradients_refuses_grads_of_another_shape(planner):
+    cfg = jaxcache.CacheConfig(100, 4, 8, optimizer=jaxcache.sgd(0.5))
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner))
+    lookup = embed.prepare(np.array([3, 5]))
+    before = np.array(embed.rows[...])
+    for shape in [(2, 4), (1, lookup.received, 1), (1, 1, 4), ()]:
+        with pytest.raises(ValueError, match=r"\[devices, received, features\] = \(1, "):
+            embed.apply_gradients(lookup, jax.numpy.ones(shape))
+    np.testing.assert_array_equal(embed.rows[...], before)
+
+
+@pytest.mark.no_planner
+@pytest.mark.parametrize("kind", ["host", "tiered"])
+def test_host_tables_refuse_ids_and_rows_they_would_misread(kind, tmp_path):
+    cfg = jaxcache.CacheConfig(10, 2, 4, optimizer=jaxcache.adagrad(0.1))
+    if kind == "host":
+        table = jaxcache.HostTable(cfg)
+    else:
+        table = jaxcache.TieredTable(cfg, tmp_path, dram_budget=1 << 20)
+    rows, state = table.gather(np.arange(10))
+    row = np.ones((1, 2), np.float32)
+    one = {"accumulator": np.ones((1, 2), np.float32)}
+    for ids, error in [
+        (np.array([-1]), IndexError),
+        (np.array([10]), IndexError),
+        (np.array([2**64 - 1], np.uint64), IndexError),
+        (np.array([1.7]), TypeError),
+        (np.array([True]), TypeError),
+    ]:
+        with pytest.raises(error, match=r"outside this table's|integer array"):
+            table.gather(ids)
+        with pytest.raises(error, match=r"outside this table's|integer array"):
+            table.scatter(ids, row, one)
+    with pytest.raises(ValueError, match=r"scatter of 1 ids got 2 rows.*Nothing was copied"):
+        table.scatter(np.array([3]), np.ones((2, 2), np.float32), one)
+    with pytest.raises((TypeError, ValueError)):
+        table.scatter(np.array([3]), row, {"accumulator": np.ones((1, 3), np.float32)})
+    after, after_state = table.gather(np.arange(10))
+    np.testing.assert_array_equal(after, rows)
+    np.testing.assert_array_equal(after_state["accumulator"], state["accumulator"])

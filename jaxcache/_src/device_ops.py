@@ -100,6 +100,10 @@ class Lookup:
       train: the batch was prepared for training (``train=True``), so its
         rows are written back when they leave the cache. The sparse update
         refuses a lookup prepared with ``train=False``.
+      cache_id: the ``EmbeddingCache.cache_id`` of the cache that made it
+        (``0``: not known), so that a module over another cache of the same
+        table name refuses it rather than reading its own rows at these
+        slots.
 
     A lookup made by ``prepare`` serves until the cache applies the next
     plan: that swap may give its slots to other rows, so passing it to a
@@ -125,6 +129,7 @@ class Lookup:
     mesh: Mesh | None = None
     axis: str = "rows"
     train: bool = True
+    cache_id: int = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -161,7 +166,7 @@ _LOOKUP_DATA = (
     "delta",
     "positions",
 )
-_LOOKUP_META = ("table", "mesh", "axis", "train")
+_LOOKUP_META = ("table", "mesh", "axis", "train", "cache_id")
 
 
 def _flatten_lookup(lookup: Lookup) -> tuple[list, tuple]:
@@ -550,6 +555,14 @@ def apply_sparse(
             "prepare (or prefetch) the batches you train on with train=True."
         )
     lookup.check_fresh()
+    expected = (lookup.requests.shape[0], lookup.received, state.rows.shape[-1])
+    if tuple(jnp.shape(grads)) != expected:
+        raise ValueError(
+            f"grads for table {lookup.table!r} have shape {tuple(jnp.shape(grads))}, but its "
+            f"lookup's rows take [devices, received, features] = {expected}: the gradient "
+            "of the lookup's delta, which value_and_grad(..., apply_rows=False) returns "
+            "per table."
+        )
     if learning_rate_scale is not None:
         optimizer = optimizer.scaled(learning_rate_scale)
     spec = PartitionSpec(lookup.axis)
@@ -584,6 +597,7 @@ def embed(
     table: str,
     combiner: str | None = None,
     weights: jax.Array | None = None,
+    cache_id: int = 0,
 ) -> jax.Array:
     """The body of a cached embedding module's call: check, gather, pool.
 
@@ -612,21 +626,51 @@ def embed(
             f"lookup is for table {lookup.table!r} but this module serves {table!r}; "
             "prepare ids with the cache of the module that looks them up."
         )
+    check_cache(lookup, cache_id)
     lookup.check_fresh()
     if combiner is None and weights is not None:
         raise ValueError(
             "weights need a combiner ('sum' or 'mean'); build the module with "
             "combiner='sum' or 'mean' to pool weighted bags, or pass no weights."
         )
-    if combiner is not None and lookup.inverse.ndim < 2:
+    check_bags(combiner, lookup.inverse.shape)
+    check_weights(weights, lookup)
+    return _gather_and_pool(rows, lookup, combiner, weights)
+
+
+def check_cache(lookup: Lookup, cache_id: int) -> None:
+    """Refuses a ``lookup`` that another cache made (``cache_id`` ``0``, or
+    the lookup's: not known). Two caches of one table name share every
+    static part of a lookup but their slots: each slot holds another id's row.
+
+    Raises:
+      ValueError: naming the table and the fix.
+    """
+    if cache_id and lookup.cache_id and lookup.cache_id != cache_id:
+        raise ValueError(
+            f"this Lookup of table {lookup.table!r} was made by another EmbeddingCache "
+            f"(cache {lookup.cache_id}) than the one this module serves (cache {cache_id}); "
+            "its slots hold other rows here. Prepare the ids with this module's cache "
+            "(module.prepare, or prefetch with this module), or give the two tables "
+            "different CacheConfig names."
+        )
+
+
+def check_bags(combiner: str | None, shape: tuple[int, ...]) -> None:
+    """Refuses ids of ``shape`` for a ``combiner`` that pools their last axis
+    when they have none to pool (fewer than two axes): the whole batch would
+    pool into one row.
+
+    Raises:
+      ValueError: naming the combiner, the shape and the fix.
+    """
+    if combiner is not None and len(shape) < 2:
         raise ValueError(
             f"combiner={combiner!r} pools the last axis of bags [B, L], but the ids have "
-            f"shape {tuple(lookup.inverse.shape)}, so the whole batch would become one row; "
+            f"shape {tuple(shape)}, so the whole batch would become one row; "
             "reshape the ids to [B, L] (e.g. ids[:, None] for one id per bag) or use "
             "combiner=None."
         )
-    check_weights(weights, lookup)
-    return _gather_and_pool(rows, lookup, combiner, weights)
 
 
 def check_weights(weights: jax.Array | None, lookup: Lookup) -> None:

@@ -62,6 +62,9 @@ __all__ = [
     "bucket_size",
 ]
 
+# ``EmbeddingCache.cache_id``: from 1, never reused in a process (``id`` is).
+_CACHE_IDS = itertools.count(1)
+
 #: Where a cache plans its batches (``EmbeddingCache(planner=...)``).
 PLANNERS = ("device", "host")
 
@@ -251,6 +254,8 @@ class EmbeddingCache:
             default_threads(platform, layout.per_process * split) if threads is None else threads
         )
         self.config = config
+        # Lookups carry it: a module over another cache of this name refuses them.
+        self.cache_id = next(_CACHE_IDS)
         # With raw ids the planners see host rows, and row -1 for padding and
         # for ids not admitted, unless they read a shared row (``raw_ids``).
         self.raw = None if config.vocabulary is None else RawIds(config, self.shard)
@@ -403,6 +408,60 @@ class EmbeddingCache:
         host = CacheState(host_rows, host_opt)  # type: ignore[arg-type]  # NumPy, put on device
         return self.blocks.put(host, self.row_sharding)
 
+    def check_state(self, state: Any) -> None:
+        """Refuses a device state that is not one of this cache's, before any
+        plan: a state of another cache, or one a swap has donated, would
+        have the plan's rows swapped into arrays the next step never reads,
+        and the rows evicted later written over the host table.
+
+        Checks the type, each array's shape and dtype against this cache's
+        capacity, row width and optimizer, and that no array was donated.
+
+        Raises:
+          TypeError: ``state`` is not a ``CacheState``.
+          ValueError: its arrays are not this cache's, or one was donated.
+        """
+        if not isinstance(state, CacheState):
+            raise TypeError(
+                f"table {self.name!r} takes its device state as a CacheState (from init_state, "
+                f"prepare or apply, or kept by CachedEmbed), got {type(state).__name__}."
+            )
+        cfg = self.config
+        spec = cfg.optimizer.state_spec(cfg.features)
+        opt = state.opt if isinstance(state.opt, Mapping) else {}
+        if sorted(opt) != sorted(spec):
+            raise ValueError(
+                f"the device state's optimizer state holds {sorted(opt)}, but table "
+                f"{self.name!r} trains with {type(cfg.optimizer).__name__}, whose state is "
+                f"{sorted(spec)}: pass the state this cache returned (one of another cache?)."
+            )
+        capacity = int(cfg.capacity)
+        expected: dict[str, tuple[tuple[int, ...], np.dtype]] = {
+            "rows": ((capacity, cfg.features), np.dtype(cfg.row_dtype))
+        }
+        for name, field in spec.items():
+            expected[f"opt[{name!r}]"] = ((capacity, *field.shape), np.dtype(field.dtype))
+        arrays = {"rows": state.rows, **{f"opt[{k!r}]": v for k, v in opt.items()}}
+        for what, (shape, dtype) in expected.items():
+            array = arrays[what]
+            got = (tuple(np.shape(array)), np.dtype(getattr(array, "dtype", None)))
+            if got != (shape, dtype):
+                raise ValueError(
+                    f"the device state's array {what} has shape {list(got[0])} and dtype {got[1]}, "
+                    f"but table {self.name!r} holds {list(shape)} {dtype} (capacity "
+                    f"{cfg.capacity}, {cfg.features} features): pass the state this cache "
+                    "returned (one of another cache, or from before a restore onto another "
+                    "capacity?)."
+                )
+            if isinstance(array, jax.Array) and not isinstance(array, jax.core.Tracer):
+                if array.is_deleted():
+                    raise ValueError(
+                        f"the device state of table {self.name!r} was donated to an earlier "
+                        f"swap (its array {what} is deleted): prepare and apply consume the state "
+                        "they are given. Pass the state the last call returned (CachedEmbed "
+                        "keeps it for you)."
+                    )
+
     # ------------------------------------------------------------------ step
     def prepare(self, state: CacheState, ids: np.ndarray, *, train: bool = True):
         """Makes the rows of ``ids`` resident and maps the ids to slots.
@@ -436,6 +495,7 @@ class EmbeddingCache:
                 "them. Close that pipeline first (leave its with-block), then prepare, or "
                 "build it with lookahead=0."
             )
+        self.check_state(state)
         self.lifecycle.release_all()
         staged = self.stage(ids, train=train)
         return self.apply(state, staged), staged.lookup
@@ -464,6 +524,9 @@ class EmbeddingCache:
                 "already planned): pass that Lookup to the module itself, or prefetch with "
                 "callback=True to hand the step ids."
             )
+        dtype = ids.dtype if hasattr(ids, "dtype") else np.asarray(ids).dtype
+        validation.check_id_layout(dtype, np.ndim(ids), "ids")
+        self.check_state(state)
         self.callbacks.check()
         self._check_not_raw("lookup_ids (the host-callback form)")
         if self.shard[1] > 1:
@@ -503,7 +566,14 @@ class EmbeddingCache:
         )
         state, rows, opt = device_ops.swap(state, evict, fetch, rows, opt)
         io_callback(self.callbacks.write_back, None, index, rows, opt, ordered=True)
-        return state, Lookup(*route, table=self.name, mesh=self.mesh, axis=self.axis, train=train)  # type: ignore[misc]
+        return state, Lookup(  # type: ignore[misc]
+            *route,
+            table=self.name,
+            mesh=self.mesh,
+            axis=self.axis,
+            train=train,
+            cache_id=self.cache_id,
+        )
 
     def stage(self, ids: np.ndarray, *, train: bool = True) -> Staged:
         """Host half of a step: plan, land needed write-backs, gather, transfer.
@@ -705,6 +775,7 @@ class EmbeddingCache:
             mesh=self.mesh,
             axis=self.axis,
             train=host.plan.train,
+            cache_id=self.cache_id,
         )
         return Staged(host.plan, moves, self.lifecycle.guard(lookup, host.plan.index, self.name))
 
@@ -729,6 +800,7 @@ class EmbeddingCache:
             mesh=self.mesh,
             axis=self.axis,
             train=train,
+            cache_id=self.cache_id,
         )
 
     def empty_lookup(self, shape: tuple[int, ...]) -> Lookup:
@@ -791,6 +863,7 @@ class EmbeddingCache:
         owns the device state. The victims' rows it reads out are queued for
         write-back.
         """
+        self.check_state(state)
         self.lifecycle.mark_applied(staged.plan.index)
         if staged.moves is None:
             return state
@@ -831,6 +904,7 @@ class EmbeddingCache:
             pipeline still holds staged batches): its slots do not hold its
             rows, and reading them would overwrite the host table.
         """
+        self.check_state(state)
         planner = self.planner
         unapplied = self.lifecycle.unapplied()
         if unapplied:

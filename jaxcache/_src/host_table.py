@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxcache._src import kernels
 from jaxcache._src.config import CacheConfig
-from jaxcache._src.validation import is_int
+from jaxcache._src.validation import check_id_type, is_int
 
 __all__ = ["HostTable", "embed_init", "normal_init", "uniform_init"]
 
@@ -237,9 +237,29 @@ class HostTable:
         return ids // count
 
     def gather(self, ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Fresh copies of rows ``ids`` and their state (safe to hand to a device)."""
-        local = self._local(np.asarray(ids))
+        """Fresh copies of rows ``ids`` and their state (safe to hand to a device).
+
+        Raises:
+          TypeError: ids that are not integers.
+          IndexError: an id outside the table (nothing is read).
+        """
+        local = self._local(self._checked(ids))
         return take_rows(self.rows, local), {k: take_rows(v, local) for k, v in self.state.items()}
+
+    def _checked(self, ids: Any) -> np.ndarray:
+        """``ids`` as int64 of their shape, each in ``[0, num_embeddings)``:
+        NumPy would read a negative id from the end, a bool as 0 or 1, and a
+        uint64 past int64 as a negative id."""
+        array = check_id_type(ids, "ids")
+        flat = kernels.as_index_array(array)  # a uint64 past int64 turns negative: refused
+        n = self.config.num_embeddings
+        if flat.size and (flat.min() < 0 or flat.max() >= n):
+            bad = array.reshape(-1)[(flat < 0) | (flat >= n)][:5].tolist()
+            raise IndexError(
+                f"ids {bad} are outside this table's {n:,} rows (ids in [0, {n})); "
+                "nothing was copied."
+            )
+        return flat.reshape(array.shape)
 
     def gather_into(
         self, ids: np.ndarray, rows: np.ndarray, state: dict[str, np.ndarray], at: np.ndarray
@@ -303,11 +323,48 @@ class HostTable:
         at: np.ndarray | None = None,
     ) -> None:
         """Writes rows ``ids`` and their state back: ``rows`` and ``state``
-        in the order of ``ids``, or their entries ``at`` when given."""
-        local = self._local(np.asarray(ids))
-        at = np.arange(local.size) if at is None else at
-        for array, values in ((self.rows, rows), *((v, state[k]) for k, v in self.state.items())):
-            values = np.ascontiguousarray(values, dtype=array.dtype)  # as assignment would cast
+        in the order of ``ids``, or their entries ``at`` when given.
+
+        Everything is checked before the first row is written: the ids, the
+        places, and each array's rows (one per id, or enough for ``at``) and
+        row shape.
+
+        Raises:
+          TypeError: ids that are not integers, or rows of another row shape.
+          IndexError: an id outside the table, or a place outside the arrays.
+          ValueError: another number of rows than ids, or a missing state.
+        """
+        local = self._local(self._checked(ids)).reshape(-1)
+        missing = sorted(set(self.state) - set(state))
+        if missing:
+            raise ValueError(
+                f"scatter needs the optimizer state {sorted(self.state)} with the rows; "
+                f"{missing} missing. Nothing was copied."
+            )
+        pairs = [(self.rows, rows, "rows"), *((v, state[k], k) for k, v in self.state.items())]
+        sources = [np.ascontiguousarray(values, dtype=array.dtype) for array, values, _ in pairs]
+        if at is None:
+            at = np.arange(local.size)
+            for (_, _, name), values in zip(pairs, sources, strict=True):
+                if len(values) != local.size:
+                    raise ValueError(
+                        f"scatter of {local.size} ids got {len(values)} {name}; pass one per "
+                        "id, or their places with at=. Nothing was copied."
+                    )
+        at = kernels.as_index_array(np.asarray(at))
+        if at.size != local.size:
+            raise ValueError(f"{at.size} places for {local.size} ids; nothing was copied.")
+        for (array, _, name), values in zip(pairs, sources, strict=True):
+            if values.ndim < 1 or values.shape[1:] != array.shape[1:]:
+                raise TypeError(
+                    f"scatter's {name} have rows of shape {values.shape[1:]}, but the table's "
+                    f"are {array.shape[1:]}; nothing was copied."
+                )
+            if at.size and (at.min() < 0 or at.max() >= len(values)):
+                raise IndexError(
+                    f"a place in at is outside the {len(values)} {name} given; nothing was copied."
+                )
+        for (array, _, _), values in zip(pairs, sources, strict=True):
             kernels.copy_rows(array, local, values, at)
 
 

@@ -142,7 +142,12 @@ class CachedEmbed(nn.Module):
             )
         state = self.variable(COLLECTION, name, self._init_state).value
         return device_ops.embed(
-            state["rows"], lookup, table=name, combiner=self.combiner, weights=weights
+            state["rows"],
+            lookup,
+            table=name,
+            combiner=self.combiner,
+            weights=weights,
+            cache_id=self.cache.cache_id,
         )
 
     def _init_state(self) -> dict[str, Any]:

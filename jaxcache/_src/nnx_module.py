@@ -111,6 +111,7 @@ class CachedEmbed(nnx.Module):
           next ``prepare`` (which may give its slots to other rows; to look
           ahead, use ``jaxcache.prefetch``).
         """
+        device_ops.check_bags(self.combiner, np.shape(ids))
         state, lookup = self.cache.prepare(self.get_state(), ids, train=train)
         self.set_state(state)
         return lookup
@@ -144,6 +145,7 @@ class CachedEmbed(nnx.Module):
         Returns:
           The ``Lookup`` to pass to the module in the same step.
         """
+        device_ops.check_bags(self.combiner, np.shape(ids))
         state, lookup = self.cache.lookup_in_step(self.get_state(), ids, train=train)
         self.set_state(state)
         return lookup
@@ -161,13 +163,19 @@ class CachedEmbed(nnx.Module):
             table=self.cache.name,
             combiner=self.combiner,
             weights=weights,
+            cache_id=self.cache.cache_id,
         )
 
     def apply_gradients(
         self, lookup: Lookup, grads: jax.Array, *, learning_rate_scale: Any = None
     ) -> None:
-        """Sparse optimizer step on the rows of ``lookup`` (``grads``: ``[U, D]``),
-        at the configured learning rate times ``learning_rate_scale`` if given."""
+        """Sparse optimizer step on the rows of ``lookup``, at the configured
+        learning rate times ``learning_rate_scale`` if given.
+
+        ``grads`` is ``[devices, received, features]``: the gradient of the
+        lookup's delta, as ``value_and_grad(..., apply_rows=False)`` returns
+        it for each table."""
+        device_ops.check_cache(lookup, self.cache.cache_id)
         self.set_state(
             device_ops.apply_sparse(
                 self.get_state(),

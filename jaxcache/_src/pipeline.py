@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxcache._src.device_ops import Lookup
+from jaxcache._src.device_ops import Lookup, check_bags
 from jaxcache._src.device_planner import DevicePlanner, Dispatched, PlanSkipped
 from jaxcache._src.engine import DeviceStaged, EmbeddingCache, HostStaged, Staged
 from jaxcache._src.holder import CacheHolder
@@ -253,6 +253,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         # module may be mid-transform on the training thread (inside nnx.jit
         # its attributes are briefly taken apart).
         self._caches = {key: holder.cache for key, holder in tables.items()}
+        self._combiners = {key: getattr(holder, "combiner", None) for key, holder in tables.items()}
         kinds = {key: cache.planner_kind for key, cache in self._caches.items()}
         if lookahead > 0 and len(set(kinds.values())) > 1:
             # The loop dispatches device plans ahead while the stager waits
@@ -358,7 +359,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
             return batch, {}
         staged: dict[str, Staged] = {}
         try:
-            ids = _all_ids(batch, self._caches)
+            ids = _all_ids(batch, self._caches, self._combiners)
             for key, cache in self._caches.items():
                 cache.lifecycle.release_all()
                 staged[key] = cache.stage(ids[key], train=self.train)
@@ -410,7 +411,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
                     if self._stop.is_set():
                         return
                     staged = {}
-                    ids = _all_ids(batch, self._caches)
+                    ids = _all_ids(batch, self._caches, self._combiners)
                     for key, cache in self._caches.items():
                         staged[key] = self._stage_with_retry(cache, ids[key])
                     self._queue.put((batch, staged))
@@ -534,7 +535,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
                 if isinstance(cache.planner, DevicePlanner)
             }
             try:  # every table's ids, before any plan: a refusal leaves none half-made
-                _all_ids(item, self._caches)
+                _all_ids(item, self._caches, self._combiners)
             except Exception as error:  # raised in order, after the batches before it
                 self._source_done = True
                 self._work.put(_Failure(error, {}))
@@ -758,14 +759,19 @@ def check_lookahead(lookahead: Any) -> None:
         )
 
 
-def _all_ids(batch: Mapping[str, Any], caches: Mapping[str, EmbeddingCache]) -> dict[str, Any]:
+def _all_ids(
+    batch: Mapping[str, Any],
+    caches: Mapping[str, EmbeddingCache],
+    combiners: Mapping[str, str | None],
+) -> dict[str, Any]:
     """Every table's ids of ``batch``, each checked as far as the host can
-    before planning (``EmbeddingCache.check_batch``): a batch missing a
-    table, or with ids of a wrong type or shape, is refused before any
-    table plans it."""
+    before planning (``EmbeddingCache.check_batch``, and bags for a module
+    that pools them): a batch missing a table, or with ids of a wrong type
+    or shape, is refused before any table plans it."""
     ids = {key: _ids(batch, key) for key in caches}
     for key, cache in caches.items():
         cache.check_batch(ids[key])
+        check_bags(combiners[key], np.shape(ids[key]))
     return ids
 
 

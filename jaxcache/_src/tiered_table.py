@@ -46,7 +46,7 @@ from jaxcache._src.host_table import (
 )
 from jaxcache._src.kernels import as_index_array
 from jaxcache._src.row_log import DiskStats, RowLog
-from jaxcache._src.validation import is_int
+from jaxcache._src.validation import check_id_type, is_int
 
 __all__ = ["DRAM_FRACTION", "TableColumn", "TieredStats", "TieredTable", "default_dram_budget"]
 
@@ -308,6 +308,11 @@ class TieredTable(HostTable):
             for name, array in arrays.items()
         }
         size = len(values["rows"])
+        if at is None and size != local.size:
+            raise ValueError(
+                f"scatter of {local.size} ids got {size} rows; pass one per id, or their "
+                "places with at=. Nothing was copied."
+            )
         at = np.arange(local.size) if at is None else at
         source = self._fields(values["rows"], {k: v for k, v in values.items() if k != "rows"})
         self._tier.write(local, self._positions_in(at, local, size), source)
@@ -323,8 +328,9 @@ class TieredTable(HostTable):
 
     # -------------------------------------------------------------- helpers
     def _checked(self, ids: Any) -> np.ndarray:
-        """Local rows of global ``ids`` (1-D, int64), checked."""
-        local = as_index_array(np.asarray(self._local(np.asarray(ids))))
+        """Local rows of global ``ids`` (1-D, int64), checked: integers (NumPy
+        would take a float or a bool as a row), each in the table."""
+        local = as_index_array(np.asarray(self._local(check_id_type(ids, "ids"))))
         if local.size and (local.min() < 0 or local.max() >= self._n):
             bad = local[(local < 0) | (local >= self._n)][:5].tolist()
             raise IndexError(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -89,17 +89,23 @@ def check_id_type(ids: object, name: str) -> np.ndarray:
     """Returns ``ids`` as a NumPy integer array of rank >= 1, or raises a clear
     error; the values are not checked (``check_ids`` checks them too)."""
     array = np.asarray(ids)
-    if not is_integer_dtype(array.dtype):
+    check_id_layout(array.dtype, array.ndim, name)
+    return array
+
+
+def check_id_layout(dtype: Any, ndim: int, name: str) -> None:
+    """Raises unless ids of ``dtype`` and rank ``ndim`` are integers of rank
+    >= 1: ``check_id_type`` for ids known only by type, as in a traced step."""
+    if not is_integer_dtype(np.dtype(dtype)):
         raise TypeError(
-            f"{name} must be an integer array, got dtype {array.dtype}; "
+            f"{name} must be an integer array, got dtype {np.dtype(dtype)}; "
             f"convert with np.asarray({name}, dtype=np.int64) if the values are whole ids."
         )
-    if array.ndim == 0:
+    if ndim == 0:
         raise ValueError(
             f"{name} must have rank >= 1 (e.g. [batch] or [batch, bag]), got a scalar; "
             f"wrap it as np.array([{name}])."
         )
-    return array
 
 
 def check_host_ids(
