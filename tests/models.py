@@ -259,7 +259,7 @@ class VocabularyModel:
         if new and self.admit_after > 1:
             self.seen.update(seen)
         for u, r in enumerate(rows):
-            if r >= 0:
+            if r >= 0 and new:  # a batch that trains nothing counts no use
                 self.entry[r][1] = step
                 self.entry[r][2] += counts[u]
         forgotten = []

@@ -406,7 +406,30 @@ def test_batches_that_do_not_train_admit_nothing_and_read_zeros_for_unknown_ids(
     assert not rows[1:].any()  # the unknown id and the padding read zeros
     assert cache.vocabulary.lookup(np.array([99])).tolist() == [-1]
     assert cache.stats.last.refused_lookups == 1 and cache.stats.last.new_ids == 0
-    np.testing.assert_array_equal(cache.vocabulary.state_dict()["ids"], known["ids"])
+    after = cache.vocabulary.state_dict()
+    for key in ("ids", "last_use", "counts"):  # a known id's use is not counted either
+        np.testing.assert_array_equal(after[key], known[key], err_msg=key)
+
+
+@pytest.mark.parametrize("forget", ["lru", "lfu", "lrfu"])
+def test_evaluating_does_not_change_which_id_training_forgets(planner, forget):
+    # Two rows: 7 used once, 9 twice. A new id takes 7's row, whether or not
+    # an evaluation read 7 three times in between.
+    spec = jaxcache.DynamicVocabulary(forget=forget, ways=2, protect=0)
+
+    def rows_after(evaluate):
+        cache = jaxcache.EmbeddingCache(
+            jaxcache.CacheConfig(2, 4, 2, vocabulary=spec), planner=planner
+        )
+        state, _ = cache.prepare(cache.init_state(), np.array([7, 9]))
+        state, _ = cache.prepare(state, np.array([9]))
+        if evaluate:
+            state, _ = cache.prepare(state, np.array([7, 7, 7]), train=False)
+        cache.prepare(state, np.array([5]))
+        return cache.vocabulary.lookup(np.array([7, 9, 5])).tolist()
+
+    assert rows_after(False) == [-1, 1, 0]
+    assert rows_after(True) == [-1, 1, 0]
 
 
 def test_batches_that_do_not_train_read_the_shared_row_for_unknown_ids(planner):

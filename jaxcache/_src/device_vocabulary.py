@@ -285,7 +285,8 @@ def admit(
 
     def commit(state: VocabState, ok: jax.Array) -> VocabState:
         size = spec.local_entries
-        seen_at = jnp.where(ok & known, local * w + way, size)
+        # A batch that trains nothing leaves known rows' use and counts be.
+        seen_at = jnp.where(ok & known & train, local * w + way, size)
         new_at = jnp.where(ok & admitted, local * w + new_way, size)
         last_out = state.last.at[seen_at].set(t, mode="drop").at[new_at].set(t, mode="drop")
         uses = state.uses

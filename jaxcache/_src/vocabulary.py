@@ -402,7 +402,9 @@ class Vocabulary:
         module). Rows used by plans after ``finished`` (default ``step -
         1``: none in flight), or by the ``protect`` plans before ``step``,
         are held. All or nothing. With ``new=False`` (a
-        batch that trains nothing) no id is admitted or counted.
+        batch that trains nothing) no id is admitted or counted, and known
+        ids keep their last use and counts; the step still counts as a
+        plan for ``ttl`` and ages, as plan indices do.
         ``distinct=True``: the caller vouches that ``ids`` are distinct
         (``distinct_ids``).
 
@@ -480,9 +482,12 @@ class Vocabulary:
         # Lookups are counted for forgetting by them only (the device
         # planner keeps no counts for LRU).
         uses = np.zeros_like(counts) if self.forget == "lru" else counts
+        # A batch that trains nothing leaves its known rows' use and counts
+        # as they were: evaluating must not change which ids training forgets.
+        seen = known if new else known[:0]
         taken = _commit(
             self._keys, self._slots, self.id_of_row, self.last_use, self.counts,
-            ids, uses, known, known_rows, admitted, new_rows, step, forgotten,
+            ids, uses, seen, rows[seen], admitted, new_rows, step, forgotten,
         )  # fmt: skip
         self.clock = (max(step, self.clock[0]), max(finished, self.clock[1]))
         rows[admitted] = new_rows
