@@ -66,6 +66,20 @@ def test_existing_rows_and_bfloat16():
     assert adopted.rows is rows
 
 
+@pytest.mark.parametrize(
+    ("rows", "kwargs", "why"),
+    [
+        (np.zeros((50, 4)), {}, "rows are float64 and the table holds float32"),
+        (np.zeros((4, 50), np.float32).T, {}, "C-contiguous, writeable"),
+        (np.zeros((50, 4), np.float32), {"shard": (0, 2)}, "process's share"),
+    ],
+)
+def test_rows_that_cannot_be_the_table_are_not_copied_in_silence(rows, kwargs, why):
+    # Copied behind the caller's back, the array they keep would go stale.
+    with pytest.raises(ValueError, match=rf"copy=False adopts rows .*{why}.*copy=True"):
+        jaxcache.HostTable(jaxcache.CacheConfig(50, 4, 10), rows=rows, copy=False, **kwargs)
+
+
 def test_bfloat16_cache_round_trip():
     cfg = jaxcache.CacheConfig(50, 4, 5, dtype="bfloat16", optimizer=jaxcache.sgd(0.5))
     cache = jaxcache.EmbeddingCache(cfg)

@@ -118,7 +118,9 @@ class HostTable:
         The files are built anew: a directory whose files another table in
         use holds, or whose ``rows.npy`` is ``rows`` itself, is refused (a
         table is resumed from a ``jaxcache.Checkpointer`` step).
-      copy: copy ``rows`` (default) or adopt the array as the table.
+      copy: copy ``rows`` (default) or adopt the array as the table, which
+        needs one of the table's dtype, C-contiguous and writeable, and no
+        ``shard`` or ``directory`` (``ValueError`` otherwise).
       shard: ``(index, count)``: keep only this process's ids; ``rows``, when
         given, is still the whole ``[N, D]`` table (or a memory map of it).
 
@@ -156,6 +158,8 @@ class HostTable:
         self.shard = _check_shard(shard)
         index, count = self.shard
         rows = _check_rows(rows, config)
+        if rows is not None and not copy:
+            _check_adoptable(rows, config, count > 1, directory is not None)
         self.directory = None if directory is None else os.fspath(directory)
         if self.directory is not None:
             names = ["rows", *config.optimizer.state_spec(config.features)]
@@ -165,9 +169,8 @@ class HostTable:
             os.makedirs(self.directory, exist_ok=True)
         local = (len(range(index, config.num_embeddings, count)), config.features)
         self.rows = self._allocate("rows", local, config.row_dtype)
-        if rows is not None and count == 1 and not copy and self.directory is None:
-            if rows.dtype == config.row_dtype:
-                self.rows = rows
+        if rows is not None and not copy:  # adoptable: checked above
+            self.rows = rows
         if rows is None or self.rows is not rows:
             for keep, values in self._initial_rows(rows, init, seed):
                 self.rows[keep] = values
@@ -366,6 +369,25 @@ class HostTable:
                 )
         for (array, _, _), values in zip(pairs, sources, strict=True):
             kernels.copy_rows(array, local, values, at)
+
+
+def _check_adoptable(rows: np.ndarray, config: CacheConfig, shard: bool, files: bool) -> None:
+    """Raises unless ``rows`` can be the table itself (``copy=False``): a
+    table that silently copied them would leave the caller's array stale."""
+    why = None
+    if shard:
+        why = "a process's share (shard=) keeps only its own ids, in an array of its own"
+    elif files:
+        why = "a table with directory= keeps its rows in files there"
+    elif rows.dtype != np.dtype(config.row_dtype):
+        why = f"rows are {rows.dtype} and the table holds {np.dtype(config.row_dtype)}"
+    elif not (rows.flags.c_contiguous and rows.flags.writeable):
+        why = "the table needs a C-contiguous, writeable array and rows are not one"
+    if why is not None:
+        raise ValueError(
+            f"copy=False adopts rows as the table, but {why}; pass copy=True (the "
+            "default) to copy them into the table."
+        )
 
 
 def _check_shard(shard: tuple[int, int] | None) -> tuple[int, int]:
