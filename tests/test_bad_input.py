@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import jaxcache
 
@@ -719,3 +720,32 @@ def test_host_tables_refuse_ids_and_rows_they_would_misread(kind, tmp_path):
     after, after_state = table.gather(np.arange(10))
     np.testing.assert_array_equal(after, rows)
     np.testing.assert_array_equal(after_state["accumulator"], state["accumulator"])
+
+
+def test_prepare_inside_jit_names_the_fix(planner):
+    embed = jaxcache.nnx.CachedEmbed(
+        jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, 8), planner=planner)
+    )
+    snapshot = _snapshot(embed.cache)
+
+    @nnx.jit
+    def step(embed, ids):
+        return embed(embed.prepare(ids)).sum()
+
+    with pytest.raises(TypeError, match=r"ids are traced: .*outside jit.*lookup_ids"):
+        step(embed, np.array([1, 2]))
+    _assert_unchanged(embed.cache, snapshot)
+
+
+@pytest.mark.no_planner
+@pytest.mark.parametrize("wrt", [nnx.Variable, nnx.Any(nnx.Param, jaxcache.nnx.CacheRows)])
+def test_a_dense_filter_that_takes_in_the_rows_is_refused(wrt):
+    # The rows' dense gradient would be the whole cached table, and an
+    # optimizer over it would move the rows a second time.
+    cfg = jaxcache.CacheConfig(100, 4, 8, optimizer=jaxcache.sgd(0.5))
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg))
+    lookup = embed.prepare(np.array([1, 2]))
+    before = np.array(embed.rows[...])
+    with pytest.raises(ValueError, match=r"includes the cached rows.*wrt=nnx.Param"):
+        jaxcache.nnx.value_and_grad(lambda m, lk: m(lk).sum(), wrt=wrt)(embed, lookup)
+    np.testing.assert_array_equal(embed.rows[...], before)

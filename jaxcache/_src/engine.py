@@ -495,6 +495,7 @@ class EmbeddingCache:
                 "them. Close that pipeline first (leave its with-block), then prepare, or "
                 "build it with lookahead=0."
             )
+        validation.check_not_traced(ids, "ids")
         self.check_state(state)
         self.lifecycle.release_all()
         staged = self.stage(ids, train=train)

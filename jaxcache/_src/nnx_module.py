@@ -283,6 +283,7 @@ def value_and_grad(
             )
 
     def wrapped(model: nnx.Module, *args: Any) -> tuple[Any, ...]:
+        _check_dense_filter(model, wrt)
         modules = cached_tables(model)
         features = {name: m.cache.config.features for name, m in modules.items()}
 
@@ -305,6 +306,20 @@ def value_and_grad(
         return value, grads
 
     return wrapped
+
+
+def _check_dense_filter(model: nnx.Module, wrt: Any) -> None:
+    """Refuses a ``wrt`` that takes in the cached rows or their optimizer
+    state: their dense gradient would be the whole ``[C, D]`` table, and an
+    optimizer over it would move the rows a second time."""
+    cached = nnx.state(model, nnx.All(wrt, nnx.Any(CacheRows, CacheOptState)))
+    if jax.tree.leaves(cached):
+        raise ValueError(
+            f"wrt={wrt!r} includes the cached rows (CacheRows or CacheOptState), which "
+            "the cache's sparse optimizer trains in this step: differentiate the dense "
+            "parameters only (the default, wrt=nnx.Param), and build nnx.Optimizer with "
+            "wrt=nnx.Param too."
+        )
 
 
 # The device half of each cache that a CachedEmbed serves, built once. The

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, TypeGuard
 
+import jax
 import numpy as np
 
 __all__ = [
@@ -88,9 +89,22 @@ def check_ids(
 def check_id_type(ids: object, name: str) -> np.ndarray:
     """Returns ``ids`` as a NumPy integer array of rank >= 1, or raises a clear
     error; the values are not checked (``check_ids`` checks them too)."""
+    check_not_traced(ids, name)
     array = np.asarray(ids)
     check_id_layout(array.dtype, array.ndim, name)
     return array
+
+
+def check_not_traced(ids: object, name: str) -> None:
+    """Raises ``TypeError`` for ids traced by ``jit``: a batch is planned on
+    the host, from values a traced array does not have yet."""
+    if isinstance(ids, jax.core.Tracer):
+        raise TypeError(
+            f"{name} are traced: planning a batch runs on the host, outside jit. Call "
+            "prepare (or jaxcache.prefetch) before the jitted step and pass the Lookup "
+            "it returns into the step, or look the ids up inside the step with "
+            "CachedEmbed.lookup_ids."
+        )
 
 
 def check_id_layout(dtype: Any, ndim: int, name: str) -> None:
