@@ -597,3 +597,15 @@ def test_raw_ids_through_linen_equal_the_whole_table():
     np.testing.assert_allclose(losses, full_losses, rtol=0, atol=TOL)
     np.testing.assert_array_equal(ids, full_ids)  # the same ids in the same rows
     np.testing.assert_allclose(rows, full_rows, rtol=0, atol=TOL)
+
+
+def test_variables_passed_to_prepare_are_refused_afterwards_with_the_fix():
+    cache = jaxcache.EmbeddingCache(jaxcache.CacheConfig(100, 4, capacity=16))
+    embed = jaxcache.linen.CachedEmbed(cache)
+    variables = embed.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (1, 3)))
+    new, lookup = jaxcache.linen.prepare(cache, variables, np.array([[7, 8, 7]]))
+    with pytest.raises(ValueError, match=r"were donated to a swap: apply the model with the"):
+        embed.apply(variables, lookup)
+    with pytest.raises(ValueError, match=r"donated to an earlier swap"):
+        jaxcache.linen.prepare(cache, variables, np.array([[1, 2, 3]]))
+    np.testing.assert_array_equal(embed.apply(new, lookup)[0, 0], cache.table.rows[7])
