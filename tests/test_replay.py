@@ -243,6 +243,7 @@ def test_only_used_rows_are_written_back(policy):
         ),
         (dict(trace=np.array([-1, -1]), batch=2, padding_id=-1), ValueError, "padding_id=-1 only"),
         (dict(trace=HAND_TRACE, batch=2, padding_id=2**63), ValueError, "must be an int64 id"),
+        (dict(trace=HAND_TRACE, batch=2, padding_id=0), ValueError, "padding_id=0 is a real row"),
         (dict(trace=HAND_TRACE), ValueError, "batch is needed"),
         (dict(trace=HAND_TRACE, batch=4), jaxcache.CapacityError, "batch 0 of the trace"),
         (dict(trace=HAND_TRACE, batch=2, policy="fifo"), ValueError, "unknown policy 'fifo'"),
@@ -675,3 +676,14 @@ def test_vocabulary_command_blames_the_option_to_change(tmp_path, capsys, option
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {blamed}: " in err and words in err, err
+
+
+def test_vocabulary_replay_counts_the_ids_ttl_forgot():
+    # ttl=1 keeps the ids of the last two steps (18, 12); 11 and 12 come back
+    # to rows of their own (counted forgotten, then new again); the other
+    # six ids expired with their rows left free.
+    trace = np.array([[11], [12], [13], [14], [15], [11], [16], [17], [18], [12]])
+    spec = jaxcache.DynamicVocabulary(ttl=1, protect=0)
+    out = jaxcache.sizing.replay_vocabulary(trace, rows=1024, vocabulary=spec)
+    counts = {k: out[k] for k in ("new_ids", "forgotten_ids", "live_ids", "expired_ids")}
+    assert counts == {"new_ids": 10, "forgotten_ids": 2, "live_ids": 2, "expired_ids": 6}

@@ -124,10 +124,11 @@ class Server:
         repeating its last sample (along the first axis of every array in
         the batch), and one larger than the largest is scored in pieces of
         that size; its scores are cut back to ``n``. Repeated samples add no
-        distinct id, so the batch fetches the same rows and ``summary``'s
-        hit rate (over distinct ids) is unchanged; figures per lookup
-        (``cache.stats`` lookups and refused lookups, the lookup counts of
-        ``lfu`` and ``adaptive``) include the repeats.
+        distinct id, so the batch itself fetches the same rows; figures per
+        lookup (``cache.stats`` lookups and refused lookups) include the
+        repeats, and so do the lookup counts ``lfu`` and ``adaptive`` rank
+        rows by, which can change what later batches find resident (``lru``,
+        which ranks by last use only, is unchanged).
 
     Attributes:
       latencies: seconds per batch of the latest ``latency_window``

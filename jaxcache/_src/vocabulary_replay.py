@@ -53,8 +53,11 @@ def replay_vocabulary(
       ``distinct_ids`` (in the whole trace), ``found_lookups`` (of ids
       that had a row before their batch), ``new_ids`` (rows given),
       ``readmitted_ids`` (of those, ids that had a row before and were
-      forgotten), ``forgotten_ids``, ``refused_lookups`` (ids not admitted
-      yet), ``live_ids`` at the end, ``rows_to_forget_nothing`` (the least
+      forgotten), ``forgotten_ids`` (ids whose rows new ids took),
+      ``refused_lookups`` (ids not admitted yet), ``live_ids`` at the end,
+      ``expired_ids`` (forgotten by ``ttl``, their rows not taken by the
+      end: ``new_ids = forgotten_ids + live_ids + expired_ids``),
+      ``rows_to_forget_nothing`` (the least
       budget whose buckets hold every id ever admitted, ``rows_to_hold``,
       and the shared row if there is one: one this large never forgets an
       id for want of room, though ``ttl`` still forgets; ``None`` if none
@@ -146,6 +149,9 @@ def replay_vocabulary(
         **counts,
         "distinct_ids": int(np.unique(np.concatenate(seen)).size),
         "live_ids": vocab.size,
+        # Every id given a row ended as forgotten (a new id took its row),
+        # live, or expired by ``ttl`` with its row not taken yet.
+        "expired_ids": counts["new_ids"] - counts["forgotten_ids"] - vocab.size,
         "rows_to_forget_nothing": _budget_to_hold(spec, had_row),
     }
     if learner is not None:
