@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import sys
 import threading
@@ -349,6 +351,40 @@ def test_close_while_the_source_blocks():
     pipeline._thread.join(2)
     assert _no_prefetch_threads()
     assert embed.cache.planner.next_index == 1  # the late batch was never planned
+
+
+@pytest.mark.parametrize("iterable", ["generator", "list_iterator"])
+def test_a_break_loses_no_batch_the_pipeline_took_from_its_source(planner, iterable):
+    # 16 distinct ids a batch in 24 slots: with a batch in flight the next
+    # one waits for room, taken from the source but not staged. After a
+    # break, a later pipeline over the same source goes on from the batch
+    # after the last one staged: every batch is planned exactly once.
+    cfg = jaxcache.CacheConfig(200, D, 24, policy="lru", optimizer=jaxcache.sgd(0.1))
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner))
+    batches = [{"k": k, "ids": (16 * k + np.arange(16)).reshape(8, 2) % 200} for k in range(10)]
+    source = (b for b in batches) if iterable == "generator" else iter(batches)
+    first = []
+    # An iterator without weak references keeps them in ``unstaged``, and says so.
+    warns = pytest.warns(RuntimeWarning, match=r"never staged.*\.unstaged: chain them")
+    with warns if iterable == "list_iterator" else contextlib.nullcontext():
+        with jaxcache.prefetch(source, {"ids": embed}, lookahead=2) as pipeline:
+            for batch in pipeline:
+                embed(batch["ids"])
+                first.append(batch["k"])
+                if len(first) == 4:
+                    time.sleep(0.2)  # the producer takes batch 4 and waits for room
+                    break
+    planned = embed.cache.planner.next_index
+    assert first == [0, 1, 2, 3] and planned >= 4
+    assert [b["k"] for b in pipeline.unstaged] == list(
+        range(planned, planned + len(pipeline.unstaged))
+    )
+    assert pipeline.unstaged, "the producer was waiting with a batch taken from the source"
+    if iterable == "list_iterator":  # the caller chains them back
+        source = itertools.chain(pipeline.unstaged, source)
+    with jaxcache.prefetch(source, {"ids": embed}, lookahead=2) as pipeline:
+        second = [batch["k"] for batch in pipeline]
+    assert second == list(range(planned, 10))
 
 
 def test_abandoned_pipeline_does_not_hang_exit(tmp_path):

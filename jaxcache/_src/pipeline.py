@@ -40,10 +40,13 @@ device idles behind the host thread that was meant to hide host work.
 from __future__ import annotations
 
 import atexit
+import collections
+import itertools
 import queue
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
@@ -61,6 +64,9 @@ __all__ = ["Prefetcher", "prefetch"]
 
 _POLL_SECONDS = 0.05
 _OPEN: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
+# Batches a closed pipeline took from its source but never planned, by
+# source: the next pipeline over the same iterator yields them first.
+_UNSTAGED: weakref.WeakKeyDictionary[Iterator[Any], list[Any]] = weakref.WeakKeyDictionary()
 SWITCH_INTERVAL = 5e-4
 
 
@@ -179,6 +185,13 @@ class Prefetcher(Iterator[dict[str, Any]]):
         the GIL back promptly between its JAX calls. ``None`` leaves the
         interpreter's setting alone.
 
+    Attributes:
+      unstaged: after ``close``, the batches the thread took from the source
+        and no table planned (it waited for room when the loop left early),
+        in order. When ``batches`` is an iterator that takes weak
+        references (a generator), the next pipeline over it yields them
+        first; otherwise closing warns, and they are here to chain back.
+
     Examples:
       >>> import numpy as np, jaxcache
       >>> embed = jaxcache.nnx.CachedEmbed(
@@ -268,7 +281,21 @@ class Prefetcher(Iterator[dict[str, Any]]):
             # ``prepare``: a batch an earlier loop left (a break, an error)
             # holds no rows that this one would wait for forever.
             cache.lifecycle.release_all()
-        self._source = iter(batches)
+        self._origin = iter(batches)
+        # Only an iterator the caller holds can go on in a later pipeline
+        # (``iter`` of a list is new each time).
+        self._resumable = self._origin is batches
+        self._source = self._origin
+        left = _take_unstaged(self._origin)
+        if left:
+            self._source = itertools.chain(left, self._origin)
+        # Batches pulled from the source and not yet handed out, the first
+        # being batch ``_log_base`` of this pipeline: at close, those no
+        # table planned go back to the source (``unstaged``).
+        self._log: collections.deque[Any] = collections.deque()
+        self._log_base = 0
+        self._start = {key: holder.cache.planner.next_index for key, holder in tables.items()}
+        self.unstaged: list[Any] = []
         self._queue: queue.Queue[Any] = queue.Queue()
         self._permits = threading.Semaphore(max(lookahead, 1))
         self._stop = threading.Event()
@@ -331,6 +358,9 @@ class Prefetcher(Iterator[dict[str, Any]]):
             raise item.error
         batch, staged = item
         self._taken += 1
+        while self._log and self._log_base < self._taken:  # handed out: planned
+            self._log.popleft()
+            self._log_base += 1
         self._handed_out = staged
         if self.callback:
             for key, s in staged.items():
@@ -422,11 +452,13 @@ class Prefetcher(Iterator[dict[str, Any]]):
     def _pull(self) -> Any:
         """The source's next batch, ``_End``, or ``_Raised`` with its error."""
         try:
-            return next(self._source)
+            batch = next(self._source)
         except StopIteration:
             return _End()
         except Exception as error:
             return _Raised(error)
+        self._log.append(batch)
+        return batch
 
     def _stage_with_retry(self, cache: EmbeddingCache, ids: Any) -> HostStaged:
         """Stages ``ids``; while in-flight batches hold too many rows, waits for them.
@@ -722,9 +754,36 @@ class Prefetcher(Iterator[dict[str, Any]]):
                 jax.block_until_ready(holder.get_state())
                 for staged in self._caches[key].callbacks.take():
                     self._apply({key: staged})
+        if self._thread is not None:
+            self._put_back()
         _SWITCH.drop(self)
         _OPEN.discard(self)
         self._let_go()
+
+    def _put_back(self) -> None:
+        """At close: the batches the thread took from the source that no
+        table planned (it waited for capacity, or stopped first) go back to
+        the source, so that a later pipeline over it goes on from the batch
+        after the last one staged; none is lost in silence."""
+        planned = max(
+            cache.planner.next_index - self._start[key] for key, cache in self._caches.items()
+        )
+        self.unstaged = list(self._log)[max(planned - self._log_base, 0) :]
+        self._log.clear()
+        if not self.unstaged or not self._resumable:
+            return
+        try:
+            _UNSTAGED[self._origin] = self.unstaged
+        except TypeError:  # an iterator without weak references
+            warnings.warn(
+                f"{len(self.unstaged)} batch(es) taken from the source were never staged; "
+                "a later pipeline over this iterator would skip them. They are in this "
+                "pipeline's .unstaged: chain them before the source "
+                "(itertools.chain(pipeline.unstaged, source)), or use a generator, whose "
+                "unstaged batches the next pipeline over it takes first.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _let_go(self) -> None:
         """Nothing is staged ahead any more: ``prepare`` may plan its tables."""
@@ -749,6 +808,14 @@ class Prefetcher(Iterator[dict[str, Any]]):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _take_unstaged(source: Iterator[Any]) -> list[Any]:
+    """The batches a closed pipeline left unstaged from ``source``, removed."""
+    try:
+        return _UNSTAGED.pop(source, [])
+    except TypeError:  # an iterator without weak references: none was kept
+        return []
 
 
 def check_lookahead(lookahead: Any) -> None:
