@@ -354,13 +354,12 @@ class Prefetcher(Iterator[dict[str, Any]]):
             raise StopIteration
         if isinstance(item, _Failure):
             self._apply(item.partial)
+            self._forget_pulled(self._taken + 1)  # the failed batch goes with its error
             self.close()
             raise item.error
         batch, staged = item
         self._taken += 1
-        while self._log and self._log_base < self._taken:  # handed out: planned
-            self._log.popleft()
-            self._log_base += 1
+        self._forget_pulled(self._taken)
         self._handed_out = staged
         if self.callback:
             for key, s in staged.items():
@@ -369,6 +368,13 @@ class Prefetcher(Iterator[dict[str, Any]]):
         out = dict(batch)
         out.update(self._apply(staged))
         return out
+
+    def _forget_pulled(self, count: int) -> None:
+        """Drops the first ``count`` batches pulled from the log: handed out
+        (planned), or raised with their error; none goes back to the source."""
+        while self._log and self._log_base < count:
+            self._log.popleft()
+            self._log_base += 1
 
     def _take(self) -> Any:
         start = time.perf_counter()
