@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from jaxcache._src import optimizers
-from jaxcache._src.validation import check_padding_id, is_int
+from jaxcache._src.validation import check_padding_id, check_padding_outside, is_int
 
 __all__ = ["FORGET", "INITS", "POLICIES", "CacheConfig", "DynamicVocabulary"]
 
@@ -307,15 +307,8 @@ class CacheConfig:
                 f"name={self.name!r} must be a non-empty string, such as 'users': it names "
                 "the table in lookups and checkpoints."
             )
-        if (
-            self.vocabulary is None
-            and self.padding_id is not None
-            and 0 <= self.padding_id < self.num_embeddings
-        ):
-            raise ValueError(
-                f"padding_id={self.padding_id} is a real row id (0 <= id < {self.num_embeddings}); "
-                "use a negative id such as -1."
-            )
+        if self.vocabulary is None:
+            check_padding_outside(self.padding_id, self.num_embeddings)
 
     @property
     def row_dtype(self) -> np.dtype:

@@ -638,6 +638,16 @@ def embed(
     return _gather_and_pool(rows, lookup, combiner, weights)
 
 
+def is_donated(array: Any) -> bool:
+    """``array`` is a concrete JAX array a donating call has consumed (a
+    traced one, or NumPy, never is)."""
+    return (
+        isinstance(array, jax.Array)
+        and not isinstance(array, jax.core.Tracer)
+        and array.is_deleted()
+    )
+
+
 def check_cache(lookup: Lookup, cache_id: int) -> None:
     """Refuses a ``lookup`` that another cache made (``cache_id`` ``0``, or
     the lookup's: not known). Two caches of one table name share every

@@ -453,14 +453,13 @@ class EmbeddingCache:
                     "returned (one of another cache, or from before a restore onto another "
                     "capacity?)."
                 )
-            if isinstance(array, jax.Array) and not isinstance(array, jax.core.Tracer):
-                if array.is_deleted():
-                    raise ValueError(
-                        f"the device state of table {self.name!r} was donated to an earlier "
-                        f"swap (its array {what} is deleted): prepare and apply consume the state "
-                        "they are given. Pass the state the last call returned (CachedEmbed "
-                        "keeps it for you)."
-                    )
+            if device_ops.is_donated(array):
+                raise ValueError(
+                    f"the device state of table {self.name!r} was donated to an earlier "
+                    f"swap (its array {what} is deleted): prepare and apply consume the state "
+                    "they are given. Pass the state the last call returned (CachedEmbed "
+                    "keeps it for you)."
+                )
 
     # ------------------------------------------------------------------ step
     def prepare(self, state: CacheState, ids: np.ndarray, *, train: bool = True):

@@ -246,11 +246,11 @@ class HostTable:
           TypeError: ids that are not integers.
           IndexError: an id outside the table (nothing is read).
         """
-        local = self._local(self._checked(ids))
+        local = self._local(self._valid_ids(ids))
         return take_rows(self.rows, local), {k: take_rows(v, local) for k, v in self.state.items()}
 
-    def _checked(self, ids: Any) -> np.ndarray:
-        """``ids`` as int64 of their shape, each in ``[0, num_embeddings)``:
+    def _valid_ids(self, ids: Any) -> np.ndarray:
+        """Global ``ids`` as int32 or int64 of their shape, each in ``[0, num_embeddings)``:
         NumPy would read a negative id from the end, a bool as 0 or 1, and a
         uint64 past int64 as a negative id."""
         array = check_id_type(ids, "ids")
@@ -337,7 +337,7 @@ class HostTable:
           IndexError: an id outside the table, or a place outside the arrays.
           ValueError: another number of rows than ids, or a missing state.
         """
-        local = self._local(self._checked(ids)).reshape(-1)
+        local = self._local(self._valid_ids(ids)).reshape(-1)
         missing = sorted(set(self.state) - set(state))
         if missing:
             raise ValueError(
@@ -346,24 +346,23 @@ class HostTable:
             )
         pairs = [(self.rows, rows, "rows"), *((v, state[k], k) for k, v in self.state.items())]
         sources = [np.ascontiguousarray(values, dtype=array.dtype) for array, values, _ in pairs]
-        if at is None:
-            at = np.arange(local.size)
-            for (_, _, name), values in zip(pairs, sources, strict=True):
-                if len(values) != local.size:
-                    raise ValueError(
-                        f"scatter of {local.size} ids got {len(values)} {name}; pass one per "
-                        "id, or their places with at=. Nothing was copied."
-                    )
-        at = kernels.as_index_array(np.asarray(at))
+        given = at is not None
+        at = kernels.as_index_array(np.asarray(at)) if given else np.arange(local.size)
         if at.size != local.size:
             raise ValueError(f"{at.size} places for {local.size} ids; nothing was copied.")
+        low, high = (int(at.min()), int(at.max())) if at.size else (0, -1)
         for (array, _, name), values in zip(pairs, sources, strict=True):
+            if not given and len(values) != local.size:
+                raise ValueError(
+                    f"scatter of {local.size} ids got {len(values)} {name}; pass one per "
+                    "id, or their places with at=. Nothing was copied."
+                )
             if values.ndim < 1 or values.shape[1:] != array.shape[1:]:
                 raise TypeError(
                     f"scatter's {name} have rows of shape {values.shape[1:]}, but the table's "
                     f"are {array.shape[1:]}; nothing was copied."
                 )
-            if at.size and (at.min() < 0 or at.max() >= len(values)):
+            if low < 0 or high >= len(values):
                 raise IndexError(
                     f"a place in at is outside the {len(values)} {name} given; nothing was copied."
                 )

@@ -141,14 +141,12 @@ class CachedEmbed(nn.Module):
                 "(after jaxcache.linen.prepare, the variables it returned)."
             )
         state = self.variable(COLLECTION, name, self._init_state).value
-        rows = state["rows"]
-        if isinstance(rows, jax.Array) and not isinstance(rows, jax.core.Tracer):
-            if rows.is_deleted():  # applied eagerly: under jit, JAX refuses it first
-                raise ValueError(
-                    f"the {COLLECTION!r} variables of table {name!r} were donated to a swap: "
-                    "apply the model with the variables the last jaxcache.linen.prepare "
-                    "(or the training step) returned, not the ones passed to it."
-                )
+        if device_ops.is_donated(state["rows"]):  # eager apply: under jit, JAX refuses first
+            raise ValueError(
+                f"the {COLLECTION!r} variables of table {name!r} were donated to a swap: "
+                "apply the model with the variables the last jaxcache.linen.prepare "
+                "(or the training step) returned, not the ones passed to it."
+            )
         return device_ops.embed(
             state["rows"],
             lookup,

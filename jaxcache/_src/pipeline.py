@@ -294,7 +294,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         # table planned go back to the source (``unstaged``).
         self._log: collections.deque[Any] = collections.deque()
         self._log_base = 0
-        self._start = {key: holder.cache.planner.next_index for key, holder in tables.items()}
+        self._start = {key: cache.planner.next_index for key, cache in self._caches.items()}
         self.unstaged: list[Any] = []
         self._queue: queue.Queue[Any] = queue.Queue()
         self._permits = threading.Semaphore(max(lookahead, 1))

@@ -158,11 +158,7 @@ def sweep(
     """
     batches, ids = _read_trace(trace, batch, padding_id)
     n = _table_size(ids, num_embeddings, frequencies)
-    if padding_id is not None and 0 <= padding_id < n:  # as CacheConfig refuses it
-        raise ValueError(
-            f"padding_id={padding_id} is a real row id (0 <= id < {n}), which no cache "
-            "can be built with; mark padding with a negative id such as -1."
-        )
+    validation.check_padding_outside(padding_id, n)  # no cache could be built with it
     frequencies = _check_frequencies(frequencies, n)
     names = _check_policies(policies)
     if isinstance(capacities, (int, float, np.number)):

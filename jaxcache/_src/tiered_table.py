@@ -46,7 +46,7 @@ from jaxcache._src.host_table import (
 )
 from jaxcache._src.kernels import as_index_array
 from jaxcache._src.row_log import DiskStats, RowLog
-from jaxcache._src.validation import check_id_type, is_int
+from jaxcache._src.validation import is_int
 
 __all__ = ["DRAM_FRACTION", "TableColumn", "TieredStats", "TieredTable", "default_dram_budget"]
 
@@ -328,14 +328,8 @@ class TieredTable(HostTable):
 
     # -------------------------------------------------------------- helpers
     def _checked(self, ids: Any) -> np.ndarray:
-        """Local rows of global ``ids`` (1-D, int64), checked: integers (NumPy
-        would take a float or a bool as a row), each in the table."""
-        local = as_index_array(np.asarray(self._local(check_id_type(ids, "ids"))))
-        if local.size and (local.min() < 0 or local.max() >= self._n):
-            bad = local[(local < 0) | (local >= self._n)][:5].tolist()
-            raise IndexError(
-                f"rows {bad} are outside this table's {self._n:,} rows; nothing was copied."
-            )
+        """Local rows of global ``ids`` (1-D, int64), checked as ``HostTable``'s."""
+        local = as_index_array(np.asarray(self._local(self._valid_ids(ids))))
         return local.astype(np.int64, copy=False)
 
     @staticmethod

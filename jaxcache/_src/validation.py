@@ -32,6 +32,16 @@ def check_padding_id(pad: object) -> None:
         )
 
 
+def check_padding_outside(pad: int | None, num_embeddings: int) -> None:
+    """Raises ``ValueError`` for a padding id that is a row of the table:
+    its lookups would read and train a real row."""
+    if pad is not None and 0 <= pad < num_embeddings:
+        raise ValueError(
+            f"padding_id={pad} is a real row id (0 <= id < {num_embeddings}); "
+            "use a negative id such as -1."
+        )
+
+
 def is_integer_dtype(dtype: np.dtype) -> bool:
     """A signed or unsigned integer dtype: not bool, and not ``timedelta64``,
     which NumPy counts among its integers."""
