@@ -387,6 +387,76 @@ def test_a_break_loses_no_batch_the_pipeline_took_from_its_source(planner, itera
     assert second == list(range(planned, 10))
 
 
+def test_a_break_gives_back_a_batch_one_table_planned_and_another_did_not(planner):
+    # Two tables: "a" holds every batch in flight, "b" (24 slots, 16 ids a
+    # batch) waits for room for the batch after the one in flight. After a
+    # break, "a" has planned a batch that "b" has not: it was never handed
+    # out, so it goes back to the source with those after it.
+    def cache(capacity):
+        cfg = jaxcache.CacheConfig(200, D, capacity, policy="lru", optimizer=jaxcache.sgd(0.1))
+        return jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner))
+
+    embeds = {"a": cache(200), "b": cache(24)}
+    batches = [
+        {"k": k, **{key: (16 * k + np.arange(16)).reshape(8, 2) % 200 for key in embeds}}
+        for k in range(10)
+    ]
+    source = (b for b in batches)
+    first = []
+    with jaxcache.prefetch(source, embeds, lookahead=2) as pipeline:
+        for batch in pipeline:
+            for key, embed in embeds.items():
+                embed(batch[key])
+            first.append(batch["k"])
+            if len(first) == 4:
+                time.sleep(0.2)  # "b" waits for room for batch 4; "a" planned it
+                break
+    planned = {key: embed.cache.planner.next_index for key, embed in embeds.items()}
+    assert first == [0, 1, 2, 3]
+    assert planned["a"] > planned["b"] >= 4, planned
+    assert [b["k"] for b in pipeline.unstaged] == list(range(planned["b"], 10))[
+        : len(pipeline.unstaged)
+    ]
+    with jaxcache.prefetch(source, embeds, lookahead=2) as pipeline:
+        second = [batch["k"] for batch in pipeline]
+    assert second == list(range(planned["b"], 10))
+
+
+def test_a_batch_the_source_returns_after_close_goes_back_to_it(planner):
+    # The thread waits inside the source for batch 3 when the loop leaves;
+    # the source returns it after the pipeline closed: the batch goes back,
+    # and the next pipeline over the source starts with it.
+    cfg = jaxcache.CacheConfig(200, D, 64, policy="lru", optimizer=jaxcache.sgd(0.1))
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner))
+    gate, waiting = threading.Event(), threading.Event()
+
+    def batches():
+        for k in range(6):
+            if k == 3:
+                waiting.set()
+                gate.wait(30)
+            yield {"k": k, "ids": (8 * k + np.arange(8)).reshape(4, 2)}
+
+    source = batches()
+    first = []
+    with jaxcache.prefetch(source, {"ids": embed}, lookahead=2) as pipeline:
+        for batch in pipeline:
+            embed(batch["ids"])
+            first.append(batch["k"])
+            if len(first) == 3:
+                assert waiting.wait(30)
+                break
+    assert first == [0, 1, 2] and pipeline.unstaged == []
+    gate.set()
+    for thread in (pipeline._thread, pipeline._feeder):
+        if thread is not None:
+            thread.join(30)
+    assert [b["k"] for b in pipeline.unstaged] == [3]
+    with jaxcache.prefetch(source, {"ids": embed}, lookahead=2) as pipeline:
+        second = [batch["k"] for batch in pipeline]
+    assert second == [3, 4, 5]
+
+
 def test_abandoned_pipeline_does_not_hang_exit(tmp_path):
     import subprocess
     import sys

@@ -64,8 +64,8 @@ __all__ = ["Prefetcher", "prefetch"]
 
 _POLL_SECONDS = 0.05
 _OPEN: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
-# Batches a closed pipeline took from its source but never planned, by
-# source: the next pipeline over the same iterator yields them first.
+# Batches a closed pipeline took from its source and did not plan for every
+# table, by source: the next pipeline over the same iterator yields them first.
 _UNSTAGED: weakref.WeakKeyDictionary[Iterator[Any], list[Any]] = weakref.WeakKeyDictionary()
 SWITCH_INTERVAL = 5e-4
 
@@ -187,8 +187,8 @@ class Prefetcher(Iterator[dict[str, Any]]):
 
     Attributes:
       unstaged: after ``close``, the batches the thread took from the source
-        and no table planned (it waited for room when the loop left early),
-        in order. When ``batches`` is an iterator that takes weak
+        and did not plan for every table (one waited for room when the loop
+        left early), in order. When ``batches`` is an iterator that takes weak
         references (a generator), the next pipeline over it yields them
         first; otherwise closing warns, and they are here to chain back.
 
@@ -290,10 +290,12 @@ class Prefetcher(Iterator[dict[str, Any]]):
         if left:
             self._source = itertools.chain(left, self._origin)
         # Batches pulled from the source and not yet handed out, the first
-        # being batch ``_log_base`` of this pipeline: at close, those no
-        # table planned go back to the source (``unstaged``).
+        # being batch ``_log_base`` of this pipeline: at close, those some
+        # table did not plan go back to the source (``unstaged``).
         self._log: collections.deque[Any] = collections.deque()
         self._log_base = 0
+        self._log_lock = threading.Lock()
+        self._put_back_done = False
         self._start = {key: cache.planner.next_index for key, cache in self._caches.items()}
         self.unstaged: list[Any] = []
         self._queue: queue.Queue[Any] = queue.Queue()
@@ -463,8 +465,13 @@ class Prefetcher(Iterator[dict[str, Any]]):
             return _End()
         except Exception as error:
             return _Raised(error)
-        self._log.append(batch)
-        return batch
+        with self._log_lock:
+            if not self._put_back_done:
+                self._log.append(batch)
+                return batch
+        # The pipeline closed while the source was busy: the batch goes back.
+        self._give_back([batch])
+        return _End()
 
     def _stage_with_retry(self, cache: EmbeddingCache, ids: Any) -> HostStaged:
         """Stages ``ids``; while in-flight batches hold too many rows, waits for them.
@@ -767,28 +774,41 @@ class Prefetcher(Iterator[dict[str, Any]]):
         self._let_go()
 
     def _put_back(self) -> None:
-        """At close: the batches the thread took from the source that no
-        table planned (it waited for capacity, or stopped first) go back to
-        the source, so that a later pipeline over it goes on from the batch
-        after the last one staged; none is lost in silence."""
-        planned = max(
+        """At close: the batches the thread took from the source that some
+        table did not plan (it waited for capacity, or stopped first) go
+        back to the source, so that a later pipeline over it goes on from
+        the batch after the last one every table staged; none is lost in
+        silence. A table that planned such a batch plans it again then: it
+        was never handed out, so no step trained on it."""
+        planned = min(
             cache.planner.next_index - self._start[key] for key, cache in self._caches.items()
         )
-        self.unstaged = list(self._log)[max(planned - self._log_base, 0) :]
-        self._log.clear()
-        if not self.unstaged or not self._resumable:
+        with self._log_lock:
+            unstaged = list(self._log)[max(planned - self._log_base, 0) :]
+            self._log.clear()
+            self._put_back_done = True
+        self._give_back(unstaged)
+
+    def _give_back(self, batches: list[Any]) -> None:
+        """Adds ``batches`` to ``unstaged``, and hands them to the next
+        pipeline over the source (a batch the source returns after close,
+        to a thread that waited in it, comes after those given back then)."""
+        if not batches:
+            return
+        self.unstaged.extend(batches)
+        if not self._resumable:
             return
         try:
-            _UNSTAGED[self._origin] = self.unstaged
+            _UNSTAGED[self._origin] = [*_UNSTAGED.get(self._origin, []), *batches]
         except TypeError:  # an iterator without weak references
             warnings.warn(
-                f"{len(self.unstaged)} batch(es) taken from the source were never staged; "
+                f"{len(batches)} batch(es) taken from the source were never staged; "
                 "a later pipeline over this iterator would skip them. They are in this "
                 "pipeline's .unstaged: chain them before the source "
                 "(itertools.chain(pipeline.unstaged, source)), or use a generator, whose "
                 "unstaged batches the next pipeline over it takes first.",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
 
     def _let_go(self) -> None:
