@@ -26,6 +26,12 @@ that a change of load on the machine falls on all of them.
    the vocabulary's index; ``host_cpu_raw_over_rows``: raw ids over the
    same batches as rows, both on the host planner, at 1x: what the
    translation to rows costs there.
+4. ``host_cpu_host_planner_after_wait_over_without``: the host planner's
+   host CPU per step on the embedding-heavy batch (LFU) with the training
+   thread asleep for ``--wait`` ms before each step, over without: the same
+   work, only the wait differs. The device planner's thread waits for the
+   plan in the middle of each step, as long as the plan runs; what a wait
+   adds to the code that follows it on this machine is in figure 2 too.
 
     python benchmarks/host_cpu.py            # a few minutes on 2 CPU cores
     python benchmarks/host_cpu.py --quick
@@ -61,10 +67,13 @@ class Loop:
         self.cache = cache
         self.state = cache.init_state()
 
-    def host_cpu_per_step(self, batches: list[np.ndarray]) -> float:
-        """Median host CPU seconds of ``prepare`` (stage and swap) over ``batches``."""
+    def host_cpu_per_step(self, batches: list[np.ndarray], wait: float = 0.0) -> float:
+        """Median host CPU seconds of ``prepare`` (stage and swap) over
+        ``batches``, the thread asleep for ``wait`` seconds before each."""
         per_step = []
         for ids in batches:
+            if wait:
+                time.sleep(wait)
             start = python_cpu()
             self.state, _ = self.cache.prepare(self.state, ids)
             per_step.append(python_cpu() - start)
@@ -203,6 +212,29 @@ def embedding_heavy(args: argparse.Namespace, policy: str) -> float:
     return float(np.median(seconds["device"]) / np.median(seconds["host"]))
 
 
+def after_wait(args: argparse.Namespace) -> float:
+    """``host_cpu_host_planner_after_wait_over_without``."""
+    setup = _training.embedding_heavy(args)
+    batches = [b["sparse"] for b in setup.data.batches(args.warmup + args.steps)]
+    cache = jaxcache.EmbeddingCache(
+        setup.config(0.02, "lfu"), frequencies=setup.data.count_frequencies(8), planner="host"
+    )
+    loop = Loop(cache)
+    loop.host_cpu_per_step(batches[: args.warmup])
+    waits = {"without": 0.0, "after": args.wait / 1e3}
+    seconds: dict[str, list[float]] = {name: [] for name in waits}
+    for _ in range(args.rounds):
+        for name, wait in waits.items():
+            seconds[name].append(loop.host_cpu_per_step(batches[args.warmup :], wait))
+    print(f"\n{setup.describe()}, 2% cache, lfu, host planner")
+    for name, values in seconds.items():
+        print(
+            f"  {'after a ' + str(args.wait) + ' ms wait' if waits[name] else 'back to back'}: "
+            f"host CPU {1e3 * np.median(values):.3f} ms a step ({_harness.ms_range(values, 3)})"
+        )
+    return float(np.median(seconds["after"]) / np.median(seconds["without"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="timed steps per round")
@@ -210,6 +242,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds, runs interleaved")
     parser.add_argument("--ids", type=int, default=8192, help="ids a step at 1x")
     parser.add_argument("--misses", type=int, default=256, help="new ids a step")
+    parser.add_argument("--wait", type=int, default=30, help="ms asleep before a step (4.)")
     parser.add_argument("--quick", action="store_true", help="fewer steps, smaller table")
     parser.add_argument("--scale", type=float, default=None, help="SyntheticCriteo scale")
     args = parser.parse_args()
@@ -222,6 +255,7 @@ def main() -> None:
     ids_ratio = fixed_misses(args)
     raw = raw_ids(args)
     planners = {policy: embedding_heavy(args, policy) for policy in ("adaptive", "lfu")}
+    waited = after_wait(args)
     print(f"\n({time.perf_counter() - start:.0f} s)")
     _harness.print_results(
         {
@@ -229,6 +263,7 @@ def main() -> None:
             "host_cpu_device_over_host_planner": planners["adaptive"],
             "host_cpu_device_over_host_planner_lfu": planners["lfu"],
             **raw,
+            "host_cpu_host_planner_after_wait_over_without": waited,
         }
     )
 
