@@ -188,9 +188,11 @@ class Prefetcher(Iterator[dict[str, Any]]):
     Attributes:
       unstaged: after ``close``, the batches the thread took from the source
         and did not plan for every table (one waited for room when the loop
-        left early), in order. When ``batches`` is an iterator that takes weak
-        references (a generator), the next pipeline over it yields them
-        first; otherwise closing warns, and they are here to chain back.
+        left early), in order; a batch the source returns after ``close``
+        (the thread was waiting inside it) is added last. When ``batches``
+        is an iterator that takes weak references (a generator), the next
+        pipeline over it yields them first; otherwise a warning says so, and
+        they are here to chain back.
 
     Examples:
       >>> import numpy as np, jaxcache
