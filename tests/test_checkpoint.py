@@ -636,6 +636,35 @@ def test_a_rollback_lands_evicted_rows_first_and_restores_every_table(tmp_path):
     np.testing.assert_array_equal(model[1].cache.table.rows[5:9], saved[1][0][5:9])
 
 
+def test_a_rollback_inside_a_pipeline_without_look_ahead_trains_as_one_after_it(tmp_path):
+    # Rolled back inside the loop (after a non-finite loss, say), the next
+    # batches of the same pipeline train as those of a new pipeline after
+    # the restore: the batch handed out before it must release no plan of
+    # the restored cache, whose plans start again from the saved index.
+    data = _data(16)
+    results = []
+    for inside in (False, True):
+        model, optimizer = _model(_cache("lru", capacity=48))
+        checkpointer = jaxcache.Checkpointer(tmp_path / str(inside))
+        _train(model, optimizer, data[:4])
+        checkpointer.save(4, model=model, optimizer=optimizer)
+        items = [{"ids": ids, "y": y} for ids, y in (data[4:] if inside else data[4:10])]
+        with jaxcache.prefetch(items, {"ids": model.embed}, lookahead=0) as pipeline:
+            for n, batch in enumerate(pipeline, start=4):
+                _train_step(model, optimizer, batch["ids"], batch["y"])
+                if n == 9:
+                    checkpointer.restore(4, model=model, optimizer=optimizer)
+        if not inside:
+            checkpointer.restore(4, model=model, optimizer=optimizer)
+            _train(model, optimizer, data[10:])
+        jaxcache.testing.check_invariants(model.embed.cache)
+        results.append((model.embed.export()[0], _dense(model) + _dense(optimizer)))
+    (after, after_dense), (inside, inside_dense) = results
+    np.testing.assert_allclose(inside, after, rtol=0, atol=1e-6)
+    for a, b in zip(inside_dense, after_dense, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_a_restored_cache_plans_the_next_pipeline_as_the_saved_one(tmp_path, planner, policy):
     # The first plans of the next pipeline still protect the rows of the

@@ -306,6 +306,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         self._released = threading.Condition()
         self._staging = threading.Lock()
         self._handed_out: dict[str, Staged] = {}
+        self._handed_out_epochs: dict[str, int] = {}
         self._closed = False
         self._done = False
         self._thread: threading.Thread | None = None
@@ -365,6 +366,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         self._taken += 1
         self._forget_pulled(self._taken)
         self._handed_out = staged
+        self._handed_out_epochs = {key: self._caches[key].lifecycle.epoch for key in staged}
         if self.callback:
             for key, s in staged.items():
                 self._caches[key].callbacks.offer(s)
@@ -425,9 +427,14 @@ class Prefetcher(Iterator[dict[str, Any]]):
 
     def _release_handed_out(self) -> None:
         # The loop asks for the next batch: the last one's step is dispatched.
+        # A restore since (a rollback in a loop without look-ahead) started
+        # the table's plans again from the saved index: this one's is not
+        # of them, and releasing it would count plans to come as finished.
         with self._released:
             for key, s in self._handed_out.items():
-                self._caches[key].lifecycle.release(s.plan.index)
+                lifecycle = self._caches[key].lifecycle
+                if lifecycle.epoch == self._handed_out_epochs[key]:
+                    lifecycle.release(s.plan.index)
             self._handed_out = {}
             self._released.notify_all()
 
