@@ -570,6 +570,99 @@ def test_a_damaged_file_is_refused_before_the_cache_changes(tmp_path, damage):
     assert target.cache.stats.steps == steps
 
 
+def _damage(table: pathlib.Path, damage: str) -> None:
+    """Damages a saved table the way ``damage`` says, recording the damaged
+    file in ``table.json`` as if it had been saved so."""
+    record = table / "table.json"
+    meta = json.loads(record.read_text())
+
+    def rewrite(file: str, array: np.ndarray) -> None:
+        np.save(table / file, array)
+        meta["arrays"][file[: -len(".npy")]] = {
+            "shape": list(array.shape),
+            "dtype": array.dtype.name,
+            "bytes": array.nbytes,
+        }
+
+    if damage == "rows of half the table":
+        rewrite("rows.npy", np.load(table / "rows.npy")[: N // 2])
+    elif damage == "state of another shape":
+        rewrite("state.accumulator.npy", np.load(table / "state.accumulator.npy")[:, 0])
+    elif damage == "rows of another dtype":  # the record still says float32
+        np.save(table / "rows.npy", np.load(table / "rows.npy").view(np.int32))
+    elif damage == "statistics garbled":
+        meta["stats"] = {"x": 1}
+    elif damage == "padded sizes garbled":
+        meta["buckets"] = [1, 2, 3]
+    record.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "rows of half the table",
+        "state of another shape",
+        "rows of another dtype",
+        "statistics garbled",
+        "padded sizes garbled",
+    ],
+)
+def test_a_whole_file_that_does_not_fit_the_table_is_refused_before_the_cache_changes(
+    tmp_path, damage
+):
+    # Each file is whole and table.json agrees with it: only the table (or
+    # the record's dtype) says it is wrong. Nothing may change before that.
+    saved = jaxcache.nnx.CachedEmbed(_cache("lru"))
+    saved.prepare(np.arange(30))
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(1, caches=[saved])
+    _damage(tmp_path / "1" / "tables" / "embedding", damage)
+    target = jaxcache.nnx.CachedEmbed(_cache("lru", seed=3))
+    target.prepare(np.arange(100, 110))
+    rows = np.array(target.cache.table.rows)
+    resident = target.cache.planner.resident_ids()
+    stats = target.cache.stats.state_dict()
+    with pytest.raises(ValueError, match=r"table 'embedding': .*(damaged|corrupt)"):
+        checkpointer.restore(caches=[target])
+    np.testing.assert_array_equal(target.cache.table.rows, rows)
+    np.testing.assert_array_equal(target.cache.planner.resident_ids(), resident)
+    assert target.cache.stats.state_dict() == stats
+    target.prepare(np.arange(100, 120))  # and it goes on
+
+
+def test_a_restore_that_fails_as_it_reads_leaves_the_cache_refused_until_one_completes(
+    tmp_path, monkeypatch
+):
+    # A file checked beforehand can still fail as it is read (the process
+    # that wrote the directory deleted the step meanwhile): the cache then
+    # holds part of the checkpoint, and must not be used as if it were whole.
+    saved = jaxcache.nnx.CachedEmbed(_cache("lru"))
+    saved.prepare(np.arange(30))
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(1, caches=[saved])
+    target = jaxcache.nnx.CachedEmbed(_cache("lru", seed=3))
+    target.prepare(np.arange(100, 110))
+
+    def vanished(*args, **kwargs):
+        raise FileNotFoundError("rows.npy was deleted")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(jaxcache._src.table_record.SavedTable, "copy_rows", vanished)
+        patch.setattr(jaxcache._src.table_record.SavedTable, "take", vanished)
+        with pytest.raises(FileNotFoundError):
+            checkpointer.restore(caches=[target])
+    refused = r"a restore failed after it had begun to change the cache .*rows\.npy was deleted"
+    with pytest.raises(RuntimeError, match=refused):
+        target.prepare(np.arange(5))
+    with pytest.raises(RuntimeError, match=refused):
+        checkpointer.save(2, caches=[target])
+    with pytest.raises(RuntimeError, match=refused):
+        target.export()
+    checkpointer.restore(caches=[target])  # a complete one: usable again
+    np.testing.assert_array_equal(target.export()[0], saved.export()[0])
+    target.prepare(np.arange(5))
+
+
 def test_save_refuses_batches_staged_ahead(tmp_path):
     model, optimizer = _model(_cache("lru", capacity=400))
     items = [{"ids": ids, "y": y} for ids, y in _data(10)]

@@ -256,6 +256,7 @@ class EmbeddingCache:
         self.config = config
         # Lookups carry it: a module over another cache of this name refuses them.
         self.cache_id = next(_CACHE_IDS)
+        self._damaged: str | None = None  # why a restore failed part-way
         # With raw ids the planners see host rows, and row -1 for padding and
         # for ids not admitted, unless they read a shared row (``raw_ids``).
         self.raw = None if config.vocabulary is None else RawIds(config, self.shard)
@@ -421,6 +422,7 @@ class EmbeddingCache:
           TypeError: ``state`` is not a ``CacheState``.
           ValueError: its arrays are not this cache's, or one was donated.
         """
+        self.check_whole()
         if not isinstance(state, CacheState):
             raise TypeError(
                 f"table {self.name!r} takes its device state as a CacheState (from init_state, "
@@ -460,6 +462,25 @@ class EmbeddingCache:
                     "they are given. Pass the state the last call returned (CachedEmbed "
                     "keeps it for you)."
                 )
+
+    def restore_failed(self, error: str | None) -> None:
+        """A restore failed part-way with ``error`` (the cache holds part of a
+        checkpoint), or completed (``None``): until one completes, every
+        step, save and export is refused (``check_whole``)."""
+        self._damaged = error
+
+    def check_whole(self) -> None:
+        """Refuses to use a cache that a failed restore left half-restored.
+
+        Raises:
+          RuntimeError: a restore failed after it began to change the cache.
+        """
+        if self._damaged is not None:
+            raise RuntimeError(
+                f"table {self.name!r}: a restore failed after it had begun to change the cache "
+                f"({self._damaged}), so the cache holds part of a checkpoint and would read other "
+                "ids' rows; restore a complete checkpoint (Checkpointer.restore) before using it."
+            )
 
     # ------------------------------------------------------------------ step
     def prepare(self, state: CacheState, ids: np.ndarray, *, train: bool = True):
@@ -626,6 +647,7 @@ class EmbeddingCache:
         (ids of a wrong type or rank, a batch that does not split over the
         devices); either planner checks the values as it plans. A pipeline
         checks every table of a batch before any plans it."""
+        self.check_whole()
         if isinstance(self.planner, DevicePlanner):
             self.planner.checked_ids(ids)
         elif self.config.vocabulary is not None:
@@ -710,6 +732,7 @@ class EmbeddingCache:
         Returns:
           A ``HostStaged``.
         """
+        self.check_whole()
         if size is not None:
             self._check_not_raw("the host-callback form")
         if isinstance(self.planner, DevicePlanner):
@@ -1014,6 +1037,7 @@ class EmbeddingCache:
         """This process's part of the host state besides the table, as flat
         arrays for a checkpoint (``Partitions.state_arrays``); its scalars are
         ``state_meta``'s. Take it after ``flush``, with no batch in flight."""
+        self.check_whole()
         self.lifecycle.check_idle("saving or restoring the cache")
         arrays = self.planner.state_arrays()
         if self.raw is not None:
@@ -1049,9 +1073,14 @@ class EmbeddingCache:
         self, parts: Sequence[Mapping[str, np.ndarray]], meta: Mapping[str, Any]
     ) -> None:
         """Raises ``ValueError`` unless ``load_state_arrays`` takes ``parts``
-        and ``meta`` (``Partitions.check_state_arrays``); changes nothing."""
+        and ``meta`` (``Partitions.check_state_arrays``, and the padded sizes
+        and statistics of ``meta``); changes nothing."""
         self.planner.check_state_arrays(parts, meta)
         self._check_vocabulary(parts)
+        if meta.get("buckets") is not None:
+            Stager.parse_state_dict(meta["buckets"])
+        if meta.get("stats") is not None:
+            CacheStats.parse_state_dict(meta["stats"])
 
     def _check_vocabulary(self, parts: Sequence[Mapping[str, np.ndarray]]) -> None:
         """Raises ``ValueError`` unless the saved parts hold a vocabulary

@@ -247,12 +247,33 @@ class Stager:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Takes over the padded sizes of a ``state_dict``; a route of another
-        length (saved by another version) leaves the route's sizes as they are."""
-        self.fetch_bucket = int(state["fetch"])
-        route = tuple(int(size) for size in state["route"])
+        length (saved by another version) leaves the route's sizes as they are.
+
+        Raises:
+          ValueError: ``state`` is incomplete or corrupt (nothing changed).
+        """
+        fetch, route, bag = self.parse_state_dict(state)
+        self.fetch_bucket = fetch
         if len(route) == len(self.route_buckets):
             self.route_buckets = cast(tuple[int, int, int], route)
-        self.bag_bucket = int(state.get("bag", self.bag_bucket))
+        self.bag_bucket = self.bag_bucket if bag is None else bag
+
+    @staticmethod
+    def parse_state_dict(state: Any) -> tuple[int, tuple[int, ...], int | None]:
+        """``(fetch, route, bag)`` of a ``state_dict`` read back from JSON.
+
+        Raises:
+          ValueError: ``state`` is incomplete or corrupt.
+        """
+        try:
+            fetch = int(state["fetch"])
+            route = tuple(int(size) for size in state["route"])
+            bag = None if state.get("bag") is None else int(state["bag"])
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ValueError(f"saved padded sizes are incomplete or corrupt: {error!r}.") from None
+        if min(fetch, *route, 1 if bag is None else bag) < 0:
+            raise ValueError(f"saved padded sizes are corrupt: {dict(state)!r} holds a negative.")
+        return fetch, route, bag
 
     def check_batch(self, shape: tuple[int, ...]) -> None:
         """Refuses ids whose batch (leading) axis does not split over the devices."""

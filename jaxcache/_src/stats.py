@@ -257,15 +257,27 @@ class CacheStats:
         Raises:
           ValueError: ``state`` lacks a counter (nothing changed).
         """
+        total, last, steps, waits, deferred = self.parse_state_dict(state)
+        self.total, self.last, self.steps, self.write_back_waits = total, last, steps, waits
+        self.deferred_fetches = deferred
+
+    @staticmethod
+    def parse_state_dict(state: Any) -> tuple[StepStats, StepStats, int, int, int]:
+        """``(total, last, steps, write_back_waits, deferred_fetches)`` of a
+        ``state_dict`` read back from JSON.
+
+        Raises:
+          ValueError: ``state`` lacks a counter, or holds one that is not a number.
+        """
         fields = [f.name for f in dataclasses.fields(StepStats)]
         try:
             total = StepStats(**{k: int(state["total"].get(k, 0)) for k in fields})
             last = StepStats(**{k: int(state["last"].get(k, 0)) for k in fields})
             steps, waits = int(state["steps"]), int(state["write_back_waits"])
-        except (KeyError, TypeError, ValueError) as error:
+            deferred = int(state.get("deferred_fetches", 0))
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"saved statistics are incomplete or corrupt: {error!r}.") from None
-        self.total, self.last, self.steps, self.write_back_waits = total, last, steps, waits
-        self.deferred_fetches = int(state.get("deferred_fetches", 0))
+        return total, last, steps, waits, deferred
 
     def as_dict(self) -> dict[str, float]:
         """Cumulative counters and rates as a flat dict (for logging)."""

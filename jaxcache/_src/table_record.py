@@ -221,7 +221,10 @@ def _npy_fault(path: str, recorded: dict[str, Any] | None) -> str | None:
         return f"has no readable .npy header ({error})"
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if recorded is not None and (
-        list(shape) != list(recorded["shape"]) or fortran or nbytes != recorded.get("bytes", nbytes)
+        list(shape) != list(recorded["shape"])
+        or fortran
+        or nbytes != recorded.get("bytes", nbytes)
+        or not _same_dtype(dtype, recorded.get("dtype"))
     ):
         return (
             f"holds {dtype} {tuple(shape)}, but the checkpoint recorded "
@@ -230,6 +233,19 @@ def _npy_fault(path: str, recorded: dict[str, Any] | None) -> str | None:
     if size != offset + nbytes:
         return f"has {size:,} bytes, but its header needs {offset + nbytes:,} (truncated)"
     return None
+
+
+def _same_dtype(header: np.dtype, recorded: Any) -> bool:
+    """Whether a ``.npy`` header's dtype is the one ``table.json`` recorded by
+    name (``bfloat16`` rows are written as raw two-byte values)."""
+    if recorded is None:
+        return True
+    try:
+        expected = np.dtype(recorded)
+    except TypeError:
+        return False
+    fmt = np.lib.format
+    return bool(fmt.descr_to_dtype(fmt.dtype_to_descr(expected)) == header)
 
 
 def shard_key(key: str, index: int, count: int) -> str:
@@ -281,10 +297,36 @@ def check_restorable(name: str, saved: SavedTable, cache: EmbeddingCache) -> Non
     the cache's state arrays fit it (``EmbeddingCache.check_state_arrays``)."""
     _check_compatible(name, saved.meta, cache)
     saved.check_files(name)
+    _check_row_files(name, saved, cache)
     try:
         cache.check_state_arrays(saved.state_parts(), saved.state_meta())
     except ValueError as error:
         raise ValueError(f"table {name!r}: {error}") from None
+
+
+def _check_row_files(name: str, saved: SavedTable, cache: EmbeddingCache) -> None:
+    """Raises ``ValueError`` unless the files a restore reads into ``cache``'s
+    table (its rows, and its optimizer state) hold each saving process's
+    rows in the table's width and dtype, whatever ``table.json`` says."""
+    config, count = cache.config, saved.shards
+    wanted: dict[str, tuple[tuple[int, ...], np.dtype]] = {
+        "rows": ((config.features,), np.dtype(config.row_dtype))
+    }
+    for key, spec in config.optimizer.state_spec(config.features).items():
+        if key in cache.table.state:
+            wanted[f"state.{key}"] = (tuple(spec.shape), np.dtype(spec.dtype))
+    for key, (tail, dtype) in wanted.items():
+        for shard in range(count):
+            path = saved.path(shard_key(key, shard, count))
+            shape = (len(range(shard, config.num_embeddings, count)), *tail)
+            with open(path, "rb") as f:
+                got, _, got_dtype, _ = npy_files.read_header(f)
+            if tuple(got) != shape or not _same_dtype(got_dtype, dtype.name):
+                raise ValueError(
+                    f"table {name!r}: {path} holds {got_dtype} {tuple(got)}, but the table's "
+                    f"{key} there are {dtype.name} {shape}; the checkpoint is damaged: restore an "
+                    "earlier step (Checkpointer.steps())."
+                )
 
 
 def _check_compatible(name: str, meta: dict[str, Any], cache: EmbeddingCache) -> None:
@@ -348,20 +390,28 @@ def restore_table(saved: SavedTable, holder: Any) -> None:
     ``check_restorable``): its state, this process's rows, and a device
     state built from them."""
     cache = holder.cache
-    cache.load_state_arrays(
-        saved.state_parts(), saved.state_meta(), exact=_is_exact(saved.meta, cache)
-    )
-    table = cache.table
-    if isinstance(table.rows, np.ndarray):
-        saved.copy_rows("rows", table.rows, table.shard)
-        for key, array in table.state.items():
-            saved.copy_rows(f"state.{key}", array, table.shard)
-    else:  # a TieredTable: written in chunks through its tiers
-        for ids in npy_files.id_chunks(table):
-            rows = saved.take("rows", ids, table.rows.dtype)
-            state = {k: saved.take(f"state.{k}", ids, v.dtype) for k, v in table.state.items()}
-            table.scatter(ids, rows, state)
-    holder.set_state(cache.init_state())
+    try:
+        cache.load_state_arrays(
+            saved.state_parts(), saved.state_meta(), exact=_is_exact(saved.meta, cache)
+        )
+        table = cache.table
+        if isinstance(table.rows, np.ndarray):
+            saved.copy_rows("rows", table.rows, table.shard)
+            for key, array in table.state.items():
+                saved.copy_rows(f"state.{key}", array, table.shard)
+        else:  # a TieredTable: written in chunks through its tiers
+            for ids in npy_files.id_chunks(table):
+                rows = saved.take("rows", ids, table.rows.dtype)
+                state = {k: saved.take(f"state.{k}", ids, v.dtype) for k, v in table.state.items()}
+                table.scatter(ids, rows, state)
+        holder.set_state(cache.init_state())
+    except BaseException as error:
+        # Checked beforehand, a file can still fail as it is read (another
+        # process deleted the step, a disk error): the cache now holds part
+        # of the checkpoint, and is refused until a restore completes.
+        cache.restore_failed(f"{type(error).__name__}: {error}")
+        raise
+    cache.restore_failed(None)
 
 
 # --------------------------------------------------------------- configuration
