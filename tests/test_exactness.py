@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -240,6 +241,26 @@ def test_weighted_bags_with_padding_match_full_table(combiner):
         b = ref_train(ids, y[:B], weights)
         assert abs(float(a) - float(b)) <= 1e-6
     assert_same_training(cached, reference, [])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_weight_at_padding_counts_for_nothing_whatever_its_value(bad):
+    # Eager and jitted alike: a product with the padding mask would make
+    # 0 * nan (or 0 * inf) a NaN in the bag's sum.
+    cfg = jaxcache.CacheConfig(10, 2, capacity=4, padding_id=-1)
+    rows = np.arange(20.0, dtype=np.float32).reshape(10, 2)
+    cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, rows=rows))
+    state, lookup = cache.prepare(cache.init_state(), np.array([[7, 2], [2, -1]]))
+    emb = jaxcache.device.lookup_rows(state.rows, lookup)
+    weights = jnp.array([[1.0, 2.0], [3.0, bad]], jnp.float32)
+    for combiner, expected in {
+        "sum": [[22, 25], [12, 15]],
+        "mean": [[22 / 3, 25 / 3], [4, 5]],
+    }.items():
+        eager = jaxcache.device.pool(emb, lookup, combiner, weights)
+        jitted = jax.jit(jaxcache.device.pool, static_argnums=2)(emb, lookup, combiner, weights)
+        for pooled in (eager, jitted):
+            np.testing.assert_allclose(np.asarray(pooled), expected, rtol=1e-6)
 
 
 def test_an_evaluation_model_over_the_training_cache_reads_the_trained_rows():

@@ -352,8 +352,9 @@ def pool(
     """
     check_weights(weights, lookup)
     acc = _accumulator(embeddings.dtype)
-    real = (lookup.inverse < lookup.received).astype(acc)
-    w = real if weights is None else real * weights.astype(acc)
+    real = lookup.inverse < lookup.received
+    # ``where``, not a product: a weight at padding may be anything, NaN too.
+    w = real.astype(acc) if weights is None else jnp.where(real, weights.astype(acc), 0)
     total = jnp.einsum("...l,...ld->...d", w, embeddings, preferred_element_type=acc)
     check_combiner(combiner, pooled=True)
     if combiner == "mean":
