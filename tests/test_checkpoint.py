@@ -594,6 +594,8 @@ def _damage(table: pathlib.Path, damage: str) -> None:
         meta["stats"] = {"x": 1}
     elif damage == "padded sizes garbled":
         meta["buckets"] = [1, 2, 3]
+    elif damage == "plan count negative":
+        meta["next_index"] = -5
     record.write_text(json.dumps(meta))
 
 
@@ -605,6 +607,7 @@ def _damage(table: pathlib.Path, damage: str) -> None:
         "rows of another dtype",
         "statistics garbled",
         "padded sizes garbled",
+        "plan count negative",
     ],
 )
 def test_a_whole_file_that_does_not_fit_the_table_is_refused_before_the_cache_changes(

@@ -135,6 +135,12 @@ def check_state(state: dict[str, Any], num_embeddings: int) -> None:
         raise ValueError(f"saved slots hold ids outside [0, {n}); is this the same table?")
     if np.unique(resident_ids).size != resident_ids.size:
         raise ValueError("saved slots hold an id twice; the state is corrupt.")
+    index, finished = state.get("next_index", 0), state.get("finished", -1)
+    if index < 0 or not -1 <= finished < max(index, 0):
+        raise ValueError(
+            f"saved next_index={index} and finished={finished} are not a plan count and a plan "
+            "made before it; the state is corrupt."
+        )
     counts = dict(state.get("policy", {})).get("counts")
     if counts is not None and np.shape(counts) != (n,):
         raise ValueError(
