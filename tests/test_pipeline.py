@@ -457,6 +457,30 @@ def test_a_batch_the_source_returns_after_close_goes_back_to_it(planner):
     assert second == [3, 4, 5]
 
 
+@pytest.mark.parametrize("second_lookahead", [0, 2])
+def test_a_second_pipeline_over_a_cache_another_stages_ahead_is_refused(planner, second_lookahead):
+    # Planned between the first one's batches, its plans would take their
+    # rows or wait for them forever (the device planner hung). Refused
+    # before it changes anything: the first one goes on as if alone.
+    cfg = jaxcache.CacheConfig(200, D, 64, policy="lru", optimizer=jaxcache.sgd(0.1))
+    batches = [{"ids": (8 * k + np.arange(8)).reshape(4, 2) % 200} for k in range(8)]
+    runs = []
+    for second in (False, True):
+        embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner))
+        with jaxcache.prefetch(batches, {"ids": embed}, lookahead=2) as pipeline:
+            for k, batch in enumerate(pipeline):
+                embed(batch["ids"])
+                if second and k == 2:
+                    with pytest.raises(RuntimeError, match=r"staged ahead by another open"):
+                        jaxcache.prefetch(batches, {"ids": embed}, lookahead=second_lookahead)
+        with jaxcache.prefetch(batches[:2], {"ids": embed}, lookahead=second_lookahead) as after:
+            for batch in after:  # once it closed, a pipeline of its own works
+                embed(batch["ids"])
+        runs.append((embed.cache.stats.total, embed.cache.planner.resident_ids()))
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
 def test_abandoned_pipeline_does_not_hang_exit(tmp_path):
     import subprocess
     import sys

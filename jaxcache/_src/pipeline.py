@@ -250,6 +250,15 @@ class Prefetcher(Iterator[dict[str, Any]]):
                 "(one plan per table per step)."
             )
         for key, holder in tables.items():
+            if holder.cache.pipelines:
+                raise RuntimeError(
+                    f"tables[{key!r}] is staged ahead by another open jaxcache.prefetch: a "
+                    "second pipeline would plan between its batches, taking their rows or "
+                    "waiting for them forever. Close the first one (leave its with-block, or "
+                    "let it run to its end) before opening this one, or build the first with "
+                    "lookahead=0."
+                )
+        for key, holder in tables.items():
             vocabulary = holder.cache.config.vocabulary
             if train and vocabulary is not None and lookahead > vocabulary.protect:
                 raise ValueError(
