@@ -457,3 +457,30 @@ def test_replay_gives_the_dram_tiers_figures(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(argv)  # --dram-budget without --row-bytes
     assert "needs --row-bytes" in capsys.readouterr().err
+
+
+def test_a_closed_table_is_refused_and_never_reaches_the_next_tables_files(tmp_path):
+    # Closing frees the file descriptors, and the system gives their numbers
+    # to the next files opened: a late read or write of the closed table
+    # must not land in another table's files.
+    cfg = jaxcache.CacheConfig(400, 4, 16, optimizer=jaxcache.adagrad(0.1))
+    closed = tiered(cfg, tmp_path / "a", rows_in_dram=4)
+    closed.close()
+    live = tiered(cfg, tmp_path / "b", rows_in_dram=4)
+    ids = np.arange(0, 400, 7)
+    before = live.gather(ids)
+    rows = np.ones((ids.size, 4), np.float32)
+    state = {"accumulator": np.ones((ids.size, 4), np.float32)}
+    for use in (
+        lambda: closed.gather(ids),
+        lambda: closed.scatter(ids, rows, state),
+        lambda: closed.rows[:10],
+        lambda: closed.state["accumulator"].__setitem__(3, 2.0),
+    ):
+        with pytest.raises(RuntimeError, match="TieredTable of 400 rows was closed"):
+            use()
+    with pytest.raises(ValueError, match="closed"):
+        jaxcache.EmbeddingCache(cfg, table=closed)
+    after = live.gather(ids)
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_array_equal(after[1]["accumulator"], before[1]["accumulator"])

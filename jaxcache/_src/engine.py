@@ -199,6 +199,11 @@ class EmbeddingCache:
     ) -> None:
         if table is not None:
             _check_table(table.config, config)
+            if getattr(table, "closed", False):
+                raise ValueError(
+                    "the table given was closed (TieredTable.close removed its files): build a "
+                    "new one for this cache."
+                )
         if mesh is None:
             mesh = Mesh(np.array(jax.devices()[:1]), (axis,))
         if axis not in mesh.shape:

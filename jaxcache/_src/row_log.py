@@ -393,8 +393,11 @@ class RowLog:
 
     # ------------------------------------------------------------------ other
     def close(self) -> None:
-        """Closes and removes the files."""
+        """Closes and removes the files. The descriptors are forgotten: the
+        system gives their numbers to the next files opened, which a late
+        read or write must never reach."""
         self._finalizer()
+        self._fd = self._owners_fd = -1
 
 
 def _remove(fds: tuple[int, ...], paths: tuple[str, ...]) -> None:

@@ -160,6 +160,7 @@ class TieredTable(HostTable):
       state: ``{name: TableColumn}`` of the per-row optimizer state.
       dram_budget: the bytes of memory the table uses for index and rows.
       shard: ``(index, count)``.
+      closed: ``close`` removed its files; it can no longer be read or written.
 
     Examples:
       >>> import tempfile, numpy as np, jaxcache
@@ -247,6 +248,7 @@ class TieredTable(HostTable):
             spare=disk_spare,
         )
         self._tier = DramTier(n, slots, self.record_bytes, self._log, shards=shards)
+        self.closed = False
         self.dram_budget = index_bytes + self._tier.slots * self.record_bytes
         self.rows = TableColumn(self, "rows")
         self.state = {name: TableColumn(self, name) for name in list(specs)[1:]}
@@ -322,13 +324,24 @@ class TieredTable(HostTable):
         return TieredStats(self._tier.stats(), dataclasses.replace(self._log.stats))
 
     def close(self) -> None:
-        """Removes the disk tier's files; the table cannot be used afterwards."""
+        """Removes the disk tier's files; the table cannot be used afterwards
+        (reading or writing it raises ``RuntimeError``)."""
+        self.closed = True
         self._log.close()
         release_files(self)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(
+                f"this TieredTable of {self.config.num_embeddings} rows was closed: its disk "
+                "tier's files are gone, so it holds no rows. Build a new one (and restore a "
+                "checkpoint into it) instead."
+            )
 
     # -------------------------------------------------------------- helpers
     def _checked(self, ids: Any) -> np.ndarray:
         """Local rows of global ``ids`` (1-D, int64), checked as ``HostTable``'s."""
+        self._check_open()
         local = as_index_array(np.asarray(self._local(self._valid_ids(ids))))
         return local.astype(np.int64, copy=False)
 
@@ -357,6 +370,7 @@ class TieredTable(HostTable):
     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Rows ``local`` (and their state) as fresh arrays; with ``names``,
         only those arrays (``rows`` among them or not)."""
+        self._check_open()
         names = list(self._specs) if names is None else names
         arrays = {
             name: np.empty((local.size, *self._specs[name][1]), self._specs[name][0])
