@@ -130,6 +130,29 @@ def test_a_server_keeps_the_latest_latencies():
     assert server.summary()["batches"] == 2 and server.summary()["hit_rate"] == 1.0
 
 
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_a_server_scores_one_stream_at_a_time(lookahead):
+    # Two streams planning over the same caches at once would read each
+    # other's rows: a second one is refused while the first runs, and once
+    # it is closed (or ran to its end) the next one scores as if alone.
+    cfg = jaxcache.serving_config(jaxcache.CacheConfig(100, 4, capacity=16))
+    rows = np.arange(400, dtype=np.float32).reshape(100, 4)
+    cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, rows=rows))
+    embed = jaxcache.nnx.CachedEmbed(cache, combiner="sum")
+    server = jaxcache.Server(
+        embed, lambda b: embed(b["ids"]).sum(-1), {"ids": embed}, lookahead=lookahead
+    )
+    batches = [{"ids": np.array([[i, i + 1], [i + 2, i + 3]])} for i in range(0, 40, 4)]
+    expected = [rows[b["ids"]].sum((1, 2)) for b in batches]
+    first = server.score(batches)
+    np.testing.assert_array_equal(next(first), expected[0])
+    with pytest.raises(RuntimeError, match=r"Server.score is already running"):
+        next(server.score(batches))
+    first.close()
+    for got, want in zip(server.score(batches), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_serve_example_runs_with_no_arguments():
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "serve.py"), "--batches", "20"],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
@@ -181,6 +182,7 @@ class Server:
         self.lookahead = lookahead
         self.latencies: collections.deque[float] = collections.deque(maxlen=int(latency_window))
         self._since = self._counts()
+        self._scoring = threading.Lock()  # held while a score() stream runs
 
     def reset(self) -> None:
         """Starts ``summary`` afresh, e.g. after a warm-up: clears
@@ -207,7 +209,26 @@ class Server:
 
         Yields:
           ``predict(batch)`` as NumPy (copied to the host).
+
+        Raises:
+          RuntimeError: another ``score`` stream of this server is running
+            (on another thread, or an earlier iterator neither run to its
+            end nor closed): the caches plan one stream at a time, and two
+            planning at once would read each other's rows.
         """
+        if not self._scoring.acquire(blocking=False):
+            raise RuntimeError(
+                "Server.score is already running (on another thread, or an earlier score() "
+                "iterator that was neither run to its end nor closed): a Server scores one "
+                "stream at a time. Serve requests from one thread (queue them in front of it), "
+                "or close the earlier iterator first."
+            )
+        try:
+            yield from self._score(batches)
+        finally:
+            self._scoring.release()
+
+    def _score(self, batches: Iterable[Mapping[str, Any]]) -> Iterator[np.ndarray]:
         taken: collections.deque[float] = collections.deque()
         # (samples of the piece that are real, its padded size, whether it
         # ends its batch), one per piece the pipeline stages, in order.
