@@ -136,7 +136,7 @@ def check_state(state: dict[str, Any], num_embeddings: int) -> None:
     if np.unique(resident_ids).size != resident_ids.size:
         raise ValueError("saved slots hold an id twice; the state is corrupt.")
     index, finished = state.get("next_index", 0), state.get("finished", -1)
-    if index < 0 or not -1 <= finished < max(index, 0):
+    if index < 0 or not -1 <= finished < index:
         raise ValueError(
             f"saved next_index={index} and finished={finished} are not a plan count and a plan "
             "made before it; the state is corrupt."

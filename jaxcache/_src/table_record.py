@@ -138,14 +138,7 @@ class SavedTable:
                     raise ValueError(
                         f"table {name!r}: {path} is missing; the checkpoint is incomplete."
                     )
-                fault = _npy_fault(
-                    path, self.meta["arrays"].get(shard_key(key, shard, self.shards))
-                )
-                if fault:
-                    raise ValueError(
-                        f"table {name!r}: {path} {fault}; the checkpoint is damaged: restore "
-                        "an earlier step (Checkpointer.steps())."
-                    )
+                _check_npy(name, path, self.meta["arrays"].get(shard_key(key, shard, self.shards)))
 
     def copy_rows(
         self, key: str, out: np.ndarray, shard: tuple[int, int], stored: Any = None
@@ -210,9 +203,23 @@ class SavedTable:
         return np.load(self.path(key), mmap_mode="r")
 
 
-def _npy_fault(path: str, recorded: dict[str, Any] | None) -> str | None:
-    """What is wrong with the ``.npy`` file at ``path`` given what ``table.json``
-    recorded of it (``write_array``'s shape and bytes), or ``None``."""
+def _check_npy(
+    name: str, path: str, recorded: dict[str, Any] | None, by: str = "the checkpoint recorded"
+) -> None:
+    """Raises ``ValueError`` naming table ``name`` unless the ``.npy`` file at
+    ``path`` is whole and holds what ``recorded`` says (``_npy_fault``)."""
+    fault = _npy_fault(path, recorded, by)
+    if fault:
+        raise ValueError(
+            f"table {name!r}: {path} {fault}; the checkpoint is damaged: restore an earlier "
+            "step (Checkpointer.steps())."
+        )
+
+
+def _npy_fault(path: str, recorded: dict[str, Any] | None, by: str) -> str | None:
+    """What is wrong with the ``.npy`` file at ``path`` given the shape,
+    dtype and bytes ``recorded`` of it (``write_array``'s record in
+    ``table.json``, or what the table holds, as ``by`` says), or ``None``."""
     try:
         with open(path, "rb") as f:
             shape, fortran, dtype, offset = npy_files.read_header(f)
@@ -227,8 +234,7 @@ def _npy_fault(path: str, recorded: dict[str, Any] | None) -> str | None:
         or not _same_dtype(dtype, recorded.get("dtype"))
     ):
         return (
-            f"holds {dtype} {tuple(shape)}, but the checkpoint recorded "
-            f"{recorded['dtype']} {tuple(recorded['shape'])}"
+            f"holds {dtype} {tuple(shape)}, but {by} {recorded['dtype']} {tuple(recorded['shape'])}"
         )
     if size != offset + nbytes:
         return f"has {size:,} bytes, but its header needs {offset + nbytes:,} (truncated)"
@@ -317,16 +323,10 @@ def _check_row_files(name: str, saved: SavedTable, cache: EmbeddingCache) -> Non
             wanted[f"state.{key}"] = (tuple(spec.shape), np.dtype(spec.dtype))
     for key, (tail, dtype) in wanted.items():
         for shard in range(count):
+            shape = [len(range(shard, config.num_embeddings, count)), *tail]
+            record = {"shape": shape, "dtype": dtype.name}
             path = saved.path(shard_key(key, shard, count))
-            shape = (len(range(shard, config.num_embeddings, count)), *tail)
-            with open(path, "rb") as f:
-                got, _, got_dtype, _ = npy_files.read_header(f)
-            if tuple(got) != shape or not _same_dtype(got_dtype, dtype.name):
-                raise ValueError(
-                    f"table {name!r}: {path} holds {got_dtype} {tuple(got)}, but the table's "
-                    f"{key} there are {dtype.name} {shape}; the checkpoint is damaged: restore an "
-                    "earlier step (Checkpointer.steps())."
-                )
+            _check_npy(name, path, record, by=f"the table's {key} there are")
 
 
 def _check_compatible(name: str, meta: dict[str, Any], cache: EmbeddingCache) -> None:
