@@ -531,15 +531,25 @@ def test_a_corrupt_table_state_is_refused_before_any_table_changes(tmp_path):
     assert targets[0].cache.planner.resident_ids().size == 0
 
 
+def _saved_and_target(tmp_path):
+    """A table saved at step 1 under ``tmp_path`` (30 ids resident), its
+    ``Checkpointer``, and a table of the same configuration that planned
+    ids of its own: what a restore into it must leave alone or replace."""
+    saved = jaxcache.nnx.CachedEmbed(_cache("lru"))
+    saved.prepare(np.arange(30))
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(1, caches=[saved])
+    target = jaxcache.nnx.CachedEmbed(_cache("lru", seed=3))
+    target.prepare(np.arange(100, 110))
+    return saved, checkpointer, target
+
+
 @pytest.mark.parametrize(
     "damage",
     ["rows cut short", "state cut short", "planner array cut short", "table.json garbled"],
 )
 def test_a_damaged_file_is_refused_before_the_cache_changes(tmp_path, damage):
-    saved = jaxcache.nnx.CachedEmbed(_cache("lru"))
-    saved.prepare(np.arange(30))
-    checkpointer = jaxcache.Checkpointer(tmp_path)
-    checkpointer.save(1, caches=[saved])
+    _, checkpointer, target = _saved_and_target(tmp_path)
     table = tmp_path / "1" / "tables" / "embedding"
     file = {
         "rows cut short": "rows.npy",
@@ -552,8 +562,6 @@ def test_a_damaged_file_is_refused_before_the_cache_changes(tmp_path, damage):
     else:
         os.truncate(table / file, os.path.getsize(table / file) - 8)
 
-    target = jaxcache.nnx.CachedEmbed(_cache("lru", seed=3))
-    target.prepare(np.arange(100, 110))
     rows = np.array(target.cache.table.rows)
     state = {k: np.array(v) for k, v in target.cache.table.state.items()}
     resident = target.cache.planner.resident_ids()
@@ -615,13 +623,8 @@ def test_a_whole_file_that_does_not_fit_the_table_is_refused_before_the_cache_ch
 ):
     # Each file is whole and table.json agrees with it: only the table (or
     # the record's dtype) says it is wrong. Nothing may change before that.
-    saved = jaxcache.nnx.CachedEmbed(_cache("lru"))
-    saved.prepare(np.arange(30))
-    checkpointer = jaxcache.Checkpointer(tmp_path)
-    checkpointer.save(1, caches=[saved])
+    _, checkpointer, target = _saved_and_target(tmp_path)
     _damage(tmp_path / "1" / "tables" / "embedding", damage)
-    target = jaxcache.nnx.CachedEmbed(_cache("lru", seed=3))
-    target.prepare(np.arange(100, 110))
     rows = np.array(target.cache.table.rows)
     resident = target.cache.planner.resident_ids()
     stats = target.cache.stats.state_dict()
@@ -639,12 +642,7 @@ def test_a_restore_that_fails_as_it_reads_leaves_the_cache_refused_until_one_com
     # A file checked beforehand can still fail as it is read (the process
     # that wrote the directory deleted the step meanwhile): the cache then
     # holds part of the checkpoint, and must not be used as if it were whole.
-    saved = jaxcache.nnx.CachedEmbed(_cache("lru"))
-    saved.prepare(np.arange(30))
-    checkpointer = jaxcache.Checkpointer(tmp_path)
-    checkpointer.save(1, caches=[saved])
-    target = jaxcache.nnx.CachedEmbed(_cache("lru", seed=3))
-    target.prepare(np.arange(100, 110))
+    saved, checkpointer, target = _saved_and_target(tmp_path)
 
     def vanished(*args, **kwargs):
         raise FileNotFoundError("rows.npy was deleted")
