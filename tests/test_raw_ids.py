@@ -372,6 +372,26 @@ def test_checkpoint_restores_raw_ids_onto_another_layout_and_planner(
         assert other.vocabulary.bonus == learner.bonus != saved_bonus == 8
 
 
+def test_a_vocabulary_saved_without_its_training_steps_ages_ids_by_plans(planner):
+    # Saved before plans were told from steps: every plan was a step, so the
+    # clock resumes at the next plan with as many steps, and nothing moves.
+    cfg = config(300, 130, jaxcache.sgd(0.1), ttl=3)
+    cache = jaxcache.EmbeddingCache(cfg, planner=planner)
+    state = cache.init_state()
+    for ids, _ in raw_batches(4):
+        state, _ = cache.prepare(state, ids)
+    state, _ = cache.prepare(state, ids, train=False)
+    cache.flush(state)
+    saved = cache.state_dict()
+    assert saved["vocabulary"].pop("vocabulary.steps").tolist()[-1] == 4
+    other = jaxcache.EmbeddingCache(cfg, table=cache.table, planner=planner)
+    other.load_state_dict(saved)
+    assert (other.raw.clock.next_index, other.raw.clock.steps) == (5, 5)
+    assert other.vocabulary.state_dict()["last_use"].tolist() == (
+        cache.vocabulary.state_dict()["last_use"].tolist()
+    )
+
+
 def test_unsupported_uses_are_refused_with_the_way_out():
     cfg = config(100, 8, jaxcache.sgd(0.1))
     mesh = Mesh(np.array(jax.devices()[:8]), ("rows",))
@@ -430,6 +450,40 @@ def test_evaluating_does_not_change_which_id_training_forgets(planner, forget):
 
     assert rows_after(False) == [-1, 1, 0]
     assert rows_after(True) == [-1, 1, 0]
+
+
+@pytest.mark.parametrize("forget", ["lru", "lrfu"])
+def test_an_evaluation_ages_no_id_even_across_a_checkpoint(tmp_path, planner, forget):
+    # ttl=2 training steps: an evaluation of 6 batches (pipelined) between
+    # training steps must expire no id, and a restore must resume the steps,
+    # so that training equals the dict reference, which never evaluates.
+    cfg = config(400, 150, OPTIMIZERS["adagrad"], forget=forget, ttl=2, protect=1)
+    batches = [{"ids": i, "y": y} for i, y in raw_batches(12, seed=2)]
+    table = jaxcache.HostTable(cfg, seed=3)
+    reference, ref_train, vocab = make_raw_reference(np.array(table.rows), cfg, F, lookahead=1)
+    ref_losses = [float(ref_train(b["ids"], b["y"])) for b in batches[:6]]
+    cache = jaxcache.EmbeddingCache(cfg, table=table, planner=planner)
+    model, train = make_cached(cache, F)
+    with jaxcache.prefetch(batches[:6], {"ids": model.embed}, lookahead=1) as pipeline:
+        losses = [float(train.with_lookup(b["ids"], b["y"])) for b in pipeline]
+    # Ids the reference holds at its next step (6): every one reads its row.
+    live = {i for row, (i, _, _) in vocab.entry.items() if not vocab.expired(row, 6, 5)}
+    before = cache.stats.total.refused_lookups
+    with jaxcache.prefetch(batches[:6], {"ids": model.embed}, lookahead=2, train=False) as pipeline:
+        assert len(list(pipeline)) == 6
+    ids = np.concatenate([b["ids"].reshape(-1) for b in batches[:6]])
+    unknown = sum(i not in live for i in ids[ids != PAD].tolist())
+    assert cache.stats.total.refused_lookups - before == unknown < ids.size // 2
+    ckpt = jaxcache.Checkpointer(tmp_path)
+    ckpt.save(6, model=model, optimizer=train.optimizer)
+    other = jaxcache.EmbeddingCache(ckpt.cache_config("embedding"), planner=planner)
+    model2, train2 = make_cached(other, F)
+    ckpt.restore(6, model=model2, optimizer=train2.optimizer)
+    with jaxcache.prefetch(batches[6:], {"ids": model2.embed}, lookahead=1) as pipeline:
+        losses += [float(train2.with_lookup(b["ids"], b["y"])) for b in pipeline]
+    ref_losses += [float(ref_train(b["ids"], b["y"])) for b in batches[6:]]
+    assert other.stats.total.forgotten_ids > 50
+    assert_same(other, model2, reference, vocab, losses, ref_losses)
 
 
 def test_batches_that_do_not_train_read_the_shared_row_for_unknown_ids(planner):

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxcache
+from jaxcache._src.training_clock import WINDOW, TrainingClock
 from jaxcache._src.vocabulary import Vocabulary, distinct_ids, hashed_rows, rows_to_hold
 from jaxcache._src.vocabulary_learner import BonusLearner
 from tests.models import LearnerModel, VocabularyModel
@@ -229,3 +230,40 @@ def test_distinct_ids_are_numpys_in_order_of_first_appearance(ids, pad):
     assert [-1 if i < 0 else unique[i] for i in inverse.tolist()] == [
         -1 if pad is not None and x == pad else x for x in ids
     ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    plans=st.lists(st.tuples(st.booleans(), st.integers(0, 3)), min_size=1, max_size=40),
+)
+def test_the_training_clock_counts_the_training_plans_before_each(plans):
+    # Plans made in order, some taken back (a refusal, a rollback) and made
+    # again, against a list of every plan's training flag.
+    clock, made = TrainingClock(), []
+    for train, back in plans:
+        index = max(len(made) - back, 0)
+        del made[index:]
+        assert clock.plan(index, train) == sum(made)
+        made.append(train)
+        assert clock.steps == sum(made) and clock.next_index == len(made)
+        for f in range(-1, len(made)):  # the last training plan up to f
+            assert clock.finished(f) == sum(made[: f + 1]) - 1
+        for index, trains in enumerate(made):
+            if trains:
+                assert clock.plan_of(sum(made[:index])) == index
+    restored = TrainingClock.from_array(clock.state_array())
+    assert restored.state_array().tolist() == clock.state_array().tolist()
+
+
+def test_the_training_clock_keeps_a_window_and_refuses_a_damaged_save():
+    clock = TrainingClock()
+    for index in range(WINDOW + 10):
+        clock.plan(index, index % 2 == 0)
+    assert clock.steps == (WINDOW + 11) // 2
+    # Past the window every plan counts as a training one: a lower bound,
+    # which holds ids longer, never shorter.
+    assert clock.finished(5) <= 2 and clock.plan_of(0) is None
+    assert clock.finished(WINDOW + 8) == clock.steps - 1
+    for damaged in ([0], [0, 3, 5], [-1, 0, 1], [0.5, 1.0]):
+        with pytest.raises(ValueError, match="training clock"):
+            TrainingClock.from_array(np.array(damaged))

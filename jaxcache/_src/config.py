@@ -47,8 +47,9 @@ class DynamicVocabulary:
         Batches that do not train (``train=False``, ``jaxcache.Server``)
         admit no id and count nothing: unknown ids read the default row,
         and known ids keep the last use and lookups that ``forget`` ranks
-        them by. Such a batch still counts as a step, as every batch
-        planned does, for ``ttl`` and for the ages of ``"lrfu"``.
+        them by. Nor does such a batch count as a step: ``ttl``, the ages
+        of ``"lrfu"`` and ``protect`` count training batches, so that no
+        evaluation, however long, and no server changes which ids stay.
       default: what an id without a row reads: ``"zeros"`` (a zero row
         with no update, like padding) or ``"shared"``: one trainable row,
         the budget's last (``num_embeddings - 1``, which no id is given),
@@ -80,10 +81,10 @@ class DynamicVocabulary:
         ``scale``), ``"uniform"`` (in ``[-scale, scale)``) or ``"zeros"``.
       scale: of ``init``.
       ttl: also forget the ids no training batch looked up in the last
-        ``ttl`` steps (batches planned, any batch), even while rows are
-        free (their rows count as free), under any ``forget`` rule;
-        ``None``: only when a bucket is full.
-      protect: the rows used by the ``protect`` batches before a batch are
+        ``ttl`` steps (training batches), even while rows are free (their
+        rows count as free), under any ``forget`` rule; ``None``: only when
+        a bucket is full.
+      protect: the rows used by the ``protect`` training batches before a batch are
         never given to its new ids (nor forgotten by ``ttl``), whether or
         not those batches are still in flight. A pipeline
         (``jaxcache.prefetch``) of look-ahead up to ``protect`` then

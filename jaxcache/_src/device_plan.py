@@ -564,7 +564,7 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
     n, k, cl, p = spec.devices, spec.per_destination, spec.local_capacity, spec.misses
     nl = spec.local_rows
     v = spec.received
-    t, finished, train, epoch, admit_finished, bonus = (args[i] for i in range(6))
+    t, finished, train, epoch, admit_finished, bonus, step = (args[i] for i in range(7))
     scalars = state.scalars
     fresh = epoch > scalars[0]
     skipped = (scalars[1] != 0) & ~fresh
@@ -624,7 +624,7 @@ def _plan_device(spec: PlanSpec, axis: str, state: PlanState, ids, args):
             uniq_high,
             lookups,
             live,
-            t,
+            step,
             admit_finished,
             train,
             bonus,
@@ -902,11 +902,12 @@ def make_plan(spec: PlanSpec, mesh: Mesh, axis: str):
 
     ``plan(state, ids, args) -> (state, PlanOut)``: ``state`` is donated;
     ``ids`` are the batch's ids split over ``axis`` (int32, or two words
-    each when ``spec.wide``); ``args`` is ``int32 [6]``, replicated:
-    ``(plan index, finished, train, epoch, admit_finished, bonus)``: plans
-    up to ``finished`` no longer protect their slots, and those up to
-    ``admit_finished`` their vocabulary rows; ``epoch`` above the state's
-    clears a failure; ``bonus`` is the vocabulary's (``"lrfu"``,
+    each when ``spec.wide``); ``args`` is ``int32 [7]``, replicated:
+    ``(plan index, finished, train, epoch, admit_finished, bonus, step)``:
+    plans up to ``finished`` no longer protect their slots; ``epoch`` above
+    the state's clears a failure; the vocabulary ages ids by ``step``, the
+    plan's training step (``TrainingClock``), holds the rows of steps after
+    ``admit_finished``, and forgets by ``bonus`` (``"lrfu"``,
     ``"adaptive"``).
     """
     rows = PartitionSpec(axis)

@@ -52,6 +52,7 @@ from jaxcache._src.planner import CapacityError
 from jaxcache._src.policies import AdaptivePolicy
 from jaxcache._src.stager import bucket_size
 from jaxcache._src.stats import StepStats
+from jaxcache._src.training_clock import TrainingClock
 from jaxcache._src.vocabulary import Vocabulary, distinct_ids
 from jaxcache._src.vocabulary_learner import BonusLearner
 
@@ -167,6 +168,7 @@ class DevicePlanner:
         frequencies: np.ndarray | None = None,
         agreement: Agreement | None = None,
         learner: BonusLearner | None = None,
+        clock: TrainingClock | None = None,
     ) -> None:
         if layout.split != 1:
             raise ValueError(
@@ -226,6 +228,8 @@ class DevicePlanner:
         self._admit_finished = -1  # the vocabulary's bound at the latest plan
         # Plans before each plan whose vocabulary rows it holds (raw ids).
         self._protect = 0 if config.vocabulary is None else int(config.vocabulary.protect)
+        # Plans to the training steps the vocabulary ages ids by (``RawIds``').
+        self.clock = clock if clock is not None else TrainingClock()
         mirror = self._new_mirror()
         self.state: PlanState
         self.learners: list[AdaptivePolicy] = []
@@ -379,7 +383,7 @@ class DevicePlanner:
             }
             residues = [self.layout.residue(d) for d in self.layout.own]
             _vocabulary_from_blocks(vocab, spec, residues, blocks)
-            vocab.clock = (self.next_index - 1, self._admit_finished)
+            vocab.clock = (self.clock.step_of(self.next_index - 1), self._admit_finished)
         return vocab
 
     def load_vocabulary(self, vocab: Vocabulary) -> None:
@@ -600,12 +604,15 @@ class DevicePlanner:
             finished = self.released if released is None else min(int(released), self.released)
             self._finished_before[index] = self._finished
             self._finished = max(self._finished, finished)
-            admit = min(finished, index - 1 - self._protect)
+            step = self.clock.plan(index, train)
+            admit = min(self.clock.finished(finished), step - 1 - self._protect)
             program = device_plan.make_plan(
                 self._spec(wide, array.size // n, train), self.mesh, self.axis
             )
             bonus = self._vocabulary_bonus()
-            args = np.array([index, self._finished, int(train), self.epoch, admit, bonus], np.int32)
+            args = np.array(
+                [index, self._finished, int(train), self.epoch, admit, bonus, step], np.int32
+            )
             # A fresh copy: a transfer may alias host memory (the CPU backend),
             # and the caller may reuse its batch's buffer before the plan runs.
             # On one CPU device the program takes the host arrays as they are.
@@ -613,7 +620,7 @@ class DevicePlanner:
             args_device = self.blocks.transfer(args, self.blocks.replicated)
             self.state, out = program(self.state, ids_device, args_device)
             self.next_index = index + 1
-            read = {"admit": admit, "bonus": bonus}
+            read = {"admit": admit, "bonus": bonus, "step": step}
             dispatched = Dispatched(index, array, out, train, self.epoch, read)
             if self._learns:
                 self._dispatched[index] = dispatched
@@ -744,6 +751,7 @@ class DevicePlanner:
         with self._lock:
             self.epoch += 1
             self.next_index = index
+            self.clock.rollback(index)
             if index in self._finished_before:
                 self._finished = self._finished_before[index]
             for later in [i for i in self._finished_before if i >= index]:
@@ -818,13 +826,14 @@ class DevicePlanner:
             vocab.admit(
                 unique,
                 counts,
-                step=dispatched.index,
+                step=dispatched.read["step"],
                 finished=dispatched.read["admit"],
                 new=dispatched.train,
                 distinct=True,
             )
         except CapacityError as refused:
             error = refused
+            error.fits_after = self.clock.plan_of(error.fits_after)
         never = 1 << 62  # the agreed value of "no release makes room"
         after = -1 if error is None else never if error.fits_after is None else error.fits_after
         after = int(self.agreement.max(dispatched.index, np.array([after]))[0])
@@ -892,16 +901,17 @@ class DevicePlanner:
             return learner.bonus
         return 0 if spec is None else int(spec.bonus)
 
-    def _learn_vocabulary(self, index: int, lists: list[list[np.ndarray]]) -> None:
-        """The vocabulary's bonus learner learns from plan ``index``'s
-        sample: every device's, of every process."""
+    def _learn_vocabulary(self, dispatched: Dispatched, lists: list[list[np.ndarray]]) -> None:
+        """The vocabulary's bonus learner learns from a plan's sample: every
+        device's, of every process."""
+        index = dispatched.index
         assert self.vocabulary_learner is not None
         # [3, Q]: low words, high words and lookups of this process's devices.
         mine = np.stack([np.concatenate([x[c] for x in lists]) for c in (7, 8, 9)])
         parts = self._sample_agreement.gather(index, mine)
         low, high, counts = np.concatenate(parts, axis=1).astype(np.int64)
         ids = (low & 0xFFFFFFFF) | (high << 32)
-        self.vocabulary_learner.offer(ids, counts, index, sampled=True)
+        self.vocabulary_learner.offer(ids, counts, dispatched.read["step"], sampled=True)
         self.vocabulary_learner.settle()
 
     def _learn_until(self, index: int) -> None:
@@ -921,7 +931,7 @@ class DevicePlanner:
                     return
                 lists = self._lists(dispatched)
                 if self.vocabulary_learner is not None and dispatched.train:
-                    self._learn_vocabulary(dispatched.index, lists)
+                    self._learn_vocabulary(dispatched, lists)
                 choices = []
                 for b, learner in enumerate(self.learners):
                     sample, counts = lists[b][2:4]

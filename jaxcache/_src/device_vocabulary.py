@@ -176,7 +176,8 @@ def admit(
       low, high: ``int32 [V]``: the ids' words (distinct where ``live``).
       lookups: ``int32 [V]``: their lookups in the batch.
       live: ``bool [V]``: entries that are ids.
-      t: the plan's index; ``finished``: plans up to it hold no rows.
+      t: the plan's training step (``TrainingClock``); ``finished``: the
+        steps up to it hold no rows.
       train: the batch trains (admits and counts); else nothing is admitted.
       bonus: of ``"lrfu"`` and ``"adaptive"`` (the learned one).
     """
@@ -316,7 +317,7 @@ def admit(
 
 
 def _expired(spec: VocabSpec, last: jax.Array, t: jax.Array, finished: jax.Array) -> jax.Array:
-    """Entries (``last >= 0``) no plan looked up for ``ttl`` plans, none in flight."""
+    """Entries (``last >= 0``) no plan looked up for ``ttl`` steps, none in flight."""
     if spec.ttl is None:
         return jnp.zeros(last.shape, bool)
     return (last >= 0) & (last < t - spec.ttl) & (last <= finished)

@@ -288,6 +288,7 @@ class EmbeddingCache:
                 frequencies=frequencies,
                 agreement=processes_agreement,
                 learner=None if self.raw is None else self.raw.learner,
+                clock=None if self.raw is None else self.raw.clock,
             )
         else:
             self.planner = Partitions(

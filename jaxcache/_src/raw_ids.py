@@ -8,7 +8,8 @@ does, for each batch, in the stager's lock and in plan order:
    (``distinct_ids``: one hash pass, no sort), so that rows depend on the
    batch alone, never on the device count. Rows whose last plan is not
    finished by the vocabulary's bound (``finished``, set by the look-ahead,
-   never by thread timing) are held. The padding id becomes row ``-1``,
+   never by thread timing) are held. Ages count training batches only
+   (``TrainingClock``: a plan's step). The padding id becomes row ``-1``,
    the planners' padding, and so do ids not admitted, unless the
    vocabulary has a shared row (``DynamicVocabulary(default="shared")``):
    then they become that row, which the planners plan like any other.
@@ -36,6 +37,8 @@ from jaxcache._src import validation
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.host_table import HostTable
 from jaxcache._src.partitions import Partitions, StepPlan
+from jaxcache._src.planner import CapacityError
+from jaxcache._src.training_clock import TrainingClock
 from jaxcache._src.vocabulary import Admission, Vocabulary, distinct_ids, hashed_rows
 from jaxcache._src.vocabulary_learner import BonusLearner
 from jaxcache._src.write_back import WriteBacks
@@ -56,12 +59,14 @@ class Translated(NamedTuple):
       admission: what the vocabulary did (``Vocabulary.admit``).
       new_counts: ``int64 [A]``: lookups of each new id in the batch.
       refused_lookups: lookups of ids not admitted.
+      plan_index: the plan's index.
     """
 
     rows: np.ndarray
     admission: Admission
     new_counts: np.ndarray
     refused_lookups: int
+    plan_index: int
 
 
 class RawIds:
@@ -86,6 +91,8 @@ class RawIds:
         self.learner = BonusLearner.of(spec, self.vocabulary.rows)
         if self.learner is not None:
             self.vocabulary.bonus = self.learner.bonus
+        # Plans to the training steps the vocabulary ages ids by (either planner's).
+        self.clock = TrainingClock()
 
     def bonus(self) -> int:
         """The bonus the next plan forgets by (``"lrfu"``'s, or the learned
@@ -146,11 +153,22 @@ class RawIds:
         array = validation.check_raw_ids(ids, "ids")
         unique, inverse, counts = distinct_ids(array, self.config.padding_id)
         self.vocabulary.bonus = self.bonus()
-        admission = self.vocabulary.admit(
-            unique, counts, step=index, finished=finished, new=train, distinct=True
-        )
+        step = self.clock.plan(index, train)
+        try:
+            admission = self.vocabulary.admit(
+                unique,
+                counts,
+                step=step,
+                finished=self.clock.finished(finished),
+                new=train,
+                distinct=True,
+            )
+        except CapacityError as error:
+            self.clock.rollback(index)
+            error.fits_after = self.clock.plan_of(error.fits_after)
+            raise
         if self.learner is not None and train:
-            self.learner.offer(unique, counts, index)
+            self.learner.offer(unique, counts, step)
         given = admission.rows
         if self.shared_row is not None:
             given = np.where(given < 0, self.shared_row, given)
@@ -158,11 +176,12 @@ class RawIds:
         rows = np.append(given, ROW_PAD)[inverse]
         refused = int(counts[admission.rows < 0].sum())
         assert admission.new_at is not None
-        return Translated(rows, admission, counts[admission.new_at], refused)
+        return Translated(rows, admission, counts[admission.new_at], refused, int(index))
 
     def revert(self, translated: Translated) -> None:
         """Takes back ``translate`` (the planners refused the batch)."""
         self.vocabulary.revert(translated.admission)
+        self.clock.rollback(translated.plan_index)
         if self.learner is not None:
             self.learner.drop()
 
@@ -248,7 +267,8 @@ class RawIds:
                 state[key] = state[key][mine]
             cells = np.arange(state["sketch"].shape[1]) % processes == process
             state["sketch"] = np.where(cells[None, :], state["sketch"], 0)
-        if self.learner is not None:  # the same in every process
+        state["steps"] = self.clock.state_array()  # the same in every process
+        if self.learner is not None:
             state.update({f"learner.{k}": v for k, v in self.learner.state_dict().items()})
         return {f"vocabulary.{k}": v for k, v in state.items()}
 
@@ -269,6 +289,7 @@ class RawIds:
                 f"the saved vocabulary has rows past this budget of {self.config.num_embeddings}; "
                 "restore it into a cache with the saved num_embeddings."
             )
+        _saved_clock(arrays)
         saved = _learner_state(arrays)
         if self.learner is not None and saved:
             self.learner.check_state_dict(saved)
@@ -290,6 +311,7 @@ class RawIds:
         joined["sketch"] = sum(np.asarray(part["vocabulary.sketch"]) for part in parts)
         joined["clock"] = np.max([np.asarray(part["vocabulary.clock"]) for part in parts], axis=0)
         self.vocabulary.load_state_dict(joined)
+        self.clock.load(_saved_clock(parts[0]))
         if self.learner is not None:
             saved = _learner_state(parts[0])
             if saved:
@@ -297,6 +319,16 @@ class RawIds:
             # A state saved under another rule: the learner starts afresh.
             self.vocabulary.bonus = self.learner.bonus
         return self.vocabulary
+
+
+def _saved_clock(arrays: Mapping[str, Any]) -> TrainingClock:
+    """The training clock of saved ``state_arrays``. A vocabulary saved
+    before plans were told from steps aged ids by every plan: its clock
+    starts at its next plan, each plan a step."""
+    if "vocabulary.steps" in arrays:
+        return TrainingClock.from_array(arrays["vocabulary.steps"])
+    latest = int(np.asarray(arrays["vocabulary.clock"]).reshape(-1)[0])
+    return TrainingClock(latest + 1, latest + 1)
 
 
 def _learner_state(arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:

@@ -28,7 +28,9 @@ a stale id when its bucket is full, so that no two live ids share a row.
   its owner sets before each admission: ``vocabulary_learner``). Held rows
   (used by a plan after ``finished``, by one of the ``protect`` plans before
   this one, or by the batch itself) are never taken.
-- **Expiry** (``ttl``): an id no plan looked up in the last ``ttl`` plans
+- **Steps**: ``admit``'s ``step`` and ``finished`` count training plans
+  (``training_clock``), so that batches that train nothing age no id.
+- **Expiry** (``ttl``): an id no plan looked up in the last ``ttl`` steps
   and no batch in flight uses has expired: it has no row, and its way
   counts as free. Expiry is read from each row's last use when the row is
   looked at, so it costs nothing per step; an expired id that is admitted
@@ -230,7 +232,7 @@ class Vocabulary:
         ``"lrfu"`` (both, by ``bonus``: see the module).
       bonus: of ``"lrfu"``: plans an id stays per doubling of its lookups.
       ways: the most rows of one bucket.
-      ttl: ids unused for more than this many plans expire, whatever the
+      ttl: ids unused for more than this many steps expire, whatever the
         ``forget`` rule (``None``: never).
       sketch_width: counters per row of the admission sketch over all
         buckets (a power of two; with ``admit_after > 1``).
@@ -274,7 +276,7 @@ class Vocabulary:
         if isinstance(bonus, bool) or not isinstance(bonus, int) or not 0 <= bonus <= 256:
             raise ValueError(f"bonus={bonus!r} must be an integer in [0, 256].")
         if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
-            raise ValueError(f"ttl={ttl!r} must be a positive number of plans, or None.")
+            raise ValueError(f"ttl={ttl!r} must be a positive number of steps, or None.")
         if sketch_width < 1 or sketch_width & (sketch_width - 1):
             raise ValueError(f"sketch_width={sketch_width} must be a power of two.")
         if isinstance(protect, bool) or not isinstance(protect, int) or protect < 0:
@@ -403,8 +405,9 @@ class Vocabulary:
         1``: none in flight), or by the ``protect`` plans before ``step``,
         are held. All or nothing. With ``new=False`` (a
         batch that trains nothing) no id is admitted or counted, and known
-        ids keep their last use and counts; the step still counts as a
-        plan for ``ttl`` and ages, as plan indices do.
+        ids keep their last use and counts. ``step`` counts training
+        plans (``TrainingClock``): one that trains nothing shares the next
+        training plan's, so that it ages no id.
         ``distinct=True``: the caller vouches that ``ids`` are distinct
         (``distinct_ids``).
 
