@@ -387,11 +387,12 @@ def test_a_break_loses_no_batch_the_pipeline_took_from_its_source(planner, itera
     assert second == list(range(planned, 10))
 
 
-def test_a_break_gives_back_a_batch_one_table_planned_and_another_did_not(planner):
+def test_a_batch_one_table_planned_at_a_break_is_planned_by_every_table_once(planner):
     # Two tables: "a" holds every batch in flight, "b" (24 slots, 16 ids a
-    # batch) waits for room for the batch after the one in flight. After a
-    # break, "a" has planned a batch that "b" has not: it was never handed
-    # out, so it goes back to the source with those after it.
+    # batch) waits for room for the batch after the one in flight. At a
+    # break, "a" has planned a batch that "b" has not: it counts as seen, as
+    # a batch staged ahead does, so "b" plans it at close; the batches no
+    # table planned go back to the source. Each table plans each batch once.
     def cache(capacity):
         cfg = jaxcache.CacheConfig(200, D, capacity, policy="lru", optimizer=jaxcache.sgd(0.1))
         return jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner))
@@ -413,13 +414,42 @@ def test_a_break_gives_back_a_batch_one_table_planned_and_another_did_not(planne
                 break
     planned = {key: embed.cache.planner.next_index for key, embed in embeds.items()}
     assert first == [0, 1, 2, 3]
-    assert planned["a"] > planned["b"] >= 4, planned
+    assert planned["a"] == planned["b"] >= 5, planned
     assert [b["k"] for b in pipeline.unstaged] == list(range(planned["b"], 10))[
         : len(pipeline.unstaged)
     ]
     with jaxcache.prefetch(source, embeds, lookahead=2) as pipeline:
         second = [batch["k"] for batch in pipeline]
     assert second == list(range(planned["b"], 10))
+    for embed in embeds.values():
+        assert embed.cache.planner.next_index == 10
+        assert embed.cache.stats.total.lookups == 10 * 16
+
+
+def test_a_batch_one_table_refuses_raises_and_the_next_pipeline_goes_on_after_it(planner):
+    # Batch 3 has more distinct ids than "b" holds: "a" planned it, "b"
+    # refused it. The loop raises the refusal; the batch goes with its
+    # error, and a later pipeline over the source goes on after it.
+    def cache(capacity):
+        cfg = jaxcache.CacheConfig(400, D, capacity, policy="lru", optimizer=jaxcache.sgd(0.1))
+        return jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner))
+
+    embeds = {"a": cache(400), "b": cache(12)}
+
+    def ids(k):
+        return (16 * k + np.arange(16)).reshape(8, 2) % (16 if k != 3 else 400)
+
+    batches = [{"k": k, "a": ids(k) + 100, "b": ids(k) % (6 if k != 3 else 400)} for k in range(8)]
+    source = (b for b in batches)
+    first = []
+    with pytest.raises(jaxcache.CapacityError, match="capacity"):
+        with jaxcache.prefetch(source, embeds, lookahead=1) as pipeline:
+            for batch in pipeline:
+                first.append(batch["k"])
+    assert first == [0, 1, 2]
+    with jaxcache.prefetch(source, embeds, lookahead=1) as pipeline:
+        second = [batch["k"] for batch in pipeline]
+    assert second and second == list(range(second[0], 8)) and second[0] >= 4
 
 
 def test_a_batch_the_source_returns_after_close_goes_back_to_it(planner):

@@ -792,20 +792,34 @@ class Prefetcher(Iterator[dict[str, Any]]):
         self._let_go()
 
     def _put_back(self) -> None:
-        """At close: the batches the thread took from the source that some
-        table did not plan (it waited for capacity, or stopped first) go
-        back to the source, so that a later pipeline over it goes on from
-        the batch after the last one every table staged; none is lost in
-        silence. A table that planned such a batch plans it again then: it
-        was never handed out, so no step trained on it."""
-        planned = min(
-            cache.planner.next_index - self._start[key] for key, cache in self._caches.items()
-        )
+        """At close: a batch the thread took from the source that some table
+        planned counts as seen, as the batches staged ahead do, so the
+        tables that had not planned it (one waited for capacity, or the
+        thread stopped first) plan it now, with nothing in flight, and swap
+        it in: no table plans a batch twice. The batches no table planned
+        go back to the source, so that a later pipeline over it goes on from
+        the batch after the last one staged; none is lost in silence."""
+        planned = {
+            key: cache.planner.next_index - self._start[key] for key, cache in self._caches.items()
+        }
         with self._log_lock:
-            unstaged = list(self._log)[max(planned - self._log_base, 0) :]
+            pulled = list(self._log)
             self._log.clear()
             self._put_back_done = True
-        self._give_back(unstaged)
+        # Batches before ``first`` were handed out, or raised their error.
+        first, seen = self._log_base, max(planned.values())
+        for k in range(max(min(planned.values()), first), seen):
+            batch = pulled[k - first]
+            try:
+                ids = _all_ids(batch, self._caches, self._combiners)
+                for key, cache in self._caches.items():
+                    if planned[key] <= k:
+                        cache.lifecycle.release_all()
+                        self._apply({key: cache.stage_host(ids[key], train=self.train)})
+            except Exception:  # it fits no table's room: the next pipeline raises it
+                seen = k
+                break
+        self._give_back(pulled[max(seen - first, 0) :])
 
     def _give_back(self, batches: list[Any]) -> None:
         """Adds ``batches`` to ``unstaged``, and hands them to the next
