@@ -378,12 +378,11 @@ def test_a_vocabulary_saved_without_its_training_steps_ages_ids_by_plans(planner
     cfg = config(300, 130, jaxcache.sgd(0.1), ttl=3)
     cache = jaxcache.EmbeddingCache(cfg, planner=planner)
     state = cache.init_state()
-    for ids, _ in raw_batches(4):
+    for ids, _ in raw_batches(5):
         state, _ = cache.prepare(state, ids)
-    state, _ = cache.prepare(state, ids, train=False)
     cache.flush(state)
     saved = cache.state_dict()
-    assert saved["vocabulary"].pop("vocabulary.steps").tolist()[-1] == 4
+    assert saved["vocabulary"].pop("vocabulary.steps").tolist()[-1] == 5
     other = jaxcache.EmbeddingCache(cfg, table=cache.table, planner=planner)
     other.load_state_dict(saved)
     assert (other.raw.clock.next_index, other.raw.clock.steps) == (5, 5)
@@ -466,8 +465,8 @@ def test_an_evaluation_ages_no_id_even_across_a_checkpoint(tmp_path, planner, fo
     model, train = make_cached(cache, F)
     with jaxcache.prefetch(batches[:6], {"ids": model.embed}, lookahead=1) as pipeline:
         losses = [float(train.with_lookup(b["ids"], b["y"])) for b in pipeline]
-    # Ids the reference holds at its next step (6): every one reads its row.
-    live = {i for row, (i, _, _) in vocab.entry.items() if not vocab.expired(row, 6, 5)}
+    # Ids the reference holds after its latest step (5): every one reads its row.
+    live = {i for row, (i, _, _) in vocab.entry.items() if not vocab.expired(row, 5, 5)}
     before = cache.stats.total.refused_lookups
     with jaxcache.prefetch(batches[:6], {"ids": model.embed}, lookahead=2, train=False) as pipeline:
         assert len(list(pipeline)) == 6
@@ -484,6 +483,32 @@ def test_an_evaluation_ages_no_id_even_across_a_checkpoint(tmp_path, planner, fo
     ref_losses += [float(ref_train(b["ids"], b["y"])) for b in batches[6:]]
     assert other.stats.total.forgotten_ids > 50
     assert_same(other, model2, reference, vocab, losses, ref_losses)
+
+
+def test_an_evaluation_finds_the_ids_training_left_and_moves_nothing(planner):
+    # ttl=1: after training steps 0 and 1, id 10 (last used at step 0) is
+    # live; an evaluation reads its trained row, and the vocabulary says
+    # the same before and after it.
+    spec = jaxcache.DynamicVocabulary(ttl=1, protect=0, init="uniform", scale=1.0)
+    cache = jaxcache.EmbeddingCache(
+        jaxcache.CacheConfig(64, 4, 32, vocabulary=spec), planner=planner
+    )
+    state, _ = cache.prepare(cache.init_state(), np.array([10, 11]))
+    state, _ = cache.prepare(state, np.array([12]))
+
+    def view(state):
+        ids, rows, _ = cache.export_ids(state)
+        vocab = cache.vocabulary
+        return ids.tolist(), rows, vocab.lookup(np.array([10, 11, 12])).tolist(), vocab.size
+
+    before = view(state)
+    assert before[0] == [10, 11, 12] and before[3] == 3
+    state, lookup = cache.prepare(state, np.array([10, 12, 99]), train=False)
+    read = np.asarray(jaxcache.device.lookup_rows(state.rows, lookup))
+    np.testing.assert_array_equal(read[:2], before[1][[0, 2]])
+    assert not read[2].any() and cache.stats.last.refused_lookups == 1
+    after = view(state)
+    assert after[0] == before[0] and after[2:] == before[2:]
 
 
 def test_batches_that_do_not_train_read_the_shared_row_for_unknown_ids(planner):

@@ -243,7 +243,7 @@ def test_the_training_clock_counts_the_training_plans_before_each(plans):
     for train, back in plans:
         index = max(len(made) - back, 0)
         del made[index:]
-        assert clock.plan(index, train) == sum(made)
+        assert clock.plan(index, train) == sum(made) - (not train)  # the latest step
         made.append(train)
         assert clock.steps == sum(made) and clock.next_index == len(made)
         for f in range(-1, len(made)):  # the last training plan up to f

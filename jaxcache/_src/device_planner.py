@@ -383,7 +383,7 @@ class DevicePlanner:
             }
             residues = [self.layout.residue(d) for d in self.layout.own]
             _vocabulary_from_blocks(vocab, spec, residues, blocks)
-            vocab.clock = (self.clock.step_of(self.next_index - 1), self._admit_finished)
+            vocab.clock = (self.clock.steps - 1, self._admit_finished)  # the latest step
         return vocab
 
     def load_vocabulary(self, vocab: Vocabulary) -> None:

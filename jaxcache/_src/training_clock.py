@@ -9,9 +9,10 @@ id, and a server would read default rows after ``ttl`` batches.
 
 Plans, though, are numbered by every batch planned: the planners hold the
 rows of evaluation batches in flight as they hold those of training ones.
-So the vocabulary's owner maps each plan's index to its **step**, the
-training plans before it: a training plan's step is its own, and a plan
-that trains nothing shares the step of the next training plan. A bound
+So the vocabulary's owner maps each plan's index to its **step**: a
+training plan's is the training plans before it, and a plan that trains
+nothing reads at the step of the latest training plan, as that step left
+the vocabulary (``export_ids`` lists exactly the ids it finds). A bound
 on finished plans maps to the step of the last training plan within it,
 and a held step back to the plan that holds it, for ``fits_after``.
 
@@ -41,7 +42,7 @@ class TrainingClock:
     Examples:
       >>> clock = TrainingClock()
       >>> [clock.plan(i, train) for i, train in enumerate([True, False, False, True])]
-      [0, 1, 1, 1]
+      [0, 0, 0, 1]
       >>> clock.steps, clock.finished(2), clock.plan_of(1)
       (2, 0, 3)
     """
@@ -61,8 +62,9 @@ class TrainingClock:
         return self._before[-1]
 
     def plan(self, index: int, train: bool) -> int:
-        """Plan ``index``'s step; plans from ``index`` on made before are
-        taken back (a plan made again after a refusal or a rollback)."""
+        """Plan ``index``'s step (``-1``: a plan that trains nothing, before
+        any training one); plans from ``index`` on made before are taken
+        back (a plan made again after a refusal or a rollback)."""
         index = int(index)
         if index < self._start:
             raise ValueError(f"plan {index} is before the clock's first, {self._start}")
@@ -74,17 +76,13 @@ class TrainingClock:
         if len(self._before) > WINDOW:
             self._start += 1
             del self._before[0]
-        return step
+        return step if train else step - 1
 
     def rollback(self, index: int) -> None:
         """Takes back plan ``index`` and every later one."""
         keep = int(index) - self._start + 1
         if 1 <= keep < len(self._before):
             del self._before[keep:]
-
-    def step_of(self, index: int) -> int:
-        """The step of plan ``index`` (``-1`` before the first)."""
-        return self.finished(int(index) - 1) + 1 if index >= 0 else -1
 
     def finished(self, index: int) -> int:
         """The step of the last training plan up to plan ``index`` (``-1``:

@@ -406,8 +406,8 @@ class Vocabulary:
         are held. All or nothing. With ``new=False`` (a
         batch that trains nothing) no id is admitted or counted, and known
         ids keep their last use and counts. ``step`` counts training
-        plans (``TrainingClock``): one that trains nothing shares the next
-        training plan's, so that it ages no id.
+        plans (``TrainingClock``): one that trains nothing reads at the
+        latest training plan's, so that it ages no id.
         ``distinct=True``: the caller vouches that ``ids`` are distinct
         (``distinct_ids``).
 
