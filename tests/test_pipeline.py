@@ -698,6 +698,33 @@ def test_host_callback_form_matches_prepared_slots(lookahead, tight):
 
 
 @pytest.mark.host_planner
+def test_host_callback_step_over_other_ids_is_refused_and_the_batch_then_trains():
+    # A step given ids other than the batch the pipeline staged is refused
+    # before it takes that batch: the step over the right ids then trains
+    # it, and the run equals one that never made the mistake.
+    batches = _batches(12, seed=9)
+    cfg = jaxcache.CacheConfig(N, D, 200, policy="lru", optimizer=jaxcache.adagrad(0.2))
+
+    def run(mistake):
+        cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, seed=1))
+        model, optimizer, step = make_callback(cache, F)
+        losses = []
+        with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=1, callback=True) as p:
+            for i, b in enumerate(p):
+                if mistake and i == 4:
+                    with pytest.raises(Exception, match="differ from the batch"):
+                        np.asarray(step(model, optimizer, (b["ids"] + 1) % N, b["y"]))
+                losses.append(np.asarray(step(model, optimizer, b["ids"], b["y"])))
+        assert cache.stats.total.evictions > 50
+        return np.array(losses), model.embed.export()
+
+    (losses, (rows, state)), (base_losses, (base_rows, base_state)) = run(True), run(False)
+    np.testing.assert_array_equal(losses, base_losses)
+    np.testing.assert_array_equal(rows, base_rows)
+    np.testing.assert_array_equal(state["accumulator"], base_state["accumulator"])
+
+
+@pytest.mark.host_planner
 def test_host_callback_refuses_a_batch_over_callback_rows():
     cfg = jaxcache.CacheConfig(N, D, 300, optimizer=jaxcache.sgd(0.1), callback_rows=5)
     cache = jaxcache.EmbeddingCache(cfg)

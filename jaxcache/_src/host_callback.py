@@ -114,12 +114,15 @@ class HostCallbacks:
         stager, lifecycle = self._stager, self._lifecycle
         host = lifecycle.take_offer()
         if host is not None:
-            lifecycle.mark_applied(host.plan.index)
             if host.ids.shape != ids.shape or not np.array_equal(host.ids, ids):
+                # Refused before anything changed: the batch waits for its step,
+                # or for the pipeline's close, which swaps it in.
+                lifecycle.return_offer(host)
                 raise RuntimeError(
                     "the step looked up ids that differ from the batch the pipeline prepared; "
                     "pass each step the batch the pipeline yields, in order."
                 )
+            lifecycle.mark_applied(host.plan.index)
             if host.deferred is not None:
                 # Every earlier step's write-back callback ran before this one
                 # (ordered callbacks), so the rows are home. Plans made after

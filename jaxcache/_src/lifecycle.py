@@ -114,6 +114,11 @@ class Lifecycle:
         with self._offer_lock:
             return self._offers.popleft() if self._offers else None
 
+    def return_offer(self, staged: HostStaged) -> None:
+        """Puts back the oldest offered batch, taken by a step that was refused."""
+        with self._offer_lock:
+            self._offers.appendleft(staged)
+
     def take_offers(self) -> list[HostStaged]:
         """Removes and returns every offered batch no step has consumed."""
         with self._offer_lock:
