@@ -7,6 +7,7 @@ import fractions
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -161,8 +162,9 @@ def test_a_batch_too_large_for_a_device_counts_the_ids_homed_there(planner, capa
         (dict(capacity=10, padding_id=2**70), ValueError, r"padding_id=\d+ must be an int64 id"),
         (dict(capacity=10, padding_id="-1"), ValueError, r"padding_id='-1' must be an int64"),
         (dict(capacity=10, padding_id=-1.5), ValueError, r"padding_id=-1.5 must be an int64"),
-        (dict(capacity=10, name=None), ValueError, r"name=None must be a non-empty string"),
-        (dict(capacity=10, name=""), ValueError, r"name='' must be a non-empty string"),
+        (dict(capacity=10, name=None), ValueError, r"name=None must be 1 to 128 letters"),
+        (dict(capacity=10, name=""), ValueError, r"name='' must be 1 to 128 letters"),
+        (dict(capacity=10, dtype=None), ValueError, r"dtype=None is not supported"),
         (
             dict(capacity=10, optimizer="sgd"),
             TypeError,
@@ -491,6 +493,47 @@ def test_weights_of_another_shape_than_the_ids_are_refused(padding_id, shape):
         embed(lookup, np.ones(shape, np.float32))
     # Refused before anything ran: the same lookup pools as before.
     np.testing.assert_array_equal(embed(lookup, np.ones((2, 3), np.float32)), right)
+
+
+def test_weights_that_are_not_real_numbers_are_refused():
+    # A complex weight would lose its imaginary part in the cast, with no
+    # more than a warning Python hides by default.
+    cfg = jaxcache.CacheConfig(10, 2, capacity=8)
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg), combiner="sum")
+    lookup = embed.prepare(np.array([[1, 2, 3], [4, 5, 6]]))
+    with pytest.raises(ValueError, match="weights have dtype complex64; pass real weights"):
+        embed(lookup, np.full((2, 3), 1 + 2j, np.complex64))
+    mask = np.array([[True, False, True], [True, True, False]])  # a mask weighs 0 or 1
+    np.testing.assert_array_equal(embed(lookup, mask), embed(lookup, mask.astype(np.float32)))
+
+
+def test_a_staged_batch_applies_once_and_only_to_its_cache(planner):
+    # Applied twice, its swap would move rows over slots others hold now; by
+    # another cache, into slots that cache never planned. Both are refused
+    # before the state changes, and training goes on as if never tried.
+    cfg = jaxcache.CacheConfig(40, 3, 4, policy="lru", optimizer=jaxcache.sgd(1.0))
+
+    def run(mistakes):
+        cache = jaxcache.EmbeddingCache(cfg, planner=planner)
+        state = cache.init_state()
+        for k, ids in enumerate([[1, 2], [3, 4], [5, 6], [1, 3], [7, 8], [9, 10], [1, 7]]):
+            cache.lifecycle.release_all()  # the steps before it ran
+            staged = cache.stage(np.array(ids))
+            if mistakes and k == 2:
+                other = jaxcache.EmbeddingCache(cfg, planner=planner)
+                with pytest.raises(ValueError, match=r"made by another cache \(cache \d+\)"):
+                    cache.apply(state, other.stage(np.array(ids)))
+            state = cache.apply(state, staged)
+            if mistakes and k == 2:
+                with pytest.raises(RuntimeError, match="batch 2 of table 'embedding' was applied"):
+                    cache.apply(state, staged)
+            grads = jnp.ones((staged.lookup.requests.shape[0], staged.lookup.received, 3))
+            state = jaxcache.device.apply_sparse(state, staged.lookup, grads, cfg.optimizer)
+        assert cache.stats.total.evictions > 6
+        return cache.export(state)
+
+    (rows, _), (base, _) = run(True), run(False)
+    np.testing.assert_array_equal(rows, base)
 
 
 @pytest.mark.parametrize("combiner", ["sum", "mean"])

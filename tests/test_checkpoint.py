@@ -479,12 +479,11 @@ def test_mismatches_are_refused_before_anything_changes(tmp_path):
     np.testing.assert_array_equal(target[0].embed.cache.table.rows, rows)
 
 
-@pytest.mark.parametrize("name", ["..", ".", "x" * 129])
-def test_a_table_name_that_cannot_name_a_directory_is_refused(tmp_path, name):
-    embed = jaxcache.nnx.CachedEmbed(_cache(name=name))
-    with pytest.raises(ValueError, match="cannot name a directory"):
-        jaxcache.Checkpointer(tmp_path).save(1, caches=[embed])
-    assert not any(tmp_path.iterdir())
+@pytest.mark.parametrize("name", ["..", ".", "x" * 129, "a/b", "../up"])
+def test_a_table_name_that_cannot_name_a_directory_is_refused_when_configured(name):
+    # Before any training: a checkpoint names the table's directory by it.
+    with pytest.raises(ValueError, match=r"must be 1 to 128 letters, digits, '_', '-' or '\.'"):
+        _cache(name=name)
 
 
 @pytest.mark.parametrize(

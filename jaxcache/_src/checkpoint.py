@@ -229,8 +229,6 @@ class Checkpointer:
             )
         _check_optimizer(optimizer)
         holders = find_tables(model, caches)
-        for name in holders:
-            table_record.check_name(name)
         if model is None and optimizer is None and not holders:
             raise ValueError("nothing to save: pass model=, optimizer= or caches=.")
         extra = dict(extra or {})
@@ -316,8 +314,6 @@ class Checkpointer:
         step = self._resolve(step)
         meta = self._meta(step)
         holders = find_tables(model, caches)
-        for name in holders:
-            table_record.check_name(name)
         saved = self._tables(step, list(holders)) if holders else {}
         for name, holder in holders.items():
             table_record.check_restorable(name, saved[name], holder.cache)

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 
 from jaxcache._src import optimizers
 from jaxcache._src.validation import check_padding_id, check_padding_outside, is_int
+
+# A table's name names its directory in checkpoints: not "." or "..", and
+# short enough for any file system.
+_TABLE_NAME = re.compile(r"(?!\.+\Z)[A-Za-z0-9_.-]{1,128}")
 
 __all__ = ["FORGET", "INITS", "POLICIES", "CacheConfig", "DynamicVocabulary"]
 
@@ -279,13 +284,15 @@ class CacheConfig:
                 "ids of a batch), or None to pad the host-callback form's lists to the batch's "
                 "number of ids."
             )
-        if not isinstance(self.dtype, str):  # np.float32, jnp.bfloat16, np.dtype(...)
+        given = self.dtype
+        if given is not None and not isinstance(given, str):  # np.float32, jnp.bfloat16, ...
             try:
-                object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
+                object.__setattr__(self, "dtype", np.dtype(given).name)
             except TypeError:
                 pass
         if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype={self.dtype!r} is not supported; use 'float32' or 'bfloat16'.")
+            shown = given if given is None else self.dtype  # np.dtype(None) is float64
+            raise ValueError(f"dtype={shown!r} is not supported; use 'float32' or 'bfloat16'.")
         if self.vocabulary is not None and not isinstance(self.vocabulary, DynamicVocabulary):
             raise TypeError(
                 f"vocabulary must be None (ids are rows) or a jaxcache.DynamicVocabulary, got "
@@ -303,10 +310,11 @@ class CacheConfig:
                 f"route_capacity={route!r} must be a positive number of rows, or None to size "
                 "the route from each batch."
             )
-        if not isinstance(self.name, str) or not self.name:
+        if not isinstance(self.name, str) or not _TABLE_NAME.fullmatch(self.name):
             raise ValueError(
-                f"name={self.name!r} must be a non-empty string, such as 'users': it names "
-                "the table in lookups and checkpoints."
+                f"name={self.name!r} must be 1 to 128 letters, digits, '_', '-' or '.' (not "
+                "dots alone), such as 'users': it names the table in lookups and its "
+                "directory in checkpoints."
             )
         if self.vocabulary is None:
             check_padding_outside(self.padding_id, self.num_embeddings)

@@ -685,15 +685,24 @@ def check_bags(combiner: str | None, shape: tuple[int, ...]) -> None:
 
 
 def check_weights(weights: jax.Array | None, lookup: Lookup) -> None:
-    """Refuses per-id weights whose shape is not the ids' (``lookup.shape``).
+    """Refuses per-id weights whose shape is not the ids' (``lookup.shape``),
+    or that are not real numbers.
 
     Broadcast or read at the real ids' positions, weights of another shape
-    would pool silently with the wrong weights.
+    would pool silently with the wrong weights; complex ones would lose
+    their imaginary part in the cast to the rows' dtype.
 
     Raises:
-      ValueError: naming both shapes.
+      ValueError: naming both shapes, or the dtype.
     """
-    if weights is not None and tuple(jnp.shape(weights)) != lookup.shape:
+    if weights is None:
+        return
+    dtype = weights.dtype if hasattr(weights, "dtype") else jnp.asarray(weights).dtype
+    if not any(jnp.issubdtype(dtype, kind) for kind in (jnp.floating, jnp.integer, jnp.bool_)):
+        raise ValueError(
+            f"weights have dtype {dtype}; pass real weights (float32, or the rows' dtype)."
+        )
+    if tuple(jnp.shape(weights)) != lookup.shape:
         raise ValueError(
             f"weights have shape {tuple(jnp.shape(weights))} but the ids have shape "
             f"{lookup.shape}; pass one weight per id (any value at padding positions)."

@@ -891,8 +891,24 @@ class EmbeddingCache:
         Call it in plan order, between the training steps, on the thread that
         owns the device state. The victims' rows it reads out are queued for
         write-back.
+
+        Raises:
+          ValueError: another cache staged the batch.
+          RuntimeError: the batch was applied already (its swap would move
+            the rows again, over slots that other rows hold now).
         """
         self.check_state(state)
+        made_by = staged.lookup.cache_id
+        if made_by and made_by != self.cache_id:
+            raise ValueError(
+                f"the staged batch was made by another cache (cache {made_by}) than table "
+                f"{self.name!r} (cache {self.cache_id}); apply it to the cache that staged it."
+            )
+        if staged.plan.index <= self.lifecycle.applied:
+            raise RuntimeError(
+                f"batch {staged.plan.index} of table {self.name!r} was applied already; apply "
+                "each staged batch once, in plan order."
+            )
         self.lifecycle.mark_applied(staged.plan.index)
         if staged.moves is None:
             return state

@@ -753,6 +753,14 @@ class Prefetcher(Iterator[dict[str, Any]]):
         self._stop.set()
         with self._released:
             self._released.notify_all()
+        if self.callback:
+            # Batches handed out whose step never ran: wait for the steps that
+            # did run (their callbacks consume offers), then swap the rest in,
+            # before the batches staged after them (plan order).
+            for key, holder in self._tables.items():
+                jax.block_until_ready(holder.get_state())
+                for staged in self._caches[key].callbacks.take():
+                    self._apply({key: staged})
         if self._thread is not None and self._device:
             self._source_done = True  # the loop dispatches no more plans
             self._work.put(_Wake())
@@ -778,13 +786,6 @@ class Prefetcher(Iterator[dict[str, Any]]):
                     self._thread.join(timeout=_POLL_SECONDS)
                     break
             self._drain()
-        if self.callback:
-            # Batches handed out whose step never ran: wait for the steps that
-            # did run (their callbacks consume offers), then swap the rest in.
-            for key, holder in self._tables.items():
-                jax.block_until_ready(holder.get_state())
-                for staged in self._caches[key].callbacks.take():
-                    self._apply({key: staged})
         if self._thread is not None:
             self._put_back()
         _SWITCH.drop(self)

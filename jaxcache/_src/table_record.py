@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from typing import Any
 
 import jax.numpy as jnp
@@ -37,7 +36,6 @@ from jaxcache._src.engine import EmbeddingCache
 __all__ = [
     "FORMAT",
     "SavedTable",
-    "check_name",
     "check_restorable",
     "check_saveable",
     "config_from_json",
@@ -49,19 +47,8 @@ __all__ = [
 
 #: The version of the record; a table saved in another is refused.
 FORMAT = 1
-# A directory of its own: not "." or "..", and short enough for any file system.
-_TABLE_NAME = re.compile(r"(?!\.+\Z)[A-Za-z0-9_.-]{1,128}")
 # Entries of table.json that describe the record; the others are the cache's state.
 _RECORD_KEYS = ("format", "config", "devices", "shards", "arrays")
-
-
-def check_name(name: str) -> None:
-    """Raises ``ValueError`` unless a table's name can name its directory."""
-    if not _TABLE_NAME.fullmatch(name):
-        raise ValueError(
-            f"table name {name!r} cannot name a directory; use 1 to 128 letters, digits, "
-            "'_', '-' or '.' (not dots alone)."
-        )
 
 
 def read_tables(directory: str) -> dict[str, SavedTable]:
