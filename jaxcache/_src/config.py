@@ -221,7 +221,9 @@ class CacheConfig:
         row and gets no gradient. ``None`` allows no padding.
       min_bucket: smallest padded size of the per-step row lists; they are
         padded to powers of two at or above it so shapes stay static.
-      name: names the table; lookups carry it to find their module.
+      name: names the table; lookups carry it to find their module, and
+        checkpoints name its directory by it: 1 to 128 letters, digits,
+        ``_``, ``-`` or ``.`` (not dots alone).
       route_capacity: with rows split over several devices, how many rows one
         device takes from one owner per step through the fast ``all_to_all``
         path; the rest take an exact overflow path. ``None`` sizes it from

@@ -815,8 +815,8 @@ class Prefetcher(Iterator[dict[str, Any]]):
                 ids = _all_ids(batch, self._caches, self._combiners)
                 for key, cache in self._caches.items():
                     if planned[key] <= k:
-                        cache.lifecycle.release_all()
-                        self._apply({key: cache.stage_host(ids[key], train=self.train)})
+                        cache.lifecycle.release_all()  # as ``_stage_now`` stages
+                        self._apply({key: cache.stage(ids[key], train=self.train)})
             except Exception:  # it fits no table's room: the next pipeline raises it
                 seen = k
                 break
