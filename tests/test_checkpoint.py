@@ -225,6 +225,28 @@ def test_a_config_that_json_cannot_rebuild_is_refused_before_saving(tmp_path):
     assert checkpointer.steps() == []
 
 
+def test_numpy_scalars_in_a_config_are_saved_as_the_numbers_they_hold(tmp_path):
+    # Sizes computed with NumPy (``ids.max() + 1``) are what a user passes.
+    ids = np.array([[3, 17], [999, 17]])
+    vocabulary = jaxcache.DynamicVocabulary(forget="lrfu", bonus=np.int64(3), scale=np.float32(0.5))
+    configs = {
+        "rows": jaxcache.CacheConfig(
+            ids.max() + 1, np.int64(4), capacity=np.float32(0.5), padding_id=np.int32(-1)
+        ),
+        "raw": jaxcache.CacheConfig(np.int64(64), 4, capacity=8, vocabulary=vocabulary, name="raw"),
+    }
+    for config in configs.values():
+        assert all(not isinstance(v, np.generic) for v in dataclasses.asdict(config).values())
+    assert configs["rows"] == jaxcache.CacheConfig(1000, 4, capacity=500, padding_id=-1)
+    embeds = [jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(c)) for c in configs.values()]
+    for embed in embeds:
+        embed.prepare(ids)
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(1, caches=embeds)
+    for name, config in configs.items():
+        assert checkpointer.cache_config(config.name) == config, name
+
+
 def test_keeps_the_last_checkpoints_and_lists_them(tmp_path):
     embed = jaxcache.nnx.CachedEmbed(_cache())
     checkpointer = jaxcache.Checkpointer(tmp_path, max_to_keep=2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Any
 
 import numpy as np
 
@@ -138,6 +139,7 @@ class DynamicVocabulary:
     protect: int = 2
 
     def __post_init__(self) -> None:
+        _plain_numbers(self)
         after = self.admit_after
         if not is_int(after) or after < 1:
             raise ValueError(
@@ -260,6 +262,7 @@ class CacheConfig:
     vocabulary: DynamicVocabulary | None = None
 
     def __post_init__(self) -> None:
+        _plain_numbers(self)
         for field in ("num_embeddings", "features", "min_bucket"):
             value = getattr(self, field)
             if not is_int(value) or value < 1:
@@ -333,6 +336,17 @@ class CacheConfig:
         for spec in self.optimizer.state_spec(self.features).values():
             total += math.prod(spec.shape) * np.dtype(spec.dtype).itemsize
         return total
+
+
+def _plain_numbers(config: Any) -> None:
+    """Replaces a frozen dataclass's NumPy scalars (``ids.max() + 1``) by
+    the Python numbers they hold, before its checks: a checkpoint records
+    the configuration as JSON, and equal configurations compare and hash
+    alike whichever type gave their numbers."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+            object.__setattr__(config, field.name, value.item())
 
 
 def _bfloat16() -> np.dtype:
