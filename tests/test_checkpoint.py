@@ -780,6 +780,44 @@ def test_a_rollback_inside_a_pipeline_without_look_ahead_trains_as_one_after_it(
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
+def test_a_rollback_after_leaving_a_look_ahead_pipeline_early_trains_as_one_after_it(tmp_path):
+    # Left early (a loss went non-finite, say), the pipeline's cache holds
+    # the plans of the batches it staged ahead, which no step took: a save
+    # would record their rows as trained, but a rollback replaces them.
+    data = _data(16)
+    results = []
+    for early in (False, True):
+        model, optimizer = _model(_cache("lru", capacity=300))
+        checkpointer = jaxcache.Checkpointer(tmp_path / str(early))
+        _train(model, optimizer, data[:4])
+        checkpointer.save(4, model=model, optimizer=optimizer)
+        items = [{"ids": ids, "y": y} for ids, y in (data[4:] if early else data[4:10])]
+        with jaxcache.prefetch(items, {"ids": model.embed}, lookahead=2) as pipeline:
+            for n, batch in enumerate(pipeline, start=4):
+                _train_step(model, optimizer, batch["ids"], batch["y"])
+                if n == 9:
+                    handed_out = batch["ids"]
+                    lifecycle = model.embed.cache.lifecycle
+                    if early:  # the two batches after it staged
+                        _wait_for(lambda lifecycle=lifecycle: len(lifecycle.in_flight()) == 3)
+                    break
+        if early:
+            with pytest.raises(RuntimeError, match="planned that the training loop may not"):
+                checkpointer.save(10, model=model, optimizer=optimizer)
+        checkpointer.restore(4, model=model, optimizer=optimizer)
+        with pytest.raises(ValueError, match="restore"):
+            _train_step(model, optimizer, handed_out, data[9][1])
+        _train(model, optimizer, data[10:])
+        jaxcache.testing.check_invariants(model.embed.cache)
+        results.append((model.embed.export(), _dense(model) + _dense(optimizer)))
+    (after, after_dense), (early, early_dense) = results
+    after_arrays, early_arrays = ((rows, *state.values()) for rows, state in (after, early))
+    for a, b in zip(after_arrays, early_arrays, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(after_dense, early_dense, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_a_restored_cache_plans_the_next_pipeline_as_the_saved_one(tmp_path, planner, policy):
     # The first plans of the next pipeline still protect the rows of the
@@ -881,6 +919,13 @@ def _crash(tmp_path, mode, rows=5000):
         text=True,
     )
     return directory, process
+
+
+def _wait_for(condition, seconds=60.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
 
 
 def _check_previous_checkpoint_survives(directory, rows=5000):

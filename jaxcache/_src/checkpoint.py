@@ -87,7 +87,8 @@ class Checkpointer:
     ``jaxcache.prefetch`` pipeline finish its source (iterate it over the
     batches up to the checkpoint) rather than leaving it with batches staged
     ahead. ``save`` refuses otherwise, because the planner would already
-    count batches that the resumed run reads again.
+    count batches that the resumed run reads again. ``restore`` may roll
+    back after such a break: it replaces the plans of the batches staged.
 
     Args:
       directory: where the step directories go (created if missing).
@@ -317,7 +318,7 @@ class Checkpointer:
         saved = self._tables(step, list(holders)) if holders else {}
         for name, holder in holders.items():
             table_record.check_restorable(name, saved[name], holder.cache)
-            _check_nothing_in_flight(name, holder.cache)
+            _check_nothing_in_flight(name, holder.cache, restoring=True)
         updates = []
         for item, node in (("model", model), ("optimizer", optimizer)):
             if node is None or not jax.tree.leaves(dense_state(node)):
@@ -439,10 +440,13 @@ def _check_step(value: Any, name: str) -> int:
     return int(value)
 
 
-def _check_nothing_in_flight(name: str, cache: EmbeddingCache) -> None:
+def _check_nothing_in_flight(name: str, cache: EmbeddingCache, *, restoring: bool = False) -> None:
     """Refuses a table whose pipeline may plan while it is saved or
-    restored, or which holds plans its training loop may not have stepped.
-    (Write-backs of applied plans are no reason: they land first.)"""
+    restored, or which holds batches staged that no step took. A save also
+    refuses plans its training loop may not have stepped (it would record
+    their rows as trained); a restore replaces them, its lookups refused
+    from then on (``Lifecycle.guard``). (Write-backs of applied plans are no
+    reason: they land first.)"""
     if cache.pipelines:
         # Its thread plans the next batches meanwhile: refusing only when
         # it has planned one would depend on timing.
@@ -459,7 +463,7 @@ def _check_nothing_in_flight(name: str, cache: EmbeddingCache) -> None:
             "step); step or close them before saving or restoring."
         )
     ahead = lifecycle.in_flight()
-    if len(ahead) > 1:
+    if len(ahead) > 1 and not restoring:
         raise RuntimeError(
             f"table {name!r} has {len(ahead)} batches planned that the training loop may not "
             f"have stepped (plans {ahead[0]}..{ahead[-1]}); checkpoint "
