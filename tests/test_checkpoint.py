@@ -532,6 +532,42 @@ def test_raw_ids_restore_only_into_the_vocabulary_that_placed_them(tmp_path, cha
     assert target.cache.vocabulary.size == 0
 
 
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("an id twice", "an id twice"),
+        ("two ids one row", "a row given to two ids"),
+        ("the padding id", "the padding id -1 as an id"),
+        ("fewer rows", "39 ids with 38 rows"),
+    ],
+)
+def test_a_vocabulary_whose_ids_and_rows_do_not_pair_is_refused(tmp_path, damage, message):
+    vocabulary = jaxcache.DynamicVocabulary()
+    saved = jaxcache.nnx.CachedEmbed(_cache(capacity=64, vocabulary=vocabulary, padding_id=-1))
+    saved.prepare(np.arange(1, 40) * 7919)
+    jaxcache.Checkpointer(tmp_path).save(1, caches=[saved])
+    table = tmp_path / "1" / "tables" / "embedding"
+    record = json.loads((table / "table.json").read_text())
+    ids, rows = (np.load(table / f"vocabulary.{k}.npy") for k in ("ids", "rows"))
+    if damage == "an id twice":
+        ids[1] = ids[0]
+    elif damage == "two ids one row":
+        rows[1] = rows[0]
+    elif damage == "the padding id":
+        ids[2] = -1
+    else:
+        rows = rows[:-1]
+    for key, array in {"ids": ids, "rows": rows}.items():
+        np.save(table / f"vocabulary.{key}.npy", array)
+        record["arrays"][f"vocabulary.{key}"].update(shape=list(array.shape), bytes=array.nbytes)
+    (table / "table.json").write_text(json.dumps(record))
+    target = jaxcache.nnx.CachedEmbed(_cache(capacity=64, vocabulary=vocabulary, padding_id=-1))
+    with pytest.raises(ValueError, match=rf"vocabulary lists {message}: its files are damaged"):
+        jaxcache.Checkpointer(tmp_path).restore(caches=[target])
+    assert target.cache.vocabulary.size == 0
+    target.prepare(np.arange(1, 40) * 7919)  # and it trains on as a fresh table
+
+
 def test_a_corrupt_table_state_is_refused_before_any_table_changes(tmp_path):
     saved = [jaxcache.nnx.CachedEmbed(_cache("lfu", name=name)) for name in ("users", "items")]
     for embed in saved:

@@ -289,6 +289,12 @@ class RawIds:
                 f"the saved vocabulary has rows past this budget of {self.config.num_embeddings}; "
                 "restore it into a cache with the saved num_embeddings."
             )
+        _check_saved_ids(
+            np.concatenate([np.asarray(part["vocabulary.ids"]) for part in parts]),
+            rows,
+            self.config.padding_id,
+            self.shared_row,
+        )
         _saved_clock(arrays)
         saved = _learner_state(arrays)
         if self.learner is not None and saved:
@@ -319,6 +325,29 @@ class RawIds:
             # A state saved under another rule: the learner starts afresh.
             self.vocabulary.bonus = self.learner.bonus
         return self.vocabulary
+
+
+def _check_saved_ids(
+    ids: np.ndarray, rows: np.ndarray, pad: int | None, shared: int | None
+) -> None:
+    """Raises ``ValueError`` unless saved ids and their rows pair one to
+    one, apart from the padding id and the shared row: a vocabulary never
+    saves others, and a restore of them would give two ids one row."""
+    problem = None
+    if ids.shape != rows.shape:
+        problem = f"{ids.size} ids with {rows.size} rows"
+    elif np.unique(ids).size != ids.size:
+        problem = "an id twice"
+    elif np.unique(rows).size != rows.size:
+        problem = "a row given to two ids"
+    elif pad is not None and np.any(ids == pad):
+        problem = f"the padding id {pad} as an id"
+    elif shared is not None and np.any(rows == shared):
+        problem = f"the shared default row {shared} as an id's row"
+    if problem is not None:
+        raise ValueError(
+            f"the saved vocabulary lists {problem}: its files are damaged; restore an earlier step."
+        )
 
 
 def _saved_clock(arrays: Mapping[str, Any]) -> TrainingClock:
