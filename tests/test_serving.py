@@ -109,6 +109,28 @@ def test_serving_tables_are_read_only(trained):
         checkpointer.save(99, model=model)
 
 
+def test_a_read_only_table_plans_every_batch_as_an_evaluation(trained, planner):
+    # prepare defaults to train=True: on a read-only table no row can change,
+    # so none may be marked dirty and written back as it leaves the cache.
+    directory, held_out, expected, _ = trained
+    checkpointer = jaxcache.Checkpointer(directory, read_only=True)
+    config = jaxcache.serving_config(checkpointer.cache_config(), capacity=0.05)
+    embed, model = _dlrm(jaxcache.EmbeddingCache(config))
+    checkpointer.restore(model=model)
+    predict = jaxcache.models.make_predict_step(model)
+    for _ in range(2):  # the second pass evicts the rows of the first
+        for batch, want in zip(held_out, expected, strict=True):
+            np.testing.assert_array_equal(
+                predict(batch["dense"], embed.prepare(batch["sparse"])), want
+            )
+        with jaxcache.prefetch(held_out, {"sparse": embed}, lookahead=2) as pipeline:
+            for batch, want in zip(pipeline, expected, strict=True):
+                np.testing.assert_array_equal(predict(batch["dense"], batch["sparse"]), want)
+    embed.flush()
+    assert embed.cache.stats.total.evictions > 0
+    assert embed.cache.stats.total.rows_to_host == 0 and embed.cache.stats.bytes_to_host == 0
+
+
 def test_a_server_keeps_the_latest_latencies():
     cfg = jaxcache.serving_config(jaxcache.CacheConfig(100, 4, capacity=16))
     embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg), combiner="sum")

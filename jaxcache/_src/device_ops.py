@@ -549,7 +549,7 @@ def apply_sparse(
       >>> rows[3].tolist(), rows[4].tolist()
       ([-0.5, -0.5], [0.0, 0.0])
     """
-    if not lookup.train:
+    if not lookup.train and optimizer.trains:  # a read-only table's own update refuses
         raise ValueError(
             f"the Lookup of table {lookup.table!r} was prepared with train=False, so its rows "
             "are not written back when they leave the cache and this update would be lost; "

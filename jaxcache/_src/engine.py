@@ -646,6 +646,9 @@ class EmbeddingCache:
             )
         self.check_batch(ids)
         with self.stats.timers.time("plan"):
+            # A read-only table (``serving_config``) never trains: no row of
+            # it is marked dirty and written back, and no raw id admitted.
+            train = bool(train) and self.config.optimizer.trains
             return self.planner.dispatch(ids, train=train, released=released)
 
     def check_batch(self, ids: np.ndarray) -> None:

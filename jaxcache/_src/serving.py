@@ -2,9 +2,10 @@
 
 A serving table is an ``EmbeddingCache`` built from ``serving_config``: its
 "optimizer" keeps no per-row state and refuses to update, so the host table
-and the device hold rows only. Batches are planned with ``train=False``, so no
-row is ever dirty and nothing is ever written back: ``cache.stats`` counts
-zero bytes device -> host. Restoring a training checkpoint into it
+and the device hold rows only. Its batches are planned as with ``train=False``
+whatever ``train`` says, so no row is ever dirty and nothing is ever written
+back (``cache.stats`` counts zero bytes device -> host), and a raw id it has
+no row for is never admitted. Restoring a training checkpoint into it
 (``Checkpointer.restore``) reads the rows and preloads the rows the training
 cache held, hottest first by the access counts it kept, then the hottest
 other ids by those counts while slots are left.

@@ -193,6 +193,7 @@ class Stager:
         defer: bool = False,
     ) -> HostStaged:
         """Plans, routes and gathers one batch (see ``EmbeddingCache.stage_host``)."""
+        train = bool(train) and self.config.optimizer.trains  # as ``EmbeddingCache.dispatch``
         timers = self.stats.timers
         ids = np.asarray(ids)
         self.check_batch(ids.shape)
