@@ -487,26 +487,82 @@ def test_a_batch_the_source_returns_after_close_goes_back_to_it(planner):
     assert second == [3, 4, 5]
 
 
-@pytest.mark.parametrize("second_lookahead", [0, 2])
-def test_a_second_pipeline_over_a_cache_another_stages_ahead_is_refused(planner, second_lookahead):
+@pytest.mark.parametrize(("first_lookahead", "second_lookahead"), [(2, 0), (2, 2), (0, 2)])
+def test_a_second_pipeline_over_a_cache_another_stages_ahead_is_refused(
+    planner, first_lookahead, second_lookahead
+):
     # Planned between the first one's batches, its plans would take their
-    # rows or wait for them forever (the device planner hung). Refused
-    # before it changes anything: the first one goes on as if alone.
+    # rows or wait for them forever (the device planner hung); a first one
+    # without look-ahead would release the plans of the second's batches
+    # staged ahead, whose rows then went to other ids before their steps.
+    # Refused before it changes anything: the first one goes on as if alone.
     cfg = jaxcache.CacheConfig(200, D, 64, policy="lru", optimizer=jaxcache.sgd(0.1))
     batches = [{"ids": (8 * k + np.arange(8)).reshape(4, 2) % 200} for k in range(8)]
+    refusal = "staged ahead by another open" if first_lookahead else "iterated by another open"
     runs = []
     for second in (False, True):
         embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner))
-        with jaxcache.prefetch(batches, {"ids": embed}, lookahead=2) as pipeline:
+        with jaxcache.prefetch(batches, {"ids": embed}, lookahead=first_lookahead) as pipeline:
             for k, batch in enumerate(pipeline):
                 embed(batch["ids"])
                 if second and k == 2:
-                    with pytest.raises(RuntimeError, match=r"staged ahead by another open"):
+                    with pytest.raises(RuntimeError, match=refusal):
                         jaxcache.prefetch(batches, {"ids": embed}, lookahead=second_lookahead)
         with jaxcache.prefetch(batches[:2], {"ids": embed}, lookahead=second_lookahead) as after:
             for batch in after:  # once it closed, a pipeline of its own works
                 embed(batch["ids"])
         runs.append((embed.cache.stats.total, embed.cache.planner.resident_ids()))
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
+class _Cancelled(BaseException):
+    """Not an Exception, as asyncio.CancelledError and SystemExit are not."""
+
+
+def test_a_source_raising_what_is_not_an_exception_reaches_the_loop(planner):
+    # The device planner's feeder thread died of it, and the loop waited forever.
+    def source():
+        for k in range(3):
+            yield {"ids": np.array([[k, k + 1]])}
+        raise _Cancelled("stop")
+
+    cfg = jaxcache.CacheConfig(100, D, 16, optimizer=jaxcache.sgd(0.1))
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner))
+    stepped = []
+    with pytest.raises(_Cancelled, match="stop"):
+        with jaxcache.prefetch(source(), {"ids": embed}, lookahead=2) as pipeline:
+            for batch in pipeline:
+                stepped.append(embed(batch["ids"]).shape)
+    assert len(stepped) == 3 and not embed.cache.pipelines
+
+
+def test_only_the_thread_iterating_a_pipeline_may_close_it(planner):
+    # Closing swaps the staged batches in: from another thread, between the
+    # loop's steps, batches went in out of order (or the loop, waiting for
+    # a slow source, waited forever).
+    batches = [{"ids": np.array([[k, k + 1]])} for k in range(6)]
+    cfg = jaxcache.CacheConfig(100, D, 16, optimizer=jaxcache.sgd(0.1))
+    runs, refused = [], []
+
+    def close_elsewhere(pipeline):
+        try:
+            pipeline.close()
+        except RuntimeError as error:
+            refused.append(str(error))
+
+    for other in (False, True):
+        embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner))
+        with jaxcache.prefetch(batches, {"ids": embed}, lookahead=2) as pipeline:
+            for k, batch in enumerate(pipeline):
+                embed(batch["ids"])
+                if other and k == 1:
+                    closer = threading.Thread(target=close_elsewhere, args=(pipeline,))
+                    closer.start()
+                    closer.join()
+        if other:
+            assert len(refused) == 1 and "on the thread that iterates it" in refused[0]
+        runs.append((embed.cache.stats.total, embed.export()[0]))
     assert runs[0][0] == runs[1][0]
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
 

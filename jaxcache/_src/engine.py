@@ -322,6 +322,10 @@ class EmbeddingCache:
         # Pipelines staging this table's batches ahead (``jaxcache.prefetch``
         # with look-ahead), until closed: ``prepare`` would plan past them.
         self.pipelines: weakref.WeakSet[Any] = weakref.WeakSet()
+        # Every open pipeline over this table, with look-ahead or without:
+        # one without plans each batch as it hands it out, which would
+        # release the plans a pipeline with look-ahead holds.
+        self.open_pipelines: weakref.WeakSet[Any] = weakref.WeakSet()
         self.callbacks = HostCallbacks(self.stager, self.lifecycle, platform, planner)
         # On an accelerator a read-out starts its copy to the host as soon as
         # the swap has run, so that landing it later finds it there; the CPU

@@ -120,7 +120,7 @@ class _End:
 class _Raised:
     """The source raised ``error`` when asked for its next batch."""
 
-    def __init__(self, error: Exception) -> None:
+    def __init__(self, error: BaseException) -> None:
         self.error = error
 
 
@@ -255,8 +255,17 @@ class Prefetcher(Iterator[dict[str, Any]]):
                     f"tables[{key!r}] is staged ahead by another open jaxcache.prefetch: a "
                     "second pipeline would plan between its batches, taking their rows or "
                     "waiting for them forever. Close the first one (leave its with-block, or "
-                    "let it run to its end) before opening this one, or build the first with "
+                    "let it run to its end) before opening this one, or build both with "
                     "lookahead=0."
+                )
+            if lookahead > 0 and holder.cache.open_pipelines:
+                raise RuntimeError(
+                    f"tables[{key!r}] is iterated by another open jaxcache.prefetch (without "
+                    "look-ahead), which plans each batch as it hands it out and counts every "
+                    "earlier plan as finished: it would release the batches this one stages "
+                    "ahead, and their rows could be taken before their steps. Close the first "
+                    "one (leave its with-block, or let it run to its end) before opening this "
+                    "one, or build both with lookahead=0."
                 )
         for key, holder in tables.items():
             vocabulary = holder.cache.config.vocabulary
@@ -318,6 +327,9 @@ class Prefetcher(Iterator[dict[str, Any]]):
         self._handed_out_epochs: dict[str, int] = {}
         self._closed = False
         self._done = False
+        # The thread that iterates it (its first ``next``): it owns the
+        # tables' device state, so only it may close the pipeline.
+        self._owner: threading.Thread | None = None
         self._thread: threading.Thread | None = None
         self._feeder: threading.Thread | None = None
         # Device-planned tables: the plans the loop dispatches ahead.
@@ -330,6 +342,8 @@ class Prefetcher(Iterator[dict[str, Any]]):
         self._work: queue.Queue[Any] = queue.Queue()
         self._partials: dict[int, dict[str, Staged | HostStaged | DeviceStaged]] = {}
         self._source_done = False
+        for cache in caches:
+            cache.open_pipelines.add(self)
         if lookahead > 0:
             target = self._stage_planned if self._device else self._produce
             self._thread = threading.Thread(target=target, name="jaxcache-prefetch", daemon=True)
@@ -352,6 +366,8 @@ class Prefetcher(Iterator[dict[str, Any]]):
     def __next__(self) -> dict[str, Any]:
         if self._closed or self._done:
             raise StopIteration
+        if self._owner is None:
+            self._owner = threading.current_thread()
         self._release_handed_out()
         if self._thread is None:
             item = self._stage_now()
@@ -481,7 +497,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
             batch = next(self._source)
         except StopIteration:
             return _End()
-        except Exception as error:
+        except BaseException as error:  # SystemExit too: the loop raises it, never waits
             return _Raised(error)
         with self._log_lock:
             if not self._put_back_done:
@@ -746,9 +762,21 @@ class Prefetcher(Iterator[dict[str, Any]]):
 
         Idempotent. Returns promptly: the producer polls the stop flag while
         it waits, and a batch being staged takes milliseconds.
+
+        Raises:
+          RuntimeError: called on another thread than the one iterating the
+            pipeline, while that one lives (nothing changed).
         """
         if self._closed:
             return
+        owner = self._owner
+        if owner is not None and owner is not threading.current_thread() and owner.is_alive():
+            raise RuntimeError(
+                f"close the pipeline on the thread that iterates it ({owner.name}): closing "
+                "swaps the batches it staged into the tables, between that thread's steps. "
+                "To stop it from another thread, end its source (have the iterator return); "
+                "the loop then leaves with the batches staged so far."
+            )
         self._closed = True
         self._stop.set()
         with self._released:
@@ -848,6 +876,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         """Nothing is staged ahead any more: ``prepare`` may plan its tables."""
         for cache in self._caches.values():
             cache.pipelines.discard(self)
+            cache.open_pipelines.discard(self)
 
     def _drain(self) -> None:
         while True:
@@ -959,4 +988,7 @@ def prefetch(
 @atexit.register
 def _close_open_pipelines() -> None:
     for pipeline in list(_OPEN):
-        pipeline.close()
+        try:
+            pipeline.close()
+        except RuntimeError:  # still iterated by a daemon thread, which dies with the process
+            pass
