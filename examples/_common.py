@@ -14,6 +14,7 @@ this directory is ``sys.path[0]`` and ``import _common`` finds this module.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -265,6 +266,17 @@ def _widths(text: str) -> tuple[int, ...]:
     if not widths or min(widths) < 1:
         raise ValueError(f"layer widths {text!r} must be positive integers like 512,256.")
     return widths
+
+
+@contextlib.contextmanager
+def capacity_errors() -> Iterator[None]:
+    """Exits with a batch the cache cannot hold as a usage error, naming the
+    flag to change. A held-out batch can hold more distinct ids than any
+    training batch did, so evaluation goes through it too."""
+    try:
+        yield
+    except jaxcache.CapacityError as error:
+        sys.exit(f"error: {error} (--cache-fraction sets the capacity.)")
 
 
 def devices(args: argparse.Namespace) -> list[jax.Device]:

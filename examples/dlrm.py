@@ -74,7 +74,10 @@ def build_cache(
         # default on accelerators is the device planner.
         placement["planner"] = "host"
     if args.full_table:  # the baseline: every row on the device
-        return jaxcache.EmbeddingCache.full_table(config, table=table, **placement)
+        try:
+            return jaxcache.EmbeddingCache.full_table(config, table=table, **placement)
+        except ValueError as error:  # the rows do not split over the devices
+            sys.exit(f"error: {error} (--devices sets the devices, --scale the rows.)")
     # The policy starts from the ids' counts in training data (--profile-batches).
     return jaxcache.EmbeddingCache(config, table=table, frequencies=data.frequencies, **placement)
 
@@ -108,16 +111,17 @@ def main(argv: list[str] | None = None) -> dict:
         # A host thread stages the next --lookahead batches (plans them, writes
         # back evicted rows, gathers the missing ones) while the device trains
         # on this one; the loop transfers each. Leaving the block stops it.
-        with jaxcache.prefetch(
-            data.train, {"sparse": embed}, lookahead=args.lookahead, callback=args.host_callback
-        ) as pipeline:
+        with (
+            _common.capacity_errors(),
+            jaxcache.prefetch(
+                data.train, {"sparse": embed}, lookahead=args.lookahead, callback=args.host_callback
+            ) as pipeline,
+        ):
             for batch in pipeline:
                 # batch["sparse"] is a Lookup whose rows are on the device, or
                 # with --host-callback the ids, looked up inside the step.
                 loss = train_step(batch["dense"], batch["sparse"], batch["label"])
                 progress.step(loss)
-    except jaxcache.CapacityError as error:
-        sys.exit(f"error: {error} (--cache-fraction sets the capacity.)")
     except ValueError as error:
         if args.callback_rows is None or "callback_rows" not in str(error):
             raise
@@ -125,10 +129,11 @@ def main(argv: list[str] | None = None) -> dict:
     trained = progress.finish()
 
     # Held-out batches look their rows up for reading only (train=False).
-    probabilities = [
-        predict_step(batch["dense"], embed.prepare(batch["sparse"], train=False))
-        for batch in data.held_out
-    ]
+    with _common.capacity_errors():
+        probabilities = [
+            predict_step(batch["dense"], embed.prepare(batch["sparse"], train=False))
+            for batch in data.held_out
+        ]
     return _common.report(args, started, data, cache, trained, probabilities, parallelism="none")
 
 

@@ -30,8 +30,6 @@ Prints a summary, then as its last line the JSON object of ``dlrm.py``
 
 from __future__ import annotations
 
-import sys
-
 import _common  # examples/_common.py: the flags, data and summary of the DLRM examples
 import dlrm  # examples/dlrm.py: its cache
 import jax
@@ -77,25 +75,26 @@ def main(argv: list[str] | None = None) -> dict:
     predict_step = jaxcache.models.make_predict_step(model)
 
     progress = _common.Progress(args, cache)
-    try:
-        # As in dlrm.py: a host thread stages the next --lookahead batches, for
-        # every device, while the devices train on this one.
-        with jaxcache.prefetch(data.train, {"sparse": embed}, lookahead=args.lookahead) as pipeline:
-            for batch in pipeline:
-                # Each device gets B / n samples. The step is compiled for these
-                # shardings; the lookup routes each id to the device of its row.
-                dense, labels = jax.device_put((batch["dense"], batch["label"]), split)
-                progress.step(train_step(dense, batch["sparse"], labels))
-    except jaxcache.CapacityError as error:
-        sys.exit(f"error: {error} (--cache-fraction sets the capacity.)")
+    # As in dlrm.py: a host thread stages the next --lookahead batches, for
+    # every device, while the devices train on this one.
+    with (
+        _common.capacity_errors(),
+        jaxcache.prefetch(data.train, {"sparse": embed}, lookahead=args.lookahead) as pipeline,
+    ):
+        for batch in pipeline:
+            # Each device gets B / n samples. The step is compiled for these
+            # shardings; the lookup routes each id to the device of its row.
+            dense, labels = jax.device_put((batch["dense"], batch["label"]), split)
+            progress.step(train_step(dense, batch["sparse"], labels))
     trained = progress.finish()
 
-    probabilities = [
-        predict_step(
-            jax.device_put(batch["dense"], split), embed.prepare(batch["sparse"], train=False)
-        )
-        for batch in data.held_out
-    ]
+    with _common.capacity_errors():
+        probabilities = [
+            predict_step(
+                jax.device_put(batch["dense"], split), embed.prepare(batch["sparse"], train=False)
+            )
+            for batch in data.held_out
+        ]
     return _common.report(args, started, data, cache, trained, probabilities, parallelism="pjit")
 
 

@@ -43,7 +43,6 @@ Prints a summary, then as its last line the JSON object of ``dlrm.py``
 from __future__ import annotations
 
 import functools
-import sys
 
 import _common  # examples/_common.py: the flags, data and summary of the DLRM examples
 import dlrm  # examples/dlrm.py: its cache
@@ -188,17 +187,18 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = DataParallelDLRM(model, tx, embed, mesh)
 
     progress = _common.Progress(args, cache)
-    try:
-        # As in dlrm.py: a host thread stages the next --lookahead batches, for
-        # every device, while the devices train on this one.
-        with jaxcache.prefetch(data.train, {"sparse": embed}, lookahead=args.lookahead) as pipeline:
-            for batch in pipeline:
-                progress.step(trainer.step(batch))
-    except jaxcache.CapacityError as error:
-        sys.exit(f"error: {error} (--cache-fraction sets the capacity.)")
+    # As in dlrm.py: a host thread stages the next --lookahead batches, for
+    # every device, while the devices train on this one.
+    with (
+        _common.capacity_errors(),
+        jaxcache.prefetch(data.train, {"sparse": embed}, lookahead=args.lookahead) as pipeline,
+    ):
+        for batch in pipeline:
+            progress.step(trainer.step(batch))
     trained = progress.finish()
 
-    probabilities = [trainer.predict(batch) for batch in data.held_out]
+    with _common.capacity_errors():
+        probabilities = [trainer.predict(batch) for batch in data.held_out]
     return _common.report(args, started, data, cache, trained, probabilities, parallelism="pmap")
 
 

@@ -192,6 +192,27 @@ def test_bad_flags_are_refused(example, capsys, flags, message):
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_held_out_batch_the_cache_cannot_hold_is_a_usage_error(example, capsys):
+    # It may hold more distinct ids than any training batch did.
+    flags = "--steps 8 --batch-size 64 --scale 0.001 --eval-batches 2 --profile-batches 2 "
+    flags += "--bottom 16,8 --top 16 --features 8 --no-progress --multi-hot --bag-size 3"
+    with pytest.raises(SystemExit) as exit_info:
+        example.main(flags.split())
+    assert str(exit_info.value).startswith("error: the batch has 684 distinct ids but capacity")
+    assert "(--cache-fraction sets the capacity.)" in str(exit_info.value)
+
+
+def test_a_full_table_that_does_not_split_over_the_devices_is_a_usage_error(example):
+    import jax
+    from jax.sharding import Mesh
+
+    data = example._common.Data("", 1001, 4, None, np.ones(1001, np.int64), iter(()), [])
+    args = example._common.parse_args(example.__doc__, ["--full-table"])
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    with pytest.raises(SystemExit, match=r"^error: full_table keeps all 1001 rows .*--devices"):
+        example.build_cache(args, data, mesh=mesh, axis="data")
+
+
 def test_a_learning_rate_of_zero_is_kept(example):
     args = example._common.parse_args("", ["--learning-rate", "0", "--row-learning-rate", "0"])
     assert args.learning_rate == 0 and args.row_learning_rate == 0

@@ -455,6 +455,14 @@ BAD_INPUT = [
         ["{d}/trace.npy", "--batch", "2", "--capacity", "2", "--padding-id", str(2**63)],
         "argument --padding-id: padding_id=9223372036854775808 must be an int64 id",
     ),
+    (
+        ["{d}/trace.npy", "--batch", "2", "--capacity", "2", "--padding-id", "0"],
+        "argument --padding-id: padding_id=0 is a real row id",
+    ),
+    (
+        ["{d}/trace.npy", "--batch", "2", "--sweep", "2,3", "--padding-id", "0"],
+        "argument --padding-id: padding_id=0 is a real row id",
+    ),
     (["{d}/padded.npy", "--capacity", "2"], "argument trace: trace holds -1 at index (0, 1)"),
     (["{d}/trace.npy", "--batch", "2", "--capacity", "inf"], "a fraction of the table such as"),
     (
@@ -612,7 +620,9 @@ def test_vocabulary_replay_refuses_a_padding_id_past_int64(tmp_path, capsys, pad
         np.save(path, trace)
         with pytest.raises(SystemExit) as exit_:
             main(["vocabulary", str(path), "--rows", "8", "--padding-id", str(pad)])
-        assert exit_.value.code == 2 and "must be an int64 id" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "argument --padding-id: " in err
+        assert "must be an int64 id" in err
 
 
 def test_vocabulary_replay_refuses_a_bonus_out_of_range(tmp_path, capsys):
@@ -633,6 +643,17 @@ def test_vocabulary_command_offers_only_policies_raw_ids_can_take(tmp_path, caps
     assert exit_info.value.code == 2
     assert "argument --policy: invalid choice: 'frequency'" in capsys.readouterr().err
     assert main(["vocabulary", str(path), "--rows", "64", "--batch", "8", "--capacity", "16"]) == 0
+
+
+def test_vocabulary_command_rounds_a_capacity_fraction_up_as_a_cache_does(tmp_path, capsys):
+    path = tmp_path / "raw.npy"
+    np.save(path, np.zeros(40, dtype=np.int64))  # one distinct id a batch
+    assert (
+        main(["vocabulary", str(path), "--rows", "40", "--batch", "8", "--capacity", "0.01"]) == 0
+    )
+    printed = json.loads(capsys.readouterr().out)
+    expected = jaxcache.sizing.replay_vocabulary(np.zeros((5, 8), np.int64), rows=40, capacity=0.01)
+    assert printed == expected and jaxcache.CacheConfig(40, 1, capacity=0.01).capacity == 1
 
 
 def test_vocabulary_command_takes_every_forgetting_rule(tmp_path, capsys):

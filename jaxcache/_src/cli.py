@@ -189,6 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _replay(replay_parser, args)
     else:
         trace = _load(vocabulary_parser, "trace", args.trace)
+        with _blame(vocabulary_parser, "--padding-id"):
+            validation.check_padding_id(args.padding_id)
         with _blame(vocabulary_parser, "--bonus", (ValueError,)):
             vocabulary = DynamicVocabulary(
                 admit_after=args.admit_after,
@@ -239,7 +241,8 @@ def _check_vocabulary_capacity(
     command's words (``CacheConfig`` would name its own arguments)."""
     if capacity is None:
         return
-    slots = capacity if isinstance(capacity, int) else int(capacity * rows)
+    # A fraction rounds up, as ``CacheConfig`` rounds it.
+    slots = capacity if isinstance(capacity, int) else max(1, math.ceil(capacity * rows))
     if not 0 < slots <= rows or (isinstance(capacity, float) and not 0 < capacity <= 1):
         parser.error(
             f"argument --capacity: {capacity} is not a cache of 1 to {rows} rows (the budget "
@@ -268,6 +271,8 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         n = replay_lib._table_size(ids, args.num_embeddings, frequencies)
     with _blame(parser, "--frequencies"):
         replay_lib._check_frequencies(frequencies, n)
+    with _blame(parser, "--padding-id"):
+        validation.check_padding_outside(args.padding_id, n)
     with _blame(parser, capacity_flag), _blame_memory(parser, n):
         for capacity in capacities:
             replay_lib._resolve_capacity(capacity, n)
