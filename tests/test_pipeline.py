@@ -516,6 +516,43 @@ def test_a_second_pipeline_over_a_cache_another_stages_ahead_is_refused(
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
 
 
+@pytest.mark.parametrize("lookahead", [None, 0, 2])
+def test_a_batch_lost_between_its_plan_and_its_swap_stops_the_cache(
+    planner, lookahead, monkeypatch
+):
+    # A transfer that fails (the device out of memory, an interrupt) after
+    # the batch was planned: its rows never reached the device, though the
+    # planner counts them there. Training on read other ids' rows in silence.
+    cfg = jaxcache.CacheConfig(100, D, 16, policy="lru", optimizer=jaxcache.sgd(0.1))
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner))
+    batches = [{"ids": (5 * k + np.arange(6)).reshape(3, 2) % 100} for k in range(8)]
+    to_device, calls = jaxcache.EmbeddingCache.to_device, []
+
+    def failing(self, host):
+        calls.append(host)
+        if len(calls) == 3:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return to_device(self, host)
+
+    def train(batches):
+        if lookahead is None:
+            for batch in batches:
+                embed(embed.prepare(batch["ids"]))
+            return
+        with jaxcache.prefetch(batches, {"ids": embed}, lookahead=lookahead) as pipeline:
+            for batch in pipeline:
+                embed(batch["ids"])
+
+    monkeypatch.setattr(jaxcache.EmbeddingCache, "to_device", failing)
+    # Closing the pipeline applies the batches staged after it: refused then.
+    with pytest.raises(RuntimeError, match=r"RESOURCE_EXHAUSTED|batch 2 was planned but never"):
+        train(batches)
+    lost = "batch 2 was planned but never applied"
+    for refused in (lambda: train(batches[3:]), embed.export):
+        with pytest.raises(RuntimeError, match=lost):
+            refused()
+
+
 class _Cancelled(BaseException):
     """Not an Exception, as asyncio.CancelledError and SystemExit are not."""
 

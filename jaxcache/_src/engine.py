@@ -261,7 +261,9 @@ class EmbeddingCache:
         self.config = config
         # Lookups carry it: a module over another cache of this name refuses them.
         self.cache_id = next(_CACHE_IDS)
-        self._damaged: str | None = None  # why a restore failed part-way
+        # Why the cache may not be used: a restore failed part-way, or a plan
+        # was lost before its rows reached the device (``apply``).
+        self._damaged: str | None = None
         # With raw ids the planners see host rows, and row -1 for padding and
         # for ids not admitted, unless they read a shared row (``raw_ids``).
         self.raw = None if config.vocabulary is None else RawIds(config, self.shard)
@@ -477,7 +479,13 @@ class EmbeddingCache:
         """A restore failed part-way with ``error`` (the cache holds part of a
         checkpoint), or completed (``None``): until one completes, every
         step, save and export is refused (``check_whole``)."""
-        self._damaged = error
+        self._damaged = None
+        if error is not None:
+            self._damaged = (
+                f"a restore failed after it had begun to change the cache ({error}), so the cache "
+                "holds part of a checkpoint and would read other ids' rows; restore a complete "
+                "checkpoint (Checkpointer.restore) before using it."
+            )
 
     def check_whole(self) -> None:
         """Refuses to use a cache that a failed restore left half-restored.
@@ -486,11 +494,7 @@ class EmbeddingCache:
           RuntimeError: a restore failed after it began to change the cache.
         """
         if self._damaged is not None:
-            raise RuntimeError(
-                f"table {self.name!r}: a restore failed after it had begun to change the cache "
-                f"({self._damaged}), so the cache holds part of a checkpoint and would read other "
-                "ids' rows; restore a complete checkpoint (Checkpointer.restore) before using it."
-            )
+            raise RuntimeError(f"table {self.name!r}: {self._damaged}")
 
     # ------------------------------------------------------------------ step
     def prepare(self, state: CacheState, ids: np.ndarray, *, train: bool = True):
@@ -916,6 +920,21 @@ class EmbeddingCache:
                 f"batch {staged.plan.index} of table {self.name!r} was applied already; apply "
                 "each staged batch once, in plan order."
             )
+        if staged.plan.index > self.lifecycle.applied + 1:
+            # The batches between were planned, and their rows counted on the
+            # device, but never swapped in (an error between a batch's plan
+            # and its swap): applying past them would read other ids' rows.
+            lost = range(self.lifecycle.applied + 1, staged.plan.index)
+            which = (
+                f"batch {lost[0]} was" if len(lost) == 1 else f"batches {lost[0]}..{lost[-1]} were"
+            )
+            self._damaged = (
+                f"{which} planned but never applied (an error came between a batch's plan and "
+                "its swap), so the planner counts rows on the "
+                "device that never reached it, and lookups would read other ids' rows. Build "
+                "the cache again and restore a checkpoint into it."
+            )
+            self.check_whole()
         self.lifecycle.mark_applied(staged.plan.index)
         if staged.moves is None:
             return state

@@ -778,6 +778,17 @@ class Prefetcher(Iterator[dict[str, Any]]):
                 "the loop then leaves with the batches staged so far."
             )
         self._closed = True
+        try:
+            self._close()
+        finally:
+            # Even when a swap failed (a batch it loses stops the cache at
+            # its next swap, ``EmbeddingCache.apply``): the tables are free.
+            _SWITCH.drop(self)
+            _OPEN.discard(self)
+            self._let_go()
+
+    def _close(self) -> None:
+        """``close``'s work: stops the threads and applies what they staged."""
         self._stop.set()
         with self._released:
             self._released.notify_all()
@@ -816,9 +827,6 @@ class Prefetcher(Iterator[dict[str, Any]]):
             self._drain()
         if self._thread is not None:
             self._put_back()
-        _SWITCH.drop(self)
-        _OPEN.discard(self)
-        self._let_go()
 
     def _put_back(self) -> None:
         """At close: a batch the thread took from the source that some table
