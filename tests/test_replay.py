@@ -198,6 +198,18 @@ def best_hits(batches, capacity):
     return max(states.values())
 
 
+def test_belady_replays_steady_batches_of_padding_only():
+    # The steady part (after the first quarter) looks no id up.
+    trace = np.array([[0, 1], [-1, -1], [-1, -1], [-1, -1], [-1, -1]])
+    runs = {
+        policy: replay(trace, capacity=2, policy=policy, padding_id=-1)
+        for policy in ("belady", "lru")
+    }
+    for out in runs.values():
+        assert out["lookups"] == 2 and out["steady_unique_hit_rate"] == 0.0
+    assert runs["belady"]["hits"] == 2  # warmed for free, as documented
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_belady_is_the_optimum(seed):
     rng = np.random.default_rng(seed)
@@ -654,6 +666,9 @@ def test_vocabulary_command_rounds_a_capacity_fraction_up_as_a_cache_does(tmp_pa
     printed = json.loads(capsys.readouterr().out)
     expected = jaxcache.sizing.replay_vocabulary(np.zeros((5, 8), np.int64), rows=40, capacity=0.01)
     assert printed == expected and jaxcache.CacheConfig(40, 1, capacity=0.01).capacity == 1
+    assert main(["vocabulary", str(path), "--rows", "40", "--batch", "8", "--capacity", "2.0"]) == 0
+    two = jaxcache.sizing.replay_vocabulary(np.zeros((5, 8), np.int64), rows=40, capacity=2)
+    assert json.loads(capsys.readouterr().out) == two
 
 
 def test_vocabulary_command_takes_every_forgetting_rule(tmp_path, capsys):

@@ -241,9 +241,11 @@ def _check_vocabulary_capacity(
     command's words (``CacheConfig`` would name its own arguments)."""
     if capacity is None:
         return
-    # A fraction rounds up, as ``CacheConfig`` rounds it.
-    slots = capacity if isinstance(capacity, int) else max(1, math.ceil(capacity * rows))
-    if not 0 < slots <= rows or (isinstance(capacity, float) and not 0 < capacity <= 1):
+    # As ``CacheConfig`` reads it: a whole number past 1 counts rows, and a
+    # fraction rounds up.
+    whole = isinstance(capacity, int) or (capacity > 1 and float(capacity).is_integer())
+    slots = int(capacity) if whole else max(1, math.ceil(capacity * rows))
+    if not 0 < slots <= rows or (not whole and not 0 < capacity <= 1):
         parser.error(
             f"argument --capacity: {capacity} is not a cache of 1 to {rows} rows (the budget "
             "of --rows); give a row count up to --rows or a fraction of it in (0, 1]."

@@ -448,6 +448,8 @@ def _belady(batches: list[np.ndarray], capacity: int) -> tuple[np.ndarray, int]:
         looked_up.append(counts)
         sizes.append(values.size)
     ids = np.concatenate(unique).astype(np.int64)
+    if not ids.size:  # batches of padding only: nothing to look up or warm
+        return np.zeros((len(batches), 7), np.int64), 0
     step = np.repeat(np.arange(len(batches)), sizes)
     # Each (batch, id)'s next use: the next batch of the same id.
     order = np.lexsort((step, ids))
