@@ -72,19 +72,22 @@ def main(argv: list[str] | None = None) -> dict:
         {"sparse": embed},
         lookahead=args.lookahead,
     )
-    for _ in server.score(data.batches(args.warmup, start=0, held_out=True)):
-        pass  # compiles the step and its padded shapes
-    server.reset()  # the figures below leave the warm-up out
-    labels, scores = [], []
-    start = time.perf_counter()
-    requests = data.batches(args.batches, start=args.warmup, held_out=True)
-    for batch, batch_scores in zip(
-        data.batches(args.batches, start=args.warmup, held_out=True),
-        server.score(requests),
-        strict=True,
-    ):
-        labels.append(batch["label"])
-        scores.append(batch_scores)
+    try:
+        for _ in server.score(data.batches(args.warmup, start=0, held_out=True)):
+            pass  # compiles the step and its padded shapes
+        server.reset()  # the figures below leave the warm-up out
+        labels, scores = [], []
+        start = time.perf_counter()
+        requests = data.batches(args.batches, start=args.warmup, held_out=True)
+        for batch, batch_scores in zip(
+            data.batches(args.batches, start=args.warmup, held_out=True),
+            server.score(requests),
+            strict=True,
+        ):
+            labels.append(batch["label"])
+            scores.append(batch_scores)
+    except jaxcache.CapacityError as error:
+        raise SystemExit(f"serve.py: {error} (--capacity sets the rows on device.)") from None
     seconds = time.perf_counter() - start
     summary = server.summary()
     result = {
