@@ -930,9 +930,9 @@ class EmbeddingCache:
             )
             self._damaged = (
                 f"{which} planned but never applied (an error came between a batch's plan and "
-                "its swap), so the planner counts rows on the "
-                "device that never reached it, and lookups would read other ids' rows. Build "
-                "the cache again and restore a checkpoint into it."
+                "its swap), so the planner counts rows on the device that never reached it, "
+                "and lookups would read other ids' rows. Build the cache again and restore a "
+                "checkpoint into it."
             )
             self.check_whole()
         self.lifecycle.mark_applied(staged.plan.index)
