@@ -854,6 +854,52 @@ def test_a_rollback_after_leaving_a_look_ahead_pipeline_early_trains_as_one_afte
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_a_cache_that_lost_a_batch_rolls_back_in_place(tmp_path, monkeypatch, lookahead):
+    # A transfer failed after its batch was planned (the device out of
+    # memory, say): the cache stops at the next swap, and a restore of the
+    # last checkpoint into the same objects trains on as a fresh model would.
+    data = _data(12)
+    model, optimizer = _model(_cache("lru", capacity=48))
+    _train(model, optimizer, data[:4])
+    checkpointer = jaxcache.Checkpointer(tmp_path)
+    checkpointer.save(4, model=model, optimizer=optimizer)
+    to_device, calls = jaxcache.EmbeddingCache.to_device, []
+
+    def failing(self, host):
+        calls.append(host)
+        if len(calls) == 3:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return to_device(self, host)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(jaxcache.EmbeddingCache, "to_device", failing)
+        with pytest.raises(RuntimeError, match=r"RESOURCE_EXHAUSTED|planned but never applied"):
+            _train(model, optimizer, data[4:], lookahead=lookahead)
+    with pytest.raises(RuntimeError, match=r"planned but never applied|staged but not applied"):
+        model.embed.export()  # the table lacks the lost batch's rows: refused
+    checkpointer.restore(4, model=model, optimizer=optimizer)
+    _train(model, optimizer, data[4:], lookahead=lookahead)
+    jaxcache.testing.check_invariants(model.embed.cache)
+
+    # A batch staged before the restore is refused, and changes nothing.
+    stale = model.embed.cache.stage(data[5][0])
+    checkpointer.restore(4, model=model, optimizer=optimizer)
+    with pytest.raises(ValueError, match="stale: a restore has been applied since"):
+        model.embed.cache.apply(model.embed.get_state(), stale)
+    _train(model, optimizer, data[4:], lookahead=lookahead)
+
+    fresh, fresh_optimizer = _model(_cache("lru", capacity=48), seed=3)
+    checkpointer.restore(4, model=fresh, optimizer=fresh_optimizer)
+    _train(fresh, fresh_optimizer, data[4:], lookahead=lookahead)
+    for a, b in zip(
+        (model.embed.export()[0], *_dense(model), *_dense(optimizer)),
+        (fresh.embed.export()[0], *_dense(fresh), *_dense(fresh_optimizer)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_a_restored_cache_plans_the_next_pipeline_as_the_saved_one(tmp_path, planner, policy):
     # The first plans of the next pipeline still protect the rows of the

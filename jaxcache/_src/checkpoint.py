@@ -327,8 +327,11 @@ class Checkpointer:
                 raise ValueError(f"checkpoint {step} has no {item} state; pass {item}=None.")
             updates.append((node, self._restore_dense(step, item, node)))
         # Everything matched: from here on, state changes. Rows evicted by
-        # the last steps land first, or they would land over restored ones.
+        # the last steps land first, or they would land over restored ones;
+        # those of batches staged and never applied (one lost to an error
+        # before its swap, ``EmbeddingCache.apply``) never will.
         for holder in holders.values():
+            holder.cache.write_backs.drop_unapplied()
             holder.cache.land_write_backs()
         for name, holder in holders.items():
             table_record.restore_table(saved[name], holder)
@@ -442,11 +445,12 @@ def _check_step(value: Any, name: str) -> int:
 
 def _check_nothing_in_flight(name: str, cache: EmbeddingCache, *, restoring: bool = False) -> None:
     """Refuses a table whose pipeline may plan while it is saved or
-    restored, or which holds batches staged that no step took. A save also
-    refuses plans its training loop may not have stepped (it would record
-    their rows as trained); a restore replaces them, its lookups refused
-    from then on (``Lifecycle.guard``). (Write-backs of applied plans are no
-    reason: they land first.)"""
+    restored, or which holds batches offered to a host-callback step. A save
+    also refuses batches staged that no step took, and plans its training
+    loop may not have stepped (it would record their rows as trained); a
+    restore replaces them, their lookups refused from then on
+    (``Lifecycle.guard``). (Write-backs of applied plans are no reason: they
+    land first.)"""
     if cache.pipelines:
         # Its thread plans the next batches meanwhile: refusing only when
         # it has planned one would depend on timing.
@@ -456,10 +460,14 @@ def _check_nothing_in_flight(name: str, cache: EmbeddingCache, *, restoring: boo
             "(let it run to the end of the batches up to this step)."
         )
     lifecycle = cache.lifecycle
-    if lifecycle.offered() or lifecycle.unapplied():
+    # A restore replaces the plans of batches staged and never applied (a
+    # batch an error lost before its swap, and those after it): their
+    # lookups and staged batches are refused from then on.
+    unapplied = range(0) if restoring else lifecycle.unapplied()
+    if lifecycle.offered() or unapplied:
         raise RuntimeError(
             f"table {name!r} has batches staged that no step has taken (plans "
-            f"{list(lifecycle.unapplied())}, {lifecycle.offered()} offered to a host-callback "
+            f"{list(unapplied)}, {lifecycle.offered()} offered to a host-callback "
             "step); step or close them before saving or restoring."
         )
     ahead = lifecycle.in_flight()

@@ -920,6 +920,7 @@ class EmbeddingCache:
                 f"batch {staged.plan.index} of table {self.name!r} was applied already; apply "
                 "each staged batch once, in plan order."
             )
+        staged.lookup.check_fresh()  # staged before a restore: refused, nothing changed
         if staged.plan.index > self.lifecycle.applied + 1:
             # The batches between were planned, and their rows counted on the
             # device, but never swapped in (an error between a batch's plan
@@ -931,8 +932,8 @@ class EmbeddingCache:
             self._damaged = (
                 f"{which} planned but never applied (an error came between a batch's plan and "
                 "its swap), so the planner counts rows on the device that never reached it, "
-                "and lookups would read other ids' rows. Build the cache again and restore a "
-                "checkpoint into it."
+                "and lookups would read other ids' rows. Restore a checkpoint "
+                "(Checkpointer.restore) before using it."
             )
             self.check_whole()
         self.lifecycle.mark_applied(staged.plan.index)

@@ -88,6 +88,14 @@ class WriteBacks:
         with self._lock:
             return sorted(i for i in self._unlanded if i not in self._dispatched)
 
+    def drop_unapplied(self) -> None:
+        """Forgets the evictions of plans whose swap will never run (their
+        batch was lost, and a restore replaces the table)."""
+        with self._lock:
+            for index in [i for i in self._unlanded if i not in self._dispatched]:
+                del self._unlanded[index]
+            self._lock.notify_all()
+
     def ids_of(self, index: int) -> np.ndarray | None:
         """The ids plan ``index`` evicted, while they have not landed."""
         with self._lock:
