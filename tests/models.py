@@ -431,3 +431,18 @@ def host_planners(cache: jaxcache.EmbeddingCache) -> list[jaxcache.planning.Plan
     if cache.planner_kind == "device":
         return planner.host_mirror().planners
     return planner.planners
+
+
+def failing_transfer(nth: int):
+    """An ``EmbeddingCache.to_device`` that raises on its ``nth`` call, as a
+    transfer to a device out of memory does: that batch was planned, and
+    its rows never reach the device. Patch it over the class."""
+    to_device, calls = jaxcache.EmbeddingCache.to_device, [0]
+
+    def failing(self, host):
+        calls[0] += 1
+        if calls[0] == nth:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return to_device(self, host)
+
+    return failing

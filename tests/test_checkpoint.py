@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 import jaxcache
-from tests.models import Tower, bce, host_planners, zipf_batches
+from tests.models import Tower, bce, failing_transfer, host_planners, zipf_batches
 
 # Every test here runs with both planners (``conftest.planner``).
 pytestmark = pytest.mark.usefixtures("planner")
@@ -864,16 +864,8 @@ def test_a_cache_that_lost_a_batch_rolls_back_in_place(tmp_path, monkeypatch, lo
     _train(model, optimizer, data[:4])
     checkpointer = jaxcache.Checkpointer(tmp_path)
     checkpointer.save(4, model=model, optimizer=optimizer)
-    to_device, calls = jaxcache.EmbeddingCache.to_device, []
-
-    def failing(self, host):
-        calls.append(host)
-        if len(calls) == 3:
-            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
-        return to_device(self, host)
-
     with monkeypatch.context() as patch:
-        patch.setattr(jaxcache.EmbeddingCache, "to_device", failing)
+        patch.setattr(jaxcache.EmbeddingCache, "to_device", failing_transfer(3))
         with pytest.raises(RuntimeError, match=r"RESOURCE_EXHAUSTED|planned but never applied"):
             _train(model, optimizer, data[4:], lookahead=lookahead)
     with pytest.raises(RuntimeError, match=r"planned but never applied|staged but not applied"):

@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 
 import jaxcache
-from tests.models import dense_params, make_cached, make_callback, make_reference, zipf_batches
+from tests.models import (
+    dense_params,
+    failing_transfer,
+    make_cached,
+    make_callback,
+    make_reference,
+    zipf_batches,
+)
 
 # Every test here runs with both planners (``conftest.planner``).
 pytestmark = pytest.mark.usefixtures("planner")
@@ -526,13 +533,6 @@ def test_a_batch_lost_between_its_plan_and_its_swap_stops_the_cache(
     cfg = jaxcache.CacheConfig(100, D, 16, policy="lru", optimizer=jaxcache.sgd(0.1))
     embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner))
     batches = [{"ids": (5 * k + np.arange(6)).reshape(3, 2) % 100} for k in range(8)]
-    to_device, calls = jaxcache.EmbeddingCache.to_device, []
-
-    def failing(self, host):
-        calls.append(host)
-        if len(calls) == 3:
-            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
-        return to_device(self, host)
 
     def train(batches):
         if lookahead is None:
@@ -543,7 +543,7 @@ def test_a_batch_lost_between_its_plan_and_its_swap_stops_the_cache(
             for batch in pipeline:
                 embed(batch["ids"])
 
-    monkeypatch.setattr(jaxcache.EmbeddingCache, "to_device", failing)
+    monkeypatch.setattr(jaxcache.EmbeddingCache, "to_device", failing_transfer(3))
     # Closing the pipeline applies the batches staged after it: refused then.
     with pytest.raises(RuntimeError, match=r"RESOURCE_EXHAUSTED|batch 2 was planned but never"):
         train(batches)

@@ -321,12 +321,9 @@ class EmbeddingCache:
             self.raw,
         )
         self.lifecycle = Lifecycle(self.planner, self.write_backs)
-        # Pipelines staging this table's batches ahead (``jaxcache.prefetch``
-        # with look-ahead), until closed: ``prepare`` would plan past them.
-        self.pipelines: weakref.WeakSet[Any] = weakref.WeakSet()
-        # Every open pipeline over this table, with look-ahead or without:
-        # one without plans each batch as it hands it out, which would
-        # release the plans a pipeline with look-ahead holds.
+        # Every open pipeline over this table (``jaxcache.prefetch``), until
+        # closed: one without look-ahead plans each batch as it hands it
+        # out, which would release the plans one with look-ahead holds.
         self.open_pipelines: weakref.WeakSet[Any] = weakref.WeakSet()
         self.callbacks = HostCallbacks(self.stager, self.lifecycle, platform, planner)
         # On an accelerator a read-out starts its copy to the host as soon as
@@ -368,6 +365,12 @@ class EmbeddingCache:
         cache = cls(config, warm=False, **kwargs)
         cache.planner.warm(np.arange(config.num_embeddings))
         return cache
+
+    @property
+    def pipelines(self) -> list[Any]:
+        """The open pipelines staging this table's batches ahead (with
+        look-ahead): ``prepare`` would plan past them."""
+        return [pipeline for pipeline in self.open_pipelines if pipeline.lookahead > 0]
 
     @property
     def name(self) -> str:

@@ -348,8 +348,6 @@ class Prefetcher(Iterator[dict[str, Any]]):
             target = self._stage_planned if self._device else self._produce
             self._thread = threading.Thread(target=target, name="jaxcache-prefetch", daemon=True)
             _OPEN.add(self)
-            for cache in caches:
-                cache.pipelines.add(self)
             if switch_interval is not None:
                 _SWITCH.hold(self, switch_interval)
             if self._device:
@@ -883,7 +881,6 @@ class Prefetcher(Iterator[dict[str, Any]]):
     def _let_go(self) -> None:
         """Nothing is staged ahead any more: ``prepare`` may plan its tables."""
         for cache in self._caches.values():
-            cache.pipelines.discard(self)
             cache.open_pipelines.discard(self)
 
     def _drain(self) -> None:
