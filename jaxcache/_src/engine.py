@@ -907,9 +907,12 @@ class EmbeddingCache:
         write-back.
 
         Raises:
-          ValueError: another cache staged the batch.
+          ValueError: another cache staged the batch, or it was staged
+            before a restore (nothing changed).
           RuntimeError: the batch was applied already (its swap would move
-            the rows again, over slots that other rows hold now).
+            the rows again, over slots that other rows hold now); or an
+            earlier batch was planned and never applied (lost to an error
+            before its swap), which stops the cache until a restore.
         """
         self.check_state(state)
         made_by = staged.lookup.cache_id
