@@ -241,6 +241,13 @@ def main(argv: list[str] | None = None) -> dict:
     except (FileNotFoundError, jd.DataFormatError) as error:
         sys.exit(f"error: {error}")
     metadata = builder.info.metadata
+    if metadata["rows"]["train"] < args.batch_size:
+        # The loader drops a short last batch, so an epoch would have none.
+        sys.exit(
+            f"error: --batch-size={args.batch_size} is more than the "
+            f"{metadata['rows']['train']} training ratings of MovieLens {args.config}; "
+            "lower --batch-size."
+        )
     cached = run(args, builder, full=False)
     full = run(args, builder, full=True)
     table_diff = max(

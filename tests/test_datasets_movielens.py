@@ -276,3 +276,13 @@ def test_example_refuses_bad_flags_and_missing_data(tmp_path, capsys):
         assert example.builder_config(args) == config
     with pytest.raises(SystemExit, match=r"error: .*'ml-100k\.zip'"):
         example.main(["--manual-dir", str(tmp_path), "--data-dir", str(tmp_path)])
+
+
+def test_example_refuses_a_batch_larger_than_the_training_split(tmp_path):
+    spec = importlib.util.spec_from_file_location("movielens_example", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    jd.write_fake_movielens(tmp_path / "manual", num_users=20, num_items=30)
+    flags = ["--manual-dir", str(tmp_path / "manual"), "--data-dir", str(tmp_path / "data")]
+    with pytest.raises(SystemExit, match=r"--batch-size=5000 is more than the \d+ training"):
+        example.main([*flags, "--batch-size", "5000"])
