@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import sys
 import threading
 import time
@@ -996,3 +997,36 @@ def test_plans_do_not_depend_on_thread_timing():
     assert fast_stats.evictions > 50  # heavy churn: victims are chosen every step
     assert fast_stats == slow_stats
     np.testing.assert_array_equal(fast_slots, slow_slots)
+
+
+def test_a_pipeline_dropped_without_closing_can_be_closed_through_its_table(planner):
+    # A for-loop left by break does not close its iterator, and the
+    # pipeline's threads keep it alive: the table stays held, and every
+    # refusal says how to close a pipeline the caller no longer holds.
+    cfg = jaxcache.CacheConfig(200, D, 32, policy="lru", optimizer=jaxcache.sgd(0.1))
+    batches = [{"ids": (8 * k + np.arange(8)).reshape(4, 2) % 200} for k in range(8)]
+    runs = []
+    for dropped in (False, True):
+        embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner))
+        pipeline = jaxcache.prefetch(iter(batches[:4]), {"ids": embed}, lookahead=2)
+        for k, batch in enumerate(pipeline):
+            embed(batch["ids"])
+            if k == 1:
+                break
+        if dropped:
+            del pipeline
+            hint = re.escape("for p in cache.pipelines: p.close()")
+            with pytest.raises(RuntimeError, match=hint):
+                jaxcache.prefetch(batches[4:], {"ids": embed}, lookahead=2)
+            with pytest.raises(RuntimeError, match=hint):
+                embed.prepare(batches[4]["ids"])
+            for open_pipeline in embed.cache.pipelines:
+                open_pipeline.close()
+        else:
+            pipeline.close()
+        assert not embed.cache.pipelines
+        with jaxcache.prefetch(batches[4:], {"ids": embed}, lookahead=2) as after:
+            for batch in after:
+                embed(batch["ids"])
+        runs.append(embed.export()[0])
+    np.testing.assert_array_equal(runs[0], runs[1])

@@ -38,7 +38,7 @@ from flax import nnx
 
 from jaxcache._src import table_record
 from jaxcache._src.config import CacheConfig
-from jaxcache._src.engine import EmbeddingCache
+from jaxcache._src.engine import CLOSE_DROPPED, EmbeddingCache
 from jaxcache._src.holder import CacheHolder, dense_state, find_tables, load_dense_state
 from jaxcache._src.linen_module import Holder
 from jaxcache._src.validation import is_int
@@ -457,7 +457,7 @@ def _check_nothing_in_flight(name: str, cache: EmbeddingCache, *, restoring: boo
         raise RuntimeError(
             f"table {name!r} is staged by an open jaxcache.prefetch with look-ahead, which "
             "plans its next batches meanwhile; save or restore after its with-block ends "
-            "(let it run to the end of the batches up to this step)."
+            f"(let it run to the end of the batches up to this step). {CLOSE_DROPPED}"
         )
     lifecycle = cache.lifecycle
     # A restore replaces the plans of batches staged and never applied (a

@@ -119,6 +119,14 @@ class DeviceStaged(NamedTuple):
     deferred: Deferred | None = None
 
 
+# The end of every refusal that names an open look-ahead pipeline: how to
+# close one the caller no longer holds (its threads keep it alive).
+CLOSE_DROPPED = (
+    "A pipeline you no longer hold (a for-loop over it left by break) closes with "
+    "`for p in cache.pipelines: p.close()`."
+)
+
+
 class EmbeddingCache:
     """A host-offloaded embedding table with a device cache of hot rows.
 
@@ -369,7 +377,10 @@ class EmbeddingCache:
     @property
     def pipelines(self) -> list[Any]:
         """The open pipelines staging this table's batches ahead (with
-        look-ahead): ``prepare`` would plan past them."""
+        look-ahead): ``prepare`` would plan past them. One the caller no
+        longer holds (a ``for`` loop over it left by ``break``) still holds
+        the table until it is closed: ``for p in cache.pipelines:
+        p.close()``."""
         return [pipeline for pipeline in self.open_pipelines if pipeline.lookahead > 0]
 
     @property
@@ -529,8 +540,8 @@ class EmbeddingCache:
             raise RuntimeError(
                 f"prepare on table {self.name!r} while a jaxcache.prefetch stages its batches "
                 "ahead: the batch would take rows from under the batches staged, or wait for "
-                "them. Close that pipeline first (leave its with-block), then prepare, or "
-                "build it with lookahead=0."
+                f"them. Close that pipeline first (leave its with-block), then prepare, or "
+                f"build it with lookahead=0. {CLOSE_DROPPED}"
             )
         validation.check_not_traced(ids, "ids")
         self.check_state(state)

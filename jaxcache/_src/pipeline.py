@@ -56,7 +56,7 @@ import numpy as np
 
 from jaxcache._src.device_ops import Lookup, check_bags
 from jaxcache._src.device_planner import DevicePlanner, Dispatched, PlanSkipped
-from jaxcache._src.engine import DeviceStaged, EmbeddingCache, HostStaged, Staged
+from jaxcache._src.engine import CLOSE_DROPPED, DeviceStaged, EmbeddingCache, HostStaged, Staged
 from jaxcache._src.holder import CacheHolder
 from jaxcache._src.planner import CapacityError
 
@@ -256,7 +256,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
                     "second pipeline would plan between its batches, taking their rows or "
                     "waiting for them forever. Close the first one (leave its with-block, or "
                     "let it run to its end) before opening this one, or build both with "
-                    "lookahead=0."
+                    f"lookahead=0. {CLOSE_DROPPED}"
                 )
             if lookahead > 0 and holder.cache.open_pipelines:
                 raise RuntimeError(
