@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import jaxcache
 from jaxcache._src import cli
+from jaxcache._src.dram_tier import SLOT_BYTES
 from jaxcache._src.tier_replay import replay_dram_tier
 from jaxcache._src.tiered_table import INDEX_BYTES_PER_ROW
 from tests.models import dense_params, make_cached, make_reference, zipf_batches
@@ -198,7 +199,17 @@ def test_budget_is_checked_and_defaults_to_a_share_of_memory(tmp_path):
     cfg = jaxcache.CacheConfig(10_000, 4, 10)
     small = jaxcache.TieredTable(cfg, tmp_path / "a")  # the default fits the whole table
     assert small.stats().dram.slots == 10_000
-    assert small.dram_budget == 10_000 * (12 + 16)
+    assert small.dram_budget == 10_000 * (INDEX_BYTES_PER_ROW + 16 + SLOT_BYTES)
+    # The budget covers what the index and the tier hold (it left out each
+    # slot's bookkeeping: 1.43x the budget for records of 16 bytes).
+    tier, log = small._tier, small._log
+    held = [tier.records, tier.slot_of, tier.slot_id, tier.flags, tier.free, log.where]
+    assert sum(array.nbytes for array in held) <= small.dram_budget
+    narrow = jaxcache.TieredTable(cfg, tmp_path / "e", dram_budget=300_000)
+    held = [narrow._tier.records, narrow._tier.slot_of, narrow._tier.slot_id]
+    held += [narrow._tier.flags, narrow._tier.free, narrow._log.where]
+    assert narrow.stats().dram.slots < 10_000
+    assert sum(array.nbytes for array in held) <= narrow.dram_budget <= 300_000
     # A budget for every row holds every row, whether the shards divide them or not.
     odd = jaxcache.TieredTable(jaxcache.CacheConfig(1000, 4, 10), tmp_path / "d", shards=16)
     assert odd.stats().dram.slots == 1008
@@ -484,3 +495,71 @@ def test_a_closed_table_is_refused_and_never_reaches_the_next_tables_files(tmp_p
     after = live.gather(ids)
     np.testing.assert_array_equal(after[0], before[0])
     np.testing.assert_array_equal(after[1]["accumulator"], before[1]["accumulator"])
+
+
+_BUILD_IN_ANOTHER_PROCESS = """
+import sys, numpy as np, jaxcache
+kind, directory = sys.argv[1:]
+cfg = jaxcache.CacheConfig(1000, 4, 16)
+try:
+    if kind == "tiered":
+        table = jaxcache.TieredTable(cfg, directory, rows=np.full((1000, 4), 7.0))
+    else:
+        table = jaxcache.HostTable(cfg, rows=np.full((1000, 4), 7.0), directory=directory)
+except ValueError as error:
+    print("refused:", error)
+else:
+    print("built")
+"""
+
+
+@pytest.mark.no_planner
+@pytest.mark.parametrize("kind", ["tiered", "host"])
+def test_a_table_in_use_by_another_process_is_not_built_over(tmp_path, kind):
+    # Two processes given one table's files (shares of a table without
+    # shard=, a second job on the same directory): the second emptied the
+    # first one's disk log, and each read the other's records as its rows.
+    cfg = jaxcache.CacheConfig(1000, 4, 16)
+    if kind == "tiered":
+        table = jaxcache.TieredTable(cfg, tmp_path, rows=np.ones((1000, 4)), dram_budget=20_000)
+    else:
+        table = jaxcache.HostTable(cfg, rows=np.ones((1000, 4)), directory=tmp_path)
+
+    def other_process() -> str:
+        result = subprocess.run(
+            [sys.executable, "-c", _BUILD_IN_ANOTHER_PROCESS, kind, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip()
+
+    refusal = other_process()
+    assert "another process is using" in refusal and "shard=" in refusal, refusal
+    assert (table.gather(np.arange(1000))[0] == 1).all()
+    if kind == "tiered":
+        table.close()  # closed, another process may build there
+        assert other_process() == "built"
+
+
+@pytest.mark.no_planner
+def test_bad_arguments_are_refused_as_the_host_tables_are(tmp_path):
+    cfg = jaxcache.CacheConfig(100, 4, 16, optimizer=jaxcache.adagrad(0.1))
+    with pytest.raises(ValueError, match="does not hold the index"):
+        jaxcache.TieredTable(cfg, tmp_path / "new", dram_budget=100)
+    assert not (tmp_path / "new").exists()  # refused before anything changed
+    table = jaxcache.TieredTable(cfg, tmp_path / "t", dram_budget=1_600)
+    host = jaxcache.HostTable(cfg)
+    for each in (table, host):
+        with pytest.raises(ValueError, match=r"optimizer state \['accumulator'\].*missing"):
+            each.scatter([3], np.ones((1, 4), np.float32), {})
+    # The compiled copy wrote through a read-only buffer (a read-only map
+    # crashed the process).
+    rows = np.zeros((2, 4), np.float32)
+    accumulator = np.zeros((2, 4), np.float32)
+    rows.flags.writeable = False
+    for each in (table, host):
+        with pytest.raises(ValueError, match="read-only"):
+            each.gather_into([1, 90], rows, {"accumulator": accumulator}, [0, 1])
+    assert not rows.any() and not accumulator.any()

@@ -13,8 +13,9 @@ its reference bit; the hand clears set bits and evicts the first row found
 with none. A clean row is dropped (its record on disk is current); a dirty
 one (written since it came from the disk) is copied out and, with the other
 dirty victims of the sweep, appended to the disk log in one write.
-Evictions run in batches of ``reclaim_batch`` slots (a few MiB of records),
-so that rows leave for the disk in large writes, not one at a time.
+Evictions run in batches of ``reclaim_batch`` slots (up to 4 MiB of
+records, at most a thirty-second of a shard), so that rows leave for the
+disk in large writes, not one at a time, once a shard holds a few thousand.
 
 A row that becomes dirty in the tier has its disk record marked garbage
 (``RowLog.forget``): garbage collection never moves a stale copy, and the
@@ -36,6 +37,9 @@ from jaxcache._src.compiled import kernel
 __all__ = ["DramTier", "Fields", "TierStats", "fields", "pack"]
 
 _REFERENCED, _DIRTY = 1, 2
+# Bytes a slot takes beside its record: the row it holds (``slot_id``,
+# int64), its place in the free list (``free``, int64) and its flags (uint8).
+SLOT_BYTES = 17
 # Slots a shard frees per eviction sweep: about this many bytes of records,
 # at most a thirty-second of the shard (then it keeps few slots idle).
 _RECLAIM_BYTES = 4 << 20

@@ -8,6 +8,7 @@ exporting or checkpointing never scrambles them. Arrays are plain NumPy, or
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import math
 import os
@@ -445,11 +446,20 @@ def take_rows(array: np.ndarray, at: np.ndarray) -> np.ndarray:
 # built over them would overwrite the rows the first one still reads and
 # writes, so that one table silently shows the other's rows.
 _CLAIMS: dict[str, weakref.ref[Any]] = {}
+# The descriptors holding each live table's lock on its files, by real path.
+_LOCKS: dict[str, int] = {}
 
 
 def claim_files(owner: Any, paths: list[str], fix: str) -> None:
-    """Registers ``paths`` as the files of table ``owner``; raises ``ValueError``
-    (``fix`` says how to avoid it) when a live table of this process has one."""
+    """Registers ``paths`` as the files of table ``owner`` and locks them
+    against other processes (an exclusive ``flock``, which the system drops
+    when the owner is closed or collected, or its process dies). Creates
+    the files and their directory; changes no file's content.
+
+    Raises:
+      ValueError: a live table of this process, or another process, holds
+        one of them (``fix`` says how to avoid it). Nothing is kept locked.
+    """
     keys = [os.path.realpath(path) for path in paths]
     for key, path in zip(keys, paths, strict=True):
         if _holder(key) not in (None, owner):
@@ -459,16 +469,65 @@ def claim_files(owner: Any, paths: list[str], fix: str) -> None:
                 f"{path} holds the rows of another table that is still in use; building this "
                 f"table there would overwrite them. {fix[0].upper()}{fix[1:]}."
             )
+    locks: dict[str, int] = {}
+    try:
+        for key, path in zip(keys, paths, strict=True):
+            if key not in _LOCKS:
+                locks[key] = _lock(path, fix)
+    except BaseException:
+        _unlock(list(locks.values()))
+        raise
     for key in keys:
         _CLAIMS[key] = weakref.ref(owner)
+    _LOCKS.update(locks)
+    weakref.finalize(owner, release_files, None, list(locks))
     for key in [key for key in _CLAIMS if _holder(key) is None]:
         del _CLAIMS[key]
 
 
-def release_files(owner: Any) -> None:
-    """Forgets the files of ``owner`` (closed: another table may use them)."""
-    for key in [key for key in _CLAIMS if _holder(key) in (None, owner)]:
-        del _CLAIMS[key]
+def _lock(path: str, fix: str) -> int:
+    """A descriptor of ``path`` (created) holding its exclusive lock."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ValueError(
+                f"{path} holds the rows of a table that another process is using; building "
+                f"this table there would overwrite them. {fix[0].upper()}{fix[1:]}; with "
+                "several processes, give each its share of the table "
+                "(shard=jaxcache.host.process_shard(mesh))."
+            ) from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:  # not a file its closing owner unlinked meanwhile
+            return fd
+        os.close(fd)
+
+
+def _unlock(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)  # drops the lock
+        except OSError:
+            pass
+
+
+def release_files(owner: Any, keys: list[str] | None = None) -> None:
+    """Forgets the files of ``owner`` (closed: another table may use them)
+    and drops their locks; with ``keys``, those files' (``owner`` collected)."""
+    if keys is None:
+        keys = [key for key in _CLAIMS if _holder(key) in (None, owner)]
+    for key in keys:
+        if _holder(key) in (None, owner):
+            _CLAIMS.pop(key, None)
+            fd = _LOCKS.pop(key, None)
+            if fd is not None:
+                _unlock([fd])
 
 
 def _holder(key: str) -> Any:

@@ -401,14 +401,16 @@ class RowLog:
 
 
 def _remove(fds: tuple[int, ...], paths: tuple[str, ...]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    # Unlinked while the table still holds its files' lock (``claim_files``):
+    # a table another process opens there afterwards keeps its new files.
     for path in paths:
         try:
             os.unlink(path)
+        except OSError:
+            pass
+    for fd in fds:
+        try:
+            os.close(fd)
         except OSError:
             pass
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxcache._src import replay as replay_lib
 from jaxcache._src.config import CacheConfig
-from jaxcache._src.dram_tier import DramTier, fields
+from jaxcache._src.dram_tier import SLOT_BYTES, DramTier, fields
 from jaxcache._src.frequency import hottest
 from jaxcache._src.host_table import _INIT_CHUNK_ROWS
 from jaxcache._src.planner import CapacityError, Planner
@@ -92,7 +92,7 @@ def replay_dram_tier(
       >>> out = replay_dram_tier(trace, capacity=200, dram_budget=12 * 2000 + 500 * 100,
       ...                        row_bytes=100, policy="lru", num_embeddings=2000)
       >>> out["dram_rows"], out["dram_lookups"] > out["dram_hits"] > 0
-      (496, True)
+      (416, True)
     """
     batches, ids = replay_lib._read_trace(trace, batch, padding_id)
     n = replay_lib._table_size(ids, num_embeddings, frequencies)
@@ -107,11 +107,12 @@ def replay_dram_tier(
     for name, value in (("dram_budget", dram_budget), ("row_bytes", row_bytes)):
         if not is_int(value) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive number of bytes.")
-    slots = min(n, (int(dram_budget) - INDEX_BYTES_PER_ROW * n) // int(row_bytes))
+    slots = min(n, (int(dram_budget) - INDEX_BYTES_PER_ROW * n) // (int(row_bytes) + SLOT_BYTES))
     if slots < 1:
         raise ValueError(
             f"dram_budget={dram_budget:,} does not hold the index of {n:,} rows "
-            f"({INDEX_BYTES_PER_ROW * n:,} bytes) and one row of {row_bytes} bytes."
+            f"({INDEX_BYTES_PER_ROW * n:,} bytes) and one row of {row_bytes} bytes (and "
+            f"{SLOT_BYTES} for its slot)."
         )
     disk = _CountingDisk()
     tier = DramTier(n, slots, 0, disk, shards=shards, batch_for=int(row_bytes))

@@ -34,7 +34,7 @@ from typing import Any, cast
 import numpy as np
 
 from jaxcache._src.config import CacheConfig
-from jaxcache._src.dram_tier import DramTier, Fields, TierStats, fields, pack
+from jaxcache._src.dram_tier import SLOT_BYTES, DramTier, Fields, TierStats, fields, pack
 from jaxcache._src.host_table import (
     HostTable,
     Initializer,
@@ -103,7 +103,7 @@ class TieredStats:
       >>> _ = table.gather(range(1000))
       >>> stats = table.stats()
       >>> stats.dram.slots, stats.dram.lookups, stats.disk.rows_read
-      (496, 1000, 1000)
+      (240, 1000, 1000)
     """
 
     dram: TierStats
@@ -167,7 +167,7 @@ class TieredTable(HostTable):
       >>> cfg = jaxcache.CacheConfig(10_000, 8, capacity=100, optimizer=jaxcache.adagrad(0.1))
       >>> table = jaxcache.TieredTable(cfg, tempfile.mkdtemp(), dram_budget=200_000)
       >>> table.stats().dram.slots  # rows DRAM holds; all 10,000 are on disk
-      1248
+      976
       >>> plain = jaxcache.HostTable(cfg)
       >>> bool((table.gather([3, 9999])[0] == plain.gather([3, 9999])[0]).all())
       True
@@ -208,7 +208,6 @@ class TieredTable(HostTable):
         index, count = self.shard
         rows = _check_rows(rows, config)
         self.directory = os.fspath(directory)
-        os.makedirs(self.directory, exist_ok=True)
         specs: dict[str, tuple[np.dtype, tuple[int, ...]]] = {
             "rows": (np.dtype(config.row_dtype), (config.features,))
         }
@@ -224,16 +223,19 @@ class TieredTable(HostTable):
         if not is_int(budget) or budget < 1:
             raise ValueError(f"dram_budget={dram_budget!r} must be a positive number of bytes.")
         index_bytes = INDEX_BYTES_PER_ROW * n
-        slots = min(n, (int(budget) - index_bytes) // self.record_bytes)
+        slot_bytes = self.record_bytes + SLOT_BYTES
+        slots = min(n, (int(budget) - index_bytes) // slot_bytes)
         if slots < 1:
             raise ValueError(
                 f"dram_budget={budget:,} bytes does not hold the index of {n:,} rows "
                 f"({index_bytes:,} bytes, {INDEX_BYTES_PER_ROW} a row) and one row of "
-                f"{self.record_bytes} bytes; give at least {index_bytes + self.record_bytes:,}."
+                f"{self.record_bytes} bytes (and {SLOT_BYTES} for its slot); give at least "
+                f"{index_bytes + slot_bytes:,}."
             )
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", config.name)
         name = name if count == 1 else f"{name}.shard-{index}-of-{count}"
         path = os.path.join(self.directory, f"{name}.log")
+        os.makedirs(self.directory, exist_ok=True)  # once the arguments are checked
         claim_files(
             self,
             [path],
@@ -249,7 +251,7 @@ class TieredTable(HostTable):
         )
         self._tier = DramTier(n, slots, self.record_bytes, self._log, shards=shards)
         self.closed = False
-        self.dram_budget = index_bytes + self._tier.slots * self.record_bytes
+        self.dram_budget = index_bytes + self._tier.slots * slot_bytes
         self.rows = TableColumn(self, "rows")
         self.state = {name: TableColumn(self, name) for name in list(specs)[1:]}
         self._fill(rows, init, seed)
@@ -290,6 +292,15 @@ class TieredTable(HostTable):
         ``state[name][at]`` (C-contiguous arrays of the table's dtypes). Rows
         read from disk are kept in DRAM (clean)."""
         local = self._checked(ids)
+        self._check_state_given("gather_into", state)
+        for name, array in {"rows": rows, **state}.items():
+            if not array.flags.writeable:
+                # The compiled copy writes through the buffer's address: a
+                # read-only one would change, or fault on a read-only map.
+                raise ValueError(
+                    f"gather_into writes into {name}, a read-only array; pass writable "
+                    "arrays (np.empty, or a copy). Nothing was copied."
+                )
         into = self._fields(rows, state)
         self._tier.read(local, self._positions_in(at, local, len(rows)), into, keep=True)
 
@@ -304,6 +315,7 @@ class TieredTable(HostTable):
         ``rows`` and ``state`` in the order of ``ids``, or their entries
         ``at`` when given."""
         local = self._checked(ids)
+        self._check_state_given("scatter", state)
         arrays = {"rows": rows, **{k: state[k] for k in self.state}}
         values = {
             name: np.ascontiguousarray(array, dtype=self._specs[name][0])  # as assignment casts
@@ -353,6 +365,14 @@ class TieredTable(HostTable):
         if at.size and (at.min() < 0 or at.max() >= size):
             raise IndexError(f"a position in at is outside the {size} rows; nothing was copied.")
         return at
+
+    def _check_state_given(self, what: str, state: dict[str, np.ndarray]) -> None:
+        missing = sorted(set(self.state) - set(state))
+        if missing:
+            raise ValueError(
+                f"{what} needs the optimizer state {sorted(self.state)} with the rows; "
+                f"{missing} missing. Nothing was copied."
+            )
 
     def _fields(self, rows: np.ndarray, state: dict[str, np.ndarray]) -> Fields:
         """``rows`` and ``state``, checked, as the tier's ``Fields``."""
