@@ -7,8 +7,9 @@ CPU, NCCL on GPU). Every id has a home device; each process reads the global
 batch once to pick out the ids homed on its devices, plans only those (its
 devices' partitions: their directories and policies live nowhere else),
 stores only their host rows (``jaxcache.host.process_shard``), and fetches and
-writes back only its devices' rows. The processes exchange a few integers
-per step (the padded sizes of the step's arrays) and nothing else.
+writes back only its devices' rows. Planned on the host, the processes
+exchange a few integers per step (the batch's fingerprint, whether it fits,
+the padded sizes of the step's arrays) and nothing else.
 
 Run it on one machine (it starts the processes itself)::
 

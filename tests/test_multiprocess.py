@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -17,6 +19,7 @@ import jaxcache
 pytestmark = pytest.mark.usefixtures("planner")
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "multiprocess.py"
+WORKER = pathlib.Path(__file__).resolve().parent / "multiprocess_run.py"
 # A cache of 4% of a small table: rows are evicted and fetched again.
 FLAGS = ["--batch-size", "64", "--seed", "3", "--scale", "0.0005", "--cache-fraction", "0.04"]
 TWO = ["--num-processes", "2", "--devices-per-process", "2"]
@@ -117,3 +120,39 @@ def test_raw_ids_on_two_processes_match_one_and_resume_on_one(tmp_path):
     )
     assert resumed["live_ids"] == single["live_ids"]
     assert resumed["bonus"] == single["bonus"]
+
+
+@pytest.mark.slow
+def test_two_processes_roll_back_in_place_and_refuse_a_batch_together(planner, tmp_path):
+    # A restore of an earlier step in place planned indices the processes
+    # had already exchanged sizes for, and every later batch failed. A batch
+    # one process's devices refused raised there alone, while the other
+    # committed its plan and waited ten minutes for the first. Processes
+    # given different batches (host planner) read other ids' rows in silence.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, JAXCACHE_PLANNER=planner)
+    env.pop("XLA_FLAGS", None)
+    runs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), f"127.0.0.1:{port}", str(p), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for p in range(2)
+    ]
+    seen = []
+    for run in runs:
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err[-3000:]
+        seen.append(json.loads(out.strip().splitlines()[-1]))
+    for saw in seen:
+        np.testing.assert_array_equal(saw["again"], saw["ahead"])
+        assert saw["same_table"]
+        assert saw["too_large"].startswith("CapacityError"), saw["too_large"]
+        if planner == "host":  # the device planner takes each process's own slice
+            assert "staged different batches" in saw["different"], saw["different"]
+    assert seen[0]["ahead"] == seen[1]["ahead"] and seen[0]["after"] == seen[1]["after"]

@@ -10,9 +10,14 @@ few processes it then reads each other's key (a blocking read each), with
 more it waits at a barrier of the cache's processes and reads the directory
 back: three requests per process and step however many processes there are,
 where a read per process grew with the job (``benchmarks/agreement.py``).
-One process in turn deletes an old batch's directory. It runs on whatever
+One process in turn deletes an old exchange's directory. It runs on whatever
 host thread stages the batch, never on the device streams, so it cannot be
 ordered differently from the step's collectives in another process.
+
+Directories are numbered by exchange, not by plan: a restore plans an
+index again (and a plan refused for room is planned again), and a key is
+written once. Every process makes an agreement's exchanges in the same
+order, and each entry names its plan, so one out of step is an error.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ import numpy as np
 
 __all__ = ["Agreement", "agreement"]
 
-# A batch's directory is deleted this many plans later. Every process needs
-# every other's needs of a plan to finish it, so none is more than one plan
+# An exchange's directory is deleted this many exchanges later. Every process
+# needs every other's entry to finish an exchange, so none is more than one
 # behind another, and all have read the directory by then.
 _KEEP = 4
 # Up to this many processes a blocking read of each other's key costs no
@@ -75,6 +80,7 @@ class _KeyValueAgreement(Agreement):
         self._process = process
         # One barrier, passed once per plan (the service counts its rounds).
         self._barrier = f"{prefix}/agreed"
+        self._exchanges = 0  # made so far, the same count in every process
 
     def max(self, index: int, needs: np.ndarray) -> np.ndarray:
         needs = np.ascontiguousarray(needs, np.int64)
@@ -102,8 +108,13 @@ class _KeyValueAgreement(Agreement):
     def _exchange(self, index: int, payload: bytes) -> list[bytes]:
         """Publishes ``payload`` for plan ``index`` and returns the other
         processes' (and with many processes this one's too)."""
-        client, directory, count = self._client, f"{self._prefix}/{index}", len(self._members)
-        client.key_value_set_bytes(f"{directory}/{self._process}", payload)
+        client, count = self._client, len(self._members)
+        number = self._exchanges
+        self._exchanges += 1
+        directory = f"{self._prefix}/{number}"
+        client.key_value_set_bytes(
+            f"{directory}/{self._process}", np.int64(index).tobytes() + payload
+        )
         try:
             if count <= _READ_EACH:
                 others = [p for p in range(count) if p != self._process]
@@ -125,12 +136,19 @@ class _KeyValueAgreement(Agreement):
                 f"batch {index} of {self._prefix!r} has sizes from {len(entries)} processes "
                 f"past the barrier, not {count}: another program uses these keys."
             )
-        if index >= _KEEP and index % count == self._process:
+        if number >= _KEEP and number % count == self._process:
             try:
-                client.key_value_delete(f"{self._prefix}/{index - _KEEP}")  # and its keys
+                client.key_value_delete(f"{self._prefix}/{number - _KEEP}")  # and its keys
             except Exception:  # already gone: nothing to free
                 pass
-        return entries
+        plans = [int(np.frombuffer(raw[:8], np.int64)[0]) for raw in entries]
+        if any(plan != index for plan in plans):
+            raise RuntimeError(
+                f"processes {self._members} are out of step on {self._prefix!r}: this one "
+                f"staged batch {index} where the others staged {sorted(set(plans))}; every "
+                "process must stage the same batches in the same order."
+            )
+        return [raw[8:] for raw in entries]
 
 
 def agreement(name: str, members: Sequence[int], process: int) -> Agreement:

@@ -302,7 +302,12 @@ class EmbeddingCache:
             )
         else:
             self.planner = Partitions(
-                rows_config, self.layout, frequencies=frequencies, threads=self.threads, ids=config
+                rows_config,
+                self.layout,
+                frequencies=frequencies,
+                threads=self.threads,
+                ids=config,
+                agreement=processes_agreement,
             )
         self.stats = CacheStats(config.row_bytes)
         self.mesh = mesh
@@ -325,7 +330,6 @@ class EmbeddingCache:
             self.write_backs,
             self.stats,
             self.threads,
-            processes_agreement,
             self.raw,
         )
         self.lifecycle = Lifecycle(self.planner, self.write_backs)

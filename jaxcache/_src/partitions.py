@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jaxcache._src import kernels, validation
+from jaxcache._src.agreement import Agreement
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.frequency import hottest
 from jaxcache._src.placement import Layout, homed_ids
@@ -54,6 +55,9 @@ from jaxcache._src.planner import _NO_PAD, CapacityError, Plan, Planner, check_s
 from jaxcache._src.threads import HostThreads, raised
 
 __all__ = ["Partitions", "Split", "StepPlan"]
+
+# What a process's partitions made of a batch, as the processes exchange it.
+_FITS, _FITS_LATER, _NEVER_FITS, _OTHER = range(4)
 
 
 class Split(NamedTuple):
@@ -122,6 +126,10 @@ class StepPlan(NamedTuple):
         ``None`` in one process, where ``sent`` covers every pair.
       split: the batch's real ids grouped by source and home (``None`` with
         one partition, where the plan's ``inverse`` holds the ranks).
+      needs: with several processes, ``int64 [4]``: the most any process's
+        plan needs of ``K``, ``V``, rows moved and real ids per device (what
+        the padded sizes grow to), agreed before the plan was committed;
+        ``None`` in one process.
     """
 
     index: int  # type: ignore[assignment]  # the field shadows tuple.index
@@ -132,6 +140,7 @@ class StepPlan(NamedTuple):
     real: np.ndarray
     sent_out: np.ndarray | None
     split: Split | None
+    needs: np.ndarray | None = None
 
     def total(self, field: str) -> int:
         """A count of the plans (``lookups``, ``hits``, ...) summed over the partitions."""
@@ -165,6 +174,8 @@ class Partitions:
       ids: the configuration of the user's ids, where they are raw ids
         translated to the rows planned here (default ``config``): errors
         name the ids a partition holds by it.
+      agreement: with the devices over several processes, how they agree
+        on each plan (``_agree``); ``None`` in one process.
 
     Attributes:
       planners: the ``Planner`` of each own partition (local ids).
@@ -193,6 +204,7 @@ class Partitions:
         reserve: int = 4096,
         threads: HostThreads | None = None,
         ids: CacheConfig | None = None,
+        agreement: Agreement | None = None,
     ) -> None:
         n, parts = layout.devices, layout.parts
         if config.capacity % parts:
@@ -208,6 +220,8 @@ class Partitions:
         self.ids_config = config if ids is None else ids
         self.layout = layout
         self.threads = threads or HostThreads(1)
+        # With several processes: each plan is committed in all of them or in none.
+        self.agreement = agreement
         self.local_capacity = int(config.capacity) // n
         self.part_capacity = int(config.capacity) // parts
         self.parts = tuple(layout.own_parts)
@@ -450,6 +464,9 @@ class Partitions:
 
         own = list(zip(self.parts, self.planners, strict=True))
         checked = self.threads.gather(check, own)
+        needs = None
+        if self.agreement is not None:
+            needs = self._agree(flat, checked, counts, sent_out)
         self._raise_refusals(checked, max_distinct)
         plans = self.threads.map(
             lambda item: item[0].commit(item[1], train=train),
@@ -464,7 +481,88 @@ class Partitions:
             counts.reshape(n, -1)[self._own].sum(1),
             sent_out,
             split,
+            needs,
         )
+
+    def _agree(
+        self,
+        flat: np.ndarray,
+        checked: list[Any],
+        counts: np.ndarray,
+        sent_out: np.ndarray | None,
+    ) -> np.ndarray:
+        """Several processes, between check and commit: each publishes its
+        batch's fingerprint, whether its partitions take the batch, and
+        what its plan needs of the padded sizes. The batch is committed in
+        every process or in none, and every process raises the same error:
+        a refusal raised in one process alone left the others waiting for
+        it, and their plans committed. Returns the needs' maxima.
+
+        Raises:
+          ValueError: the processes staged different batches (nothing changed).
+          CapacityError: a process's partitions refused the batch (nothing
+            changed); ``fits_after`` is the latest any process needs.
+        """
+        layout = self.layout
+        errors = [raised(c) for c in checked]
+        refusals = [e for e in errors if isinstance(e, CapacityError)]
+        fits = [e.fits_after for e in refusals if e.fits_after is not None]
+        if any(e is not None and not isinstance(e, CapacityError) for e in errors):
+            status = _OTHER
+        elif len(fits) < len(refusals):
+            status = _NEVER_FITS
+        else:
+            status = _FITS_LATER if refusals else _FITS
+        needs = [0, 0, 0, 0]
+        if status == _FITS:
+            sent = np.stack([c.sent for c in checked])
+            k = int(layout.per_device(sent).max(initial=0))
+            if sent_out is not None:
+                out = sent_out.reshape(len(sent_out), layout.devices, layout.split)
+                k = max(k, int(out.sum(2).max(initial=0)))
+            distinct = [c.hits.size + c.miss_ids.size for c in checked]
+            moved = [c.miss_ids.size for c in checked]
+            real = counts.reshape(layout.devices, -1)[self._own].sum(1)
+            needs = [
+                k,
+                int(layout.per_device(distinct).max()),
+                int(layout.per_device(moved).max()),
+                int(real.max(initial=0)),
+            ]
+        mine = [kernels.fingerprint(flat), flat.size, status, max(fits, default=-1), *needs]
+        index = self.next_index
+        assert self.agreement is not None
+        table = np.stack(self.agreement.gather(index, np.array(mine, np.int64)))
+        different = bool((table[:, :2] != table[0, :2]).any())
+        worst = int(table[:, 2].max())
+        if not different and worst == _FITS:
+            return table[:, 4:].max(0)
+        latest = int(table[:, 3].max())
+        if not different and status == worst:
+            # This process's own refusal, as one process raises it (it
+            # clears the codes of the partitions that took the batch).
+            self._raise_refusals(checked, None, fits_after=latest if latest >= 0 else None)
+        for planner, c in zip(self.planners, checked, strict=True):
+            if raised(c) is None:  # refused: clear its misses' codes
+                planner.abandon(c)
+        if different:
+            raise ValueError(
+                f"the processes staged different batches as plan {index}: each process "
+                "must pass the same global batch (every process picks out the ids of its "
+                "own devices from it), in the same order."
+            )
+        process = int(np.flatnonzero(table[:, 2] == worst)[0])
+        if worst == _OTHER:
+            raise ValueError(
+                f"process {process} refused batch {index} (its error says why); nothing "
+                "was planned in any process."
+            )
+        refusal = CapacityError(
+            f"the batch does not fit on the devices of process {process} (its error says "
+            "why); nothing was planned in any process."
+        )
+        refusal.fits_after = latest if worst == _FITS_LATER else None
+        raise refusal
 
     def _split(self, array: np.ndarray, flat: np.ndarray) -> tuple[Split, np.ndarray | None]:
         """The real ids of each source's slice grouped by residue
@@ -528,9 +626,12 @@ class Partitions:
         where = f"device {part // split}"
         return where if split == 1 else f"{where}, partition {part % split}"
 
-    def _raise_refusals(self, checked: list[Any], max_distinct: int | None) -> None:
+    def _raise_refusals(
+        self, checked: list[Any], max_distinct: int | None, *, fits_after: int | None = None
+    ) -> None:
         """Raises the error of a partition that refused the batch, or when the
-        batch has more than ``max_distinct`` distinct ids in all."""
+        batch has more than ``max_distinct`` distinct ids in all; a refusal
+        that fits later names ``fits_after`` when given (the processes' latest)."""
         found = [(t, raised(c)) for t, c in zip(self.parts, checked, strict=True)]
         errors: list[tuple[int, Any]] = [(d, e) for d, e in found if e is not None]
         distinct = sum(c.hits.size + c.miss_ids.size for c in checked if raised(c) is None)
@@ -558,7 +659,7 @@ class Partitions:
         if errors:
             part, error = max(errors, key=lambda item: item[1].fits_after)
             refusal = CapacityError(f"{self._where(part)}: {error}")
-            refusal.fits_after = error.fits_after
+            refusal.fits_after = error.fits_after if fits_after is None else fits_after
             raise refusal
         if max_distinct is not None:
             if distinct > max_distinct:

@@ -23,7 +23,6 @@ from typing import Any, NamedTuple, Protocol, cast
 import numpy as np
 
 from jaxcache._src import kernels, routing
-from jaxcache._src.agreement import Agreement
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.host_table import HostTable
 from jaxcache._src.partitions import Partitions, StepPlan
@@ -144,7 +143,6 @@ class Stager:
       ledger: the write-back ledger.
       stats: the statistics to record each batch in.
       threads: the host threads.
-      agreement: how processes agree on padded sizes (one process: alone).
       raw: the raw ids of a dynamic vocabulary, translated to rows before
         each plan (``raw_ids``), or ``None``.
     """
@@ -157,7 +155,6 @@ class Stager:
         ledger: WriteBacks,
         stats: CacheStats,
         threads: HostThreads,
-        agreement: Agreement | None = None,
         raw: RawIds | None = None,
     ) -> None:
         self.config = config
@@ -168,7 +165,6 @@ class Stager:
         self.ledger = ledger
         self.stats = stats
         self.threads = threads
-        self.agreement = agreement or Agreement()
         self.local_capacity = partitions.local_capacity
         self.lock = threading.Lock()  # one planner user at a time
         self.fetch_bucket = 0  # P
@@ -292,12 +288,12 @@ class Stager:
         host-callback form (no overflow possible, no bags skipped). A
         partition evicts at most as many rows as it fetches (its victims
         are its misses' slots), so the fetches size the moves."""
-        k_need, v_need = routing.needs(step, self.layout)
-        moved = int(self.layout.per_device([p.misses for p in step.plans]).max())
-        real = int(step.real.max(initial=0))
-        k_need, v_need, moved, real = self.agreement.max(
-            step.index, np.array([k_need, v_need, moved, real])
-        ).tolist()
+        if step.needs is not None:  # several processes: every one's, agreed at the plan
+            k_need, v_need, moved, real = step.needs.tolist()
+        else:
+            k_need, v_need = routing.needs(step, self.layout)
+            moved = int(self.layout.per_device([p.misses for p in step.plans]).max())
+            real = int(step.real.max(initial=0))
         minimum = self._minimum
         if moved:
             self.fetch_bucket = bucket_size(moved, minimum, self.fetch_bucket)
