@@ -15,63 +15,66 @@ import os
 import sys
 
 import jax
-
-jax.config.update("jax_num_cpu_devices", 2)
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-coordinator, process, directory = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-jax.distributed.initialize(coordinator_address=coordinator, num_processes=2, process_id=process)
-
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
-
-import jaxcache  # noqa: E402
-
-mesh = Mesh(np.array(jax.devices()), ("rows",))
-cfg = jaxcache.CacheConfig(64, 4, capacity=16, policy="lru", optimizer=jaxcache.adagrad(0.1))
-table = jaxcache.HostTable(cfg, seed=0, shard=jaxcache.host.process_shard(mesh))
-embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, table=table, mesh=mesh))
+import numpy as np
 
 
-@nnx.jit
-def step(embed, lookup):
-    def loss_fn(embed, lookup):
-        return (embed(lookup) ** 2).sum()
+def main(coordinator: str, process: int, directory: str) -> dict:
+    jax.config.update("jax_num_cpu_devices", 2)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=2, process_id=process)
+    from flax import nnx
+    from jax.sharding import Mesh
 
-    loss, _ = jaxcache.nnx.value_and_grad(loss_fn)(embed, lookup)
-    return loss
+    import jaxcache
+
+    mesh = Mesh(np.array(jax.devices()), ("rows",))
+    cfg = jaxcache.CacheConfig(64, 4, capacity=16, policy="lru", optimizer=jaxcache.adagrad(0.1))
+    table = jaxcache.HostTable(cfg, seed=0, shard=jaxcache.host.process_shard(mesh))
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, table=table, mesh=mesh))
+
+    @nnx.jit
+    def step(embed, lookup):
+        def loss_fn(embed, lookup):
+            return (embed(lookup) ** 2).sum()
+
+        loss, _ = jaxcache.nnx.value_and_grad(loss_fn)(embed, lookup)
+        return loss
+
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 64, size=(8,)) for _ in range(6)]
+
+    def train(batches):
+        return [float(step(embed, embed.prepare(ids))) for ids in batches]
+
+    def counters():
+        stats = embed.cache.stats
+        return [stats.steps, stats.total.lookups, stats.total.misses]
+
+    def refusal(ids) -> str:
+        try:
+            embed.prepare(ids)
+        except Exception as error:  # the test reads what it was
+            return f"{type(error).__name__}: {error}"
+        return "accepted"
+
+    seen = {"first": train(batches[:2])}
+    checkpointer = jaxcache.Checkpointer(os.path.join(directory, "checkpoints"))
+    checkpointer.save(2, caches=[embed])
+    seen["stats_saved"] = counters()
+    seen["ahead"] = train(batches[2:6])
+    ahead = np.asarray(embed.export()[0])
+    # Back to step 2 in place: the processes plan indices 2.. again.
+    checkpointer.restore(2, caches=[embed])
+    seen["stats_restored"] = counters()  # each process's own share, as saved
+    seen["again"] = train(batches[2:6])
+    seen["same_table"] = bool((np.asarray(embed.export()[0]) == ahead).all())
+    # Five distinct ids homed on device 2 (process 1's), which holds 4 rows:
+    # refused there, and so in both processes, at once.
+    seen["too_large"] = refusal(np.array([2, 6, 10, 14, 18, 3, 7, 11]))
+    seen["different"] = refusal(batches[0] + process)
+    seen["after"] = train(batches[:1])  # nothing changed: training goes on
+    return seen
 
 
-rng = np.random.default_rng(0)
-batches = [rng.integers(0, 64, size=(8,)) for _ in range(6)]
-
-
-def train(batches):
-    return [float(step(embed, embed.prepare(ids))) for ids in batches]
-
-
-seen = {"first": train(batches[:2])}
-checkpointer = jaxcache.Checkpointer(os.path.join(directory, "checkpoints"))
-checkpointer.save(2, caches=[embed])
-seen["ahead"] = train(batches[2:6])
-ahead = np.asarray(embed.export()[0])
-# Back to step 2 in place: the processes plan indices 2.. again.
-checkpointer.restore(2, caches=[embed])
-seen["again"] = train(batches[2:6])
-seen["same_table"] = bool((np.asarray(embed.export()[0]) == ahead).all())
-
-
-def refusal(ids) -> str:
-    try:
-        embed.prepare(ids)
-    except Exception as error:  # the test reads what it was
-        return f"{type(error).__name__}: {error}"
-    return "accepted"
-
-
-# Five distinct ids homed on device 2 (process 1's), which holds 4 rows:
-# refused there, and so in both processes, at once.
-seen["too_large"] = refusal(np.array([2, 6, 10, 14, 18, 3, 7, 11]))
-seen["different"] = refusal(batches[0] + process)
-seen["after"] = train(batches[:1])  # nothing changed: training goes on
-print(json.dumps(seen))
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], int(sys.argv[2]), sys.argv[3])))

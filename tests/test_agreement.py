@@ -149,7 +149,7 @@ def test_a_process_that_never_arrives_is_named_in_the_error(monkeypatch):
 
 def test_keys_of_another_program_in_the_directory_are_an_error():
     service = _Service(4)
-    service.store["jaxcache/t/3/9"] = np.array([5], np.int64).tobytes()
+    service.store["jaxcache/t/0/9"] = np.array([3, 5], np.int64).tobytes()  # exchange 0
     members = [4, 5, 6, 7]
     agreements = [_KeyValueAgreement(service.client(), "jaxcache/t", members, p) for p in range(4)]
     errors: list[BaseException] = []
@@ -200,3 +200,43 @@ def test_every_process_gathers_every_processes_values_beside_the_maximum(process
                 np.testing.assert_array_equal(part, sent)
     # Both exchanges delete their old batches.
     assert len(service.store) == 2 * processes * agreement_module._KEEP
+
+
+@pytest.mark.parametrize("processes", [2, 5])
+def test_a_plan_exchanged_again_after_a_restore_agrees_anew(processes):
+    # A restore in place plans indices the processes exchanged already (as
+    # does a plan refused for room): keys named by plan index were written
+    # twice, which the coordination service refuses.
+    service = _Service(processes)
+    got: dict[int, list[int]] = {}
+
+    def run(process: int) -> None:
+        agreement = _KeyValueAgreement(
+            service.client(), "jaxcache/t", list(range(processes)), process
+        )
+        plans = [0, 1, 2, 3, 2, 3, 4, 4]  # back to 2; 4 refused, then again
+        got[process] = [
+            int(agreement.max(i, np.array([10 * k + process]))[0]) for k, i in enumerate(plans)
+        ]
+
+    _in_threads(run, processes)
+    expected = [10 * k + processes - 1 for k in range(8)]
+    assert all(got[p] == expected for p in range(processes))
+
+
+@pytest.mark.parametrize("processes", [2, 5])
+def test_processes_out_of_step_are_an_error(processes):
+    service = _Service(processes)
+    errors: list[str] = []
+
+    def run(process: int) -> None:
+        agreement = _KeyValueAgreement(
+            service.client(), "jaxcache/t", list(range(processes)), process
+        )
+        try:
+            agreement.max(1 if process == 0 else 0, np.array([1]))
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    _in_threads(run, processes)
+    assert len(errors) == processes and all("out of step" in e for e in errors)

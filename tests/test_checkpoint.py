@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 
 import jaxcache
+from jaxcache._src.table_record import SavedTable
 from tests.models import Tower, bce, failing_transfer, host_planners, zipf_batches
 
 # Every test here runs with both planners (``conftest.planner``).
@@ -705,8 +706,8 @@ def test_a_restore_that_fails_as_it_reads_leaves_the_cache_refused_until_one_com
         raise FileNotFoundError("rows.npy was deleted")
 
     with monkeypatch.context() as patch:
-        patch.setattr(jaxcache._src.table_record.SavedTable, "copy_rows", vanished)
-        patch.setattr(jaxcache._src.table_record.SavedTable, "take", vanished)
+        patch.setattr(SavedTable, "copy_rows", vanished)
+        patch.setattr(SavedTable, "take", vanished)
         with pytest.raises(FileNotFoundError):
             checkpointer.restore(caches=[target])
     refused = r"a restore failed after it had begun to change the cache .*rows\.npy was deleted"

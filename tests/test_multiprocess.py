@@ -129,6 +129,7 @@ def test_two_processes_roll_back_in_place_and_refuse_a_batch_together(planner, t
     # one process's devices refused raised there alone, while the other
     # committed its plan and waited ten minutes for the first. Processes
     # given different batches (host planner) read other ids' rows in silence.
+    # Every process took the first one's statistics back from a checkpoint.
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -149,7 +150,10 @@ def test_two_processes_roll_back_in_place_and_refuse_a_batch_together(planner, t
         out, err = run.communicate(timeout=300)
         assert run.returncode == 0, err[-3000:]
         seen.append(json.loads(out.strip().splitlines()[-1]))
+    # Each process counts its own devices' shares, and gets them back.
+    assert sum(saw["stats_saved"][1] for saw in seen) == 2 * 8
     for saw in seen:
+        assert saw["stats_restored"] == saw["stats_saved"]
         np.testing.assert_array_equal(saw["again"], saw["ahead"])
         assert saw["same_table"]
         assert saw["too_large"].startswith("CapacityError"), saw["too_large"]

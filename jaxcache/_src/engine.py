@@ -1112,6 +1112,8 @@ class EmbeddingCache:
         arrays = self.planner.state_arrays()
         if self.raw is not None:
             arrays.update(self.raw.state_arrays(self.vocabulary))
+        # Each process's own: its statistics count its devices' shares.
+        arrays["stats"] = self.stats.state_array()
         return arrays
 
     def state_meta(self) -> dict[str, Any]:
@@ -1126,7 +1128,7 @@ class EmbeddingCache:
           >>> cache.flush(state)
           >>> arrays, meta = cache.state_arrays(), cache.state_meta()
           >>> sorted(arrays), sorted(meta)  # doctest: +NORMALIZE_WHITESPACE
-          (['planner.id_of_slot', 'planner.last_use'],
+          (['planner.id_of_slot', 'planner.last_use', 'stats'],
            ['buckets', 'finished', 'next_index', 'policy', 'stats'])
           >>> other = jaxcache.EmbeddingCache(cfg, table=cache.table)
           >>> other.load_state_arrays([arrays], meta)
@@ -1151,6 +1153,8 @@ class EmbeddingCache:
             Stager.parse_state_dict(meta["buckets"])
         if meta.get("stats") is not None:
             CacheStats.parse_state_dict(meta["stats"])
+        if all("stats" in part for part in parts):
+            CacheStats.from_state_arrays([part["stats"] for part in parts])
 
     def _check_vocabulary(self, parts: Sequence[Mapping[str, np.ndarray]]) -> None:
         """Raises ``ValueError`` unless the saved parts hold a vocabulary
@@ -1188,10 +1192,30 @@ class EmbeddingCache:
         """
         self.lifecycle.check_idle("saving or restoring the cache")
         self._check_vocabulary(parts)  # the planners check their part as they load
+        stats = [part["stats"] for part in parts if "stats" in part]
+        if stats and len(stats) == len(parts):
+            CacheStats.from_state_arrays(stats)  # checked before anything changes
         self.planner.load_state_arrays(parts, meta)
         if self.raw is not None:
             self._load_vocabulary(parts)
-        self._restored(meta if exact else {})
+        self._restored({**meta, "stats": self._saved_stats(parts, meta)} if exact else {})
+
+    def _saved_stats(
+        self, parts: Sequence[Mapping[str, np.ndarray]], meta: Mapping[str, Any]
+    ) -> dict[str, Any] | None:
+        """The statistics this process takes from a checkpoint: its own
+        share's on as many processes as saved it, every share's added up in
+        one process, zero on another number of several processes, where no
+        share is this process's; the first process's from checkpoints that
+        kept only those."""
+        if not all("stats" in part for part in parts):
+            return meta.get("stats")
+        index, count = self.shard
+        if len(parts) == count:
+            return CacheStats.from_state_arrays([parts[index]["stats"]])
+        if count == 1:
+            return CacheStats.from_state_arrays([part["stats"] for part in parts])
+        return CacheStats(self.config.row_bytes).state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores a ``state_dict``; the host table must already hold the rows.

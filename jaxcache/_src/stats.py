@@ -6,10 +6,11 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 __all__ = ["CacheStats", "PhaseTimers", "StepStats", "compilations"]
 
@@ -249,6 +250,54 @@ class CacheStats:
             "steps": self.steps,
             "write_back_waits": self.write_back_waits,
             "deferred_fetches": self.deferred_fetches,
+        }
+
+    def state_array(self) -> np.ndarray:
+        """The counters of ``state_dict`` as one ``int64`` array: ``total``'s
+        fields, ``last``'s, then ``steps``, ``write_back_waits`` and
+        ``deferred_fetches``. A checkpoint keeps one per process, each
+        counting its own devices' shares.
+
+        Examples:
+          >>> import jaxcache
+          >>> stats = jaxcache.CacheStats(row_bytes=64)
+          >>> stats.record(jaxcache.stats.StepStats(lookups=10, distinct=4, hits=3))
+          >>> again = jaxcache.CacheStats(row_bytes=64)
+          >>> again.load_state_dict(jaxcache.CacheStats.from_state_arrays([stats.state_array()]))
+          >>> again.steps, again.total.hits
+          (1, 3)
+        """
+        fields = [f.name for f in dataclasses.fields(StepStats)]
+        counters = [getattr(self.total, k) for k in fields] + [
+            getattr(self.last, k) for k in fields
+        ]
+        counters += [self.steps, self.write_back_waits, self.deferred_fetches]
+        return np.array(counters, np.int64)
+
+    @staticmethod
+    def from_state_arrays(arrays: Sequence[np.ndarray]) -> dict[str, Any]:
+        """The ``state_dict`` of the counters of several ``state_array``
+        (processes' shares of one cache): their sums (the most steps).
+
+        Raises:
+          ValueError: an array is not a ``state_array`` of this version.
+        """
+        fields = [f.name for f in dataclasses.fields(StepStats)]
+        f = len(fields)
+        rows = [np.asarray(a) for a in arrays]
+        if not rows or any(a.shape != (2 * f + 3,) or a.dtype.kind not in "iu" for a in rows):
+            shapes = [(a.shape, str(a.dtype)) for a in rows]
+            raise ValueError(
+                f"saved statistics are corrupt: {shapes}, where each process keeps "
+                f"{2 * f + 3} integers."
+            )
+        total = np.asarray(np.sum(rows, axis=0, dtype=np.int64))
+        return {
+            "total": dict(zip(fields, total[:f].tolist(), strict=True)),
+            "last": dict(zip(fields, total[f : 2 * f].tolist(), strict=True)),
+            "steps": int(max(int(a[2 * f]) for a in rows)),
+            "write_back_waits": int(total[2 * f + 1]),
+            "deferred_fetches": int(total[2 * f + 2]),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
