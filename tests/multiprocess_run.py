@@ -73,7 +73,29 @@ def main(coordinator: str, process: int, directory: str) -> dict:
     seen["too_large"] = refusal(np.array([2, 6, 10, 14, 18, 3, 7, 11]))
     seen["different"] = refusal(batches[0] + process)
     seen["after"] = train(batches[:1])  # nothing changed: training goes on
+    seen["pipelined"] = pipelined(jaxcache, mesh)
     return seen
+
+
+def pipelined(jaxcache, mesh) -> list[int]:
+    """Hits, misses and evictions of this process's devices over a pipeline
+    whose batches wait for room (``pipelined_counts``)."""
+    cfg = jaxcache.CacheConfig(2000, 4, capacity=96, policy="lfu", optimizer=jaxcache.sgd(0.1))
+    shard = jaxcache.host.process_shard(mesh)
+    cache = jaxcache.EmbeddingCache(cfg, table=jaxcache.HostTable(cfg, shard=shard), mesh=mesh)
+    return pipelined_counts(jaxcache, cache)
+
+
+def pipelined_counts(jaxcache, cache) -> list[int]:
+    """Thirty skewed batches through a look-ahead of 2 in a cache of 96 rows."""
+    embed = jaxcache.nnx.CachedEmbed(cache)
+    rng = np.random.default_rng(0)
+    batches = [{"ids": rng.zipf(1.3, size=(32, 2)) % 2000} for _ in range(30)]
+    with jaxcache.prefetch(batches, {"ids": embed}, lookahead=2) as pipeline:
+        for _ in pipeline:
+            pass
+    total = cache.stats.total
+    return [total.hits, total.misses, total.evictions]
 
 
 if __name__ == "__main__":
