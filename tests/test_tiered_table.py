@@ -563,3 +563,21 @@ def test_bad_arguments_are_refused_as_the_host_tables_are(tmp_path):
         with pytest.raises(ValueError, match="read-only"):
             each.gather_into([1, 90], rows, {"accumulator": accumulator}, [0, 1])
     assert not rows.any() and not accumulator.any()
+
+
+@pytest.mark.no_planner
+def test_reads_outside_the_caches_fetches_leave_the_tier_as_it_was(tmp_path):
+    # Exports, checkpoints and column views counted as the device cache's
+    # lookups (a whole export of an Adam table, four times over) and gave
+    # their rows second chances, so that the tier's hit rate and choices
+    # were no longer those a replay of the cache's fetches gives.
+    cfg = jaxcache.CacheConfig(1000, 4, 16, optimizer=jaxcache.adagrad(0.1))
+    table = jaxcache.TieredTable(cfg, tmp_path, dram_budget=20_000)
+    out = np.empty((64, 4), np.float32)
+    state = {"accumulator": np.empty((64, 4), np.float32)}
+    table.gather_into(np.arange(64), out, state, np.arange(64))
+    before = table.stats().dram, table._tier.flags.copy()
+    np.asarray(table.rows), table.state["accumulator"][:10], table.gather(np.arange(500))
+    after = table.stats().dram, table._tier.flags
+    assert after[0] == before[0] and after[0].lookups == 64
+    np.testing.assert_array_equal(after[1], before[1])

@@ -67,7 +67,9 @@ class TierStats:
 
     Attributes:
       slots: rows the tier holds.
-      lookups: rows asked for (reads of the table).
+      lookups: rows the device cache fetched (``gather_into``; exports,
+        checkpoints and column views are not counted, and leave the tier
+        as it was).
       hits: of those, rows found in the tier.
       updated: rows written while in the tier.
       inserted: rows written that were not in the tier (a slot taken).
@@ -172,19 +174,24 @@ class DramTier:
         keep: bool,
     ) -> None:
         """Copies rows ``rows[j]`` into row ``at[j]`` of the fields: from the tier,
-        or from the store for the rows it does not hold (kept in the tier
-        afterwards, clean, when ``keep``)."""
+        or from the store for the rows it does not hold. With ``keep`` (the
+        device cache's fetches) they are kept in the tier afterwards, clean,
+        and the read counts as a use: hits get their reference bit, and the
+        lookups and hits are counted. Without (exports, checkpoints, column
+        views), the tier is left as it was, so that its choices and figures
+        stay those a replay of the cache's fetches gives."""
         missing = []
         for shard, chosen in self._by_shard(rows):
             misses = np.empty(chosen.size, np.int64)
             with self.locks[shard]:
                 m = _read_hits(
                     chosen, rows, at, self.slot_of, self.records.ctypes.data, self.record_bytes,
-                    self.flags, *into, misses,
+                    self.flags, keep, *into, misses,
                 )  # fmt: skip
-                counters = self.counters[shard]
-                counters[_LOOKUPS] += chosen.size
-                counters[_HITS] += chosen.size - m
+                if keep:
+                    counters = self.counters[shard]
+                    counters[_LOOKUPS] += chosen.size
+                    counters[_HITS] += chosen.size - m
             if m:
                 missing.append(misses[:m])
         if not missing:
@@ -391,13 +398,15 @@ def _read_hits(
     records,
     record_bytes,
     flags,
+    touch,
     address,
     stride,
     offset,
     width,
     misses,
 ):
-    """Copies the rows of ``chosen`` the tier holds; lists the others in ``misses``."""
+    """Copies the rows of ``chosen`` the tier holds (each a use when
+    ``touch``); lists the others in ``misses``."""
     m = 0
     for j in chosen:
         s = slot_of[rows[j]]
@@ -405,7 +414,8 @@ def _read_hits(
             misses[m] = j
             m += 1
             continue
-        flags[s] |= _REFERENCED
+        if touch:
+            flags[s] |= _REFERENCED
         _copy_out(records + s * record_bytes, at[j], address, stride, offset, width)
     return m
 

@@ -97,10 +97,11 @@ class TieredStats:
         (``disk.write_amplification``).
 
     Examples:
-      >>> import tempfile, jaxcache
+      >>> import tempfile, numpy as np, jaxcache
       >>> cfg = jaxcache.CacheConfig(1000, 4, capacity=10)
       >>> table = jaxcache.TieredTable(cfg, tempfile.mkdtemp(), dram_budget=20_000)
-      >>> _ = table.gather(range(1000))
+      >>> rows = np.empty((1000, 4), np.float32)  # as the device cache fetches them
+      >>> table.gather_into(np.arange(1000), rows, {}, np.arange(1000))
       >>> stats = table.stats()
       >>> stats.dram.slots, stats.dram.lookups, stats.disk.rows_read
       (240, 1000, 1000)
