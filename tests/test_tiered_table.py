@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import pathlib
 import signal
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxcache
-from jaxcache._src import cli
+from jaxcache._src import cli, row_log
 from jaxcache._src.dram_tier import SLOT_BYTES
 from jaxcache._src.tier_replay import replay_dram_tier
 from jaxcache._src.tiered_table import INDEX_BYTES_PER_ROW
@@ -581,3 +582,44 @@ def test_reads_outside_the_caches_fetches_leave_the_tier_as_it_was(tmp_path):
     after = table.stats().dram, table._tier.flags
     assert after[0] == before[0] and after[0].lookups == 64
     np.testing.assert_array_equal(after[1], before[1])
+
+
+@pytest.mark.no_planner
+def test_a_full_disk_loses_nothing_and_writes_out_once_it_has_room(tmp_path, monkeypatch):
+    # A write of evicted rows that failed stopped the others after it, and
+    # the batches it left unwritten stayed in memory for good (their
+    # segments never collected), though the disk had room again.
+    cfg = jaxcache.CacheConfig(2000, 4, 10)
+    budget = 12 * 2000 + 64 * (16 + SLOT_BYTES)
+    table = jaxcache.TieredTable(cfg, tmp_path, dram_budget=budget, shards=1, segment_bytes=16 * 64)
+    expected = np.asarray(table.rows).copy()
+    write = row_log._pwrite_all
+    full = [True]
+
+    def pwrite(fd, array, offset):
+        if full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(fd, array, offset)
+
+    monkeypatch.setattr(row_log, "_pwrite_all", pwrite)
+    rng = np.random.default_rng(0)
+
+    def scatter():
+        ids = rng.choice(2000, 50, replace=False)
+        values = rng.normal(size=(50, 4)).astype(np.float32)
+        expected[ids] = values  # in the table, raised or not
+        table.scatter(ids, values, {})
+
+    failures = []
+    for _ in range(20):
+        try:
+            scatter()
+        except OSError as error:
+            failures.append(str(error))
+    assert failures and all("nothing is lost" in failure for failure in failures)
+    np.testing.assert_array_equal(np.asarray(table.rows), expected)
+    full[0] = False
+    for _ in range(3):
+        scatter()
+    assert not table._log._unwritten and not table._log._flying
+    np.testing.assert_array_equal(np.asarray(table.rows), expected)

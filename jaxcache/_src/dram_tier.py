@@ -54,6 +54,8 @@ class Store(Protocol):
 
     def write(self, ticket: Any) -> None: ...  # what reserve returned
 
+    def write_unwritten(self) -> None: ...  # the writes that failed, again
+
     def forget(self, owners: np.ndarray) -> None: ...
 
     def read(self, owners: np.ndarray, out: np.ndarray) -> None: ...
@@ -286,8 +288,30 @@ class DramTier:
                 tickets.append(self.store.reserve(owners[:dirty], out[:dirty]))
 
     def _write_out(self, tickets: list[object]) -> None:
+        """Writes evicted dirty rows to the store, with those earlier writes
+        failed to write. Every batch is tried: one that fails (the disk
+        full) stays in memory, where reads find it, for the next call.
+
+        Raises:
+          OSError: a write failed; the rows are in the tier or in memory.
+        """
+        failed: OSError | None = None
+        try:
+            self.store.write_unwritten()
+        except OSError as error:
+            failed = error
         for ticket in tickets:
-            self.store.write(ticket)
+            try:
+                self.store.write(ticket)
+            except OSError as error:
+                failed = failed or error
+        if failed is not None:
+            raise OSError(
+                failed.errno,
+                f"writing evicted rows to the disk tier failed ({failed.strerror or failed}); "
+                "nothing is lost: the rows stay in memory, beyond the DRAM budget, and go to "
+                "the disk at the next eviction once it has room.",
+            ) from failed
         if tickets:
             self.store.collect()
 

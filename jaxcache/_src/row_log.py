@@ -182,6 +182,7 @@ class RowLog:
         self._pending = np.zeros(0, np.int64)  # reserved records not written yet
         self._head = -1
         self._flying: list[_Ticket] = []
+        self._unwritten: list[_Ticket] = []  # writes that failed: tried again later
         self.stats = DiskStats()
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         self._fd = os.open(path, flags, 0o644)
@@ -250,11 +251,22 @@ class RowLog:
         self._head = seg
 
     def write(self, ticket: _Ticket) -> None:
-        """Writes a reserved batch: one ``pwrite`` per segment it spans."""
+        """Writes a reserved batch: one ``pwrite`` per segment it spans. A
+        batch whose write fails (the disk full) stays in memory, where reads
+        find it, until ``write_unwritten`` writes it.
+
+        Raises:
+          OSError: the write failed.
+        """
         word_bytes = self.record_bytes
-        for first, row, count in ticket.pieces:
-            _pwrite_all(self._fd, ticket.records[row : row + count], first * word_bytes)
-            _pwrite_all(self._owners_fd, ticket.owners[row : row + count], first * 8)
+        try:
+            for first, row, count in ticket.pieces:
+                _pwrite_all(self._fd, ticket.records[row : row + count], first * word_bytes)
+                _pwrite_all(self._owners_fd, ticket.owners[row : row + count], first * 8)
+        except OSError:
+            with self._lock:
+                self._unwritten.append(ticket)
+            raise
         record_bytes = len(ticket.owners) * word_bytes
         with self._lock:
             self._flying.remove(ticket)
@@ -270,6 +282,23 @@ class RowLog:
                 else:
                     self.stats.rows_written += len(ticket.owners)
                     self.stats.row_bytes_written += record_bytes
+
+    def write_unwritten(self) -> None:
+        """Writes the batches earlier writes failed to write, each once.
+
+        Raises:
+          OSError: one still failed (it stays in memory for the next call).
+        """
+        with self._lock:  # each claimed by one caller
+            tickets, self._unwritten = self._unwritten, []
+        failed: OSError | None = None
+        for ticket in tickets:
+            try:
+                self.write(ticket)
+            except OSError as error:
+                failed = failed or error
+        if failed is not None:
+            raise failed
 
     def forget(self, owners: np.ndarray) -> None:
         """Marks the records of rows ``owners`` garbage: the rows changed

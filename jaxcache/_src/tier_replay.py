@@ -41,6 +41,9 @@ class _CountingDisk:
     def write(self, ticket: object) -> None:
         pass
 
+    def write_unwritten(self) -> None:
+        pass
+
     def forget(self, owners: np.ndarray) -> None:
         pass
 
