@@ -72,6 +72,9 @@ def main(coordinator: str, process: int, directory: str) -> dict:
     # refused there, and so in both processes, at once.
     seen["too_large"] = refusal(np.array([2, 6, 10, 14, 18, 3, 7, 11]))
     seen["different"] = refusal(batches[0] + process)
+    # An id outside the table in process 1's batch only: each process
+    # raises at once, and the processes stay in step.
+    seen["bad_on_one"] = refusal(batches[0] if process == 0 else np.full(8, 64))
     seen["after"] = train(batches[:1])  # nothing changed: training goes on
     seen["pipelined"] = pipelined(jaxcache, mesh)
     return seen

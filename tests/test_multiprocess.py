@@ -162,6 +162,12 @@ def test_two_processes_roll_back_in_place_and_refuse_a_batch_together(planner, t
         assert saw["too_large"].startswith("CapacityError"), saw["too_large"]
         if planner == "host":  # the device planner takes each process's own slice
             assert "staged different batches" in saw["different"], saw["different"]
+    # An id outside the table in one process's batch: both raise at once
+    # (the other one waited for it, or, planned on the device, failed an
+    # assertion and skipped every later plan).
+    assert seen[1]["bad_on_one"].startswith("ValueError: ids holds 64")
+    other = "staged different batches" if planner == "host" else "another process's batch"
+    assert other in seen[0]["bad_on_one"], seen[0]["bad_on_one"]
     assert seen[0]["ahead"] == seen[1]["ahead"] and seen[0]["after"] == seen[1]["after"]
     # Pipelined batches that wait for room: the processes agree on the wait,
     # so the two plan what one process of four devices plans (a refusing

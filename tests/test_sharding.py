@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jaxcache
+from jaxcache._src.agreement import Agreement
 from jaxcache._src.blocks import local_data
 from jaxcache._src.partitions import Partitions
 from jaxcache._src.placement import Layout
@@ -39,6 +40,7 @@ def _train(
     opt=None,
     threads=1,
     split=None,
+    agree=False,
 ):
     opt = opt or jaxcache.adam(0.02)
     batches = [{"ids": i, "y": y} for i, y in zipf_batches(N, B, F, steps, seed=11)]
@@ -54,6 +56,8 @@ def _train(
         threads=threads,
         partitions_per_device=split,
     )
+    if agree:  # the path of several processes, with an agreement of one
+        cache.planner.agreement = Agreement()
     model, train = make_cached(cache, F)
     with jaxcache.prefetch(batches, {"ids": model.embed}, lookahead=lookahead) as pipeline:
         losses = [float(train.with_lookup(b["ids"], b["y"])) for b in pipeline]
@@ -456,3 +460,44 @@ def test_an_array_listing_part_of_its_buffers_is_refused():
     with pytest.raises(RuntimeError, match="lists 2 of its 4 buffers"):
         local_data(Partial())
     np.testing.assert_array_equal(local_data(whole), np.zeros((8, 2), np.float32))
+
+
+def _raw_ids_run(agree: bool):
+    """Raw ids through a vocabulary of 32 rows on 2 devices holding them all:
+    new ids take rows that stay resident, and fetch them again."""
+    vocabulary = jaxcache.DynamicVocabulary(protect=0, forget="lru", init="uniform", scale=1.0)
+    cfg = jaxcache.CacheConfig(32, D, 32, optimizer=jaxcache.adagrad(0.5), vocabulary=vocabulary)
+    cache = jaxcache.EmbeddingCache(cfg, mesh=_mesh(2))
+    if agree:
+        cache.planner.agreement = Agreement()
+    model, train = make_cached(cache, F)
+    rng = np.random.default_rng(5)
+    losses = []
+    for _ in range(12):
+        ids = rng.integers(0, 200, size=(8, F)) * 7919 + (1 << 40)
+        losses.append(float(train(ids, (rng.random(8) < 0.5).astype(np.float32))))
+    ids, rows, _ = cache.export_ids(model.embed.get_state())
+    return losses, ids, rows, cache.stats.total, cache.stager.fetch_bucket
+
+
+@pytest.mark.host_planner
+def test_the_processes_agreement_plans_as_one_process_does():
+    # Several processes agree on each plan between its check and its commit
+    # (refusals, padded sizes). Taken by one process, with an agreement of
+    # one, that path must plan, size and train exactly as one process does:
+    # it counted no moves for new raw ids' rows fetched where resident,
+    # whose values were then dropped (the new ids trained the old ids' rows).
+    for policy in ("lfu", "adaptive"):
+        runs = []
+        for agree in (False, True):
+            cache, model, losses, _ = _train(4, policy, 400, lookahead=2, agree=agree)
+            rows, _ = model.embed.export()
+            sizes = (cache.stager.fetch_bucket, cache.stager.route_buckets)
+            runs.append((losses, rows, cache.stats.total, sizes))
+        assert runs[0][0] == runs[1][0] and runs[0][2] == runs[1][2] and runs[0][3] == runs[1][3]
+        np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    alone, agreed = _raw_ids_run(agree=False), _raw_ids_run(agree=True)
+    assert alone[3].forgotten_ids > 0 and alone[4] > 0
+    assert alone[0] == agreed[0] and alone[3:] == agreed[3:]
+    np.testing.assert_array_equal(alone[1], agreed[1])
+    np.testing.assert_array_equal(alone[2], agreed[2])

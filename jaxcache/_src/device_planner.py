@@ -850,6 +850,12 @@ class DevicePlanner:
     def _raise_bad_ids(self, ids: np.ndarray) -> None:
         cfg = self.config
         validation.check_ids(ids, cfg.num_embeddings, cfg.padding_id, "ids")
+        if self.layout.processes > 1:  # another process's slice of the batch
+            raise ValueError(
+                f"another process's batch holds an id outside [0, {cfg.num_embeddings}) "
+                "(its error names it); every process must pass the same global batch. "
+                "Nothing was planned in any process."
+            )
         raise AssertionError("the device plan found a bad id that check_ids did not")
 
     def _no_room(self, dispatched: Dispatched, info: np.ndarray) -> CapacityError:

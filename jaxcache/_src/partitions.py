@@ -58,6 +58,9 @@ __all__ = ["Partitions", "Split", "StepPlan"]
 
 # What a process's partitions made of a batch, as the processes exchange it.
 _FITS, _FITS_LATER, _NEVER_FITS, _OTHER = range(4)
+# What a process publishes for a batch it refused before checking it (bad
+# ids): no fingerprint, so the others refuse theirs as a different batch.
+_REFUSED_BEFORE_CHECK = np.array([0, 0, _OTHER, -1, 0, 0, 0, 0], np.int64)
 
 
 class Split(NamedTuple):
@@ -418,8 +421,12 @@ class Partitions:
         train: bool = True,
         released: int | None = None,
         max_distinct: int | None = None,
+        refetch: np.ndarray | None = None,
     ) -> StepPlan:
-        """Plans one batch in every own partition (arguments as for ``Planner.plan``).
+        """Plans one batch in every own partition (arguments as for ``Planner.plan``;
+        ``refetch``: rows of the batch its caller fetches even where they
+        are resident, which the padded sizes agreed by several processes
+        count among the moves).
 
         The leading axis of ``ids`` splits evenly over the devices. Either every
         partition plans the batch or, when one refuses it, none does.
@@ -429,7 +436,11 @@ class Partitions:
           CapacityError: a partition's distinct ids do not fit next to its
             in-flight rows (nothing changed); ``fits_after`` covers them all.
         """
-        array = validation.check_id_type(ids, "ids")
+        try:
+            array = validation.check_id_type(ids, "ids")
+        except Exception:
+            self.refuse_unchecked()
+            raise
         if self.layout.parts == 1:
             plan = self.planners[0].plan(
                 array, train=train, released=released, max_distinct=max_distinct
@@ -439,9 +450,13 @@ class Partitions:
             return StepPlan(plan.index, array.shape, (plan,), None, sent, real, None, None)
         n = self.layout.devices
         cfg = self.config
-        validation.check_host_ids(array, cfg.num_embeddings, cfg.padding_id, "ids")
-        flat = kernels.as_index_array(array)
-        split, sent_out = self._split(array, flat)
+        try:
+            validation.check_host_ids(array, cfg.num_embeddings, cfg.padding_id, "ids")
+            flat = kernels.as_index_array(array)
+            split, sent_out = self._split(array, flat)  # checks the values too
+        except Exception:
+            self.refuse_unchecked()
+            raise
         stamp = self._source_stamp
         self._source_stamp += n
         counts = split.end - split.begin  # [chunk, residue]
@@ -466,7 +481,7 @@ class Partitions:
         checked = self.threads.gather(check, own)
         needs = None
         if self.agreement is not None:
-            needs = self._agree(flat, checked, counts, sent_out)
+            needs = self._agree(flat, checked, counts, sent_out, refetch)
         self._raise_refusals(checked, max_distinct)
         plans = self.threads.map(
             lambda item: item[0].commit(item[1], train=train),
@@ -484,12 +499,21 @@ class Partitions:
             needs,
         )
 
+    def refuse_unchecked(self) -> None:
+        """Several processes: tells the others that this one refuses the
+        next batch before checking it (bad ids, a full vocabulary), in the
+        exchange the check would have made, so that they refuse it too and
+        every process stays in step; its caller raises the error."""
+        if self.agreement is not None:
+            self.agreement.gather(self.next_index, _REFUSED_BEFORE_CHECK)
+
     def _agree(
         self,
         flat: np.ndarray,
         checked: list[Any],
         counts: np.ndarray,
         sent_out: np.ndarray | None,
+        refetch: np.ndarray | None,
     ) -> np.ndarray:
         """Several processes, between check and commit: each publishes its
         batch's fingerprint, whether its partitions take the batch, and
@@ -522,6 +546,11 @@ class Partitions:
                 k = max(k, int(out.sum(2).max(initial=0)))
             distinct = [c.hits.size + c.miss_ids.size for c in checked]
             moved = [c.miss_ids.size for c in checked]
+            if refetch is not None and refetch.size:  # fetched where resident too
+                part_of, local = layout.part_of(refetch), layout.part_local_ids(refetch)
+                for i, part in enumerate(self.parts):
+                    mine = local[part_of == part]
+                    moved[i] += int(np.count_nonzero(~np.isin(mine, checked[i].miss_ids)))
             real = counts.reshape(layout.devices, -1)[self._own].sum(1)
             needs = [
                 k,

@@ -120,15 +120,23 @@ class RawIds:
         finished = partitions.released
         if released is not None:
             finished = min(finished, int(released))
-        translated = self.translate(
-            ids, index=partitions.next_index, finished=finished, train=train
-        )
+        try:
+            translated = self.translate(
+                ids, index=partitions.next_index, finished=finished, train=train
+            )
+        except Exception:
+            partitions.refuse_unchecked()
+            raise
         # A row given to a new id counts that id's lookups only.
         new_rows = translated.admission.new_rows
         counts = partitions.swap_counts(new_rows, np.zeros(new_rows.size, np.int64))
         try:
             step = partitions.plan(
-                translated.rows, train=train, released=released, max_distinct=max_distinct
+                translated.rows,
+                train=train,
+                released=released,
+                max_distinct=max_distinct,
+                refetch=new_rows,  # ``renew`` fetches them where resident
             )
         except BaseException:
             partitions.swap_counts(new_rows, counts)

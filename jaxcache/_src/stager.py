@@ -192,9 +192,13 @@ class Stager:
         train = bool(train) and self.config.optimizer.trains  # as ``EmbeddingCache.dispatch``
         timers = self.stats.timers
         ids = np.asarray(ids)
-        self.check_batch(ids.shape)
         assert isinstance(self.partitions, Partitions), "the host planner stages on the host"
         partitions = self.partitions
+        try:
+            self.check_batch(ids.shape)
+        except ValueError:
+            partitions.refuse_unchecked()
+            raise
         with self.lock:
             with timers.time("plan"):
                 vocabulary: dict[str, int] = {}
