@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
+import gc
 import json
+import os
 import pathlib
 import signal
 import subprocess
@@ -16,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxcache
-from jaxcache._src import cli, row_log
+from jaxcache._src import cli, host_table, row_log
 from jaxcache._src.dram_tier import SLOT_BYTES
 from jaxcache._src.tier_replay import replay_dram_tier
 from jaxcache._src.tiered_table import INDEX_BYTES_PER_ROW
@@ -618,8 +620,55 @@ def test_a_full_disk_loses_nothing_and_writes_out_once_it_has_room(tmp_path, mon
             failures.append(str(error))
     assert failures and all("nothing is lost" in failure for failure in failures)
     np.testing.assert_array_equal(np.asarray(table.rows), expected)
+    # The device cache's fetches still read, though the rows they evict
+    # wait for the disk (they raised, and the batch was lost to the cache).
+    ids = np.arange(1000, 1200)
+    out = np.empty((ids.size, 4), np.float32)
+    table.gather_into(ids, out, {}, np.arange(ids.size))
+    np.testing.assert_array_equal(out, expected[ids])
     full[0] = False
     for _ in range(3):
         scatter()
     assert not table._log._unwritten and not table._log._flying
     np.testing.assert_array_equal(np.asarray(table.rows), expected)
+
+
+@pytest.mark.no_planner
+def test_a_forked_child_does_not_keep_a_tables_files_locked(tmp_path):
+    # A process forked while a table lived (a data loader's worker) held its
+    # copy of the lock: the parent could not build the table there again
+    # until the child exited.
+    cfg = jaxcache.CacheConfig(100, 4, 10)
+    first = jaxcache.HostTable(cfg, directory=tmp_path)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child never touches the table
+        os.read(read, 1)
+        os._exit(0)
+    try:
+        del first
+        gc.collect()
+        again = jaxcache.HostTable(cfg, seed=1, directory=tmp_path)
+        np.testing.assert_array_equal(again.rows, jaxcache.HostTable(cfg, seed=1).rows)
+    finally:
+        os.write(write, b"x")
+        os.waitpid(pid, 0)
+
+
+@pytest.mark.no_planner
+def test_a_dropped_table_removes_its_files_before_letting_them_go(tmp_path, monkeypatch):
+    # Collected without close, a table dropped its lock before its log's
+    # files were removed: a table another process built there meanwhile
+    # would have lost its new files.
+    table = jaxcache.TieredTable(jaxcache.CacheConfig(100, 4, 10), tmp_path)
+    seen = []
+    unlock = host_table._unlock
+
+    def spy(fds):
+        seen.append(sorted(os.listdir(tmp_path)))
+        unlock(fds)
+
+    monkeypatch.setattr(host_table, "_unlock", spy)
+    del table
+    gc.collect()
+    assert seen == [[]]

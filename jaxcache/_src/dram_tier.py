@@ -208,7 +208,9 @@ class DramTier:
             for shard, chosen in self._by_shard(rows[misses]):
                 with self.locks[shard]:
                     self._take(shard, chosen, rows[misses], positions, records, tickets)
-            self._write_out(tickets)
+            # The rows were read: a write that fails (the disk full) keeps
+            # its rows in memory for the next write, which reports it.
+            self._write_out(tickets, report=False)
 
     # ---------------------------------------------------------------- writes
     def write(
@@ -287,13 +289,14 @@ class DramTier:
             if dirty:  # published before the lock is released: readers find them
                 tickets.append(self.store.reserve(owners[:dirty], out[:dirty]))
 
-    def _write_out(self, tickets: list[object]) -> None:
+    def _write_out(self, tickets: list[object], *, report: bool = True) -> None:
         """Writes evicted dirty rows to the store, with those earlier writes
         failed to write. Every batch is tried: one that fails (the disk
         full) stays in memory, where reads find it, for the next call.
 
         Raises:
-          OSError: a write failed; the rows are in the tier or in memory.
+          OSError: a write failed (with ``report``); the rows are in the
+            tier or in memory.
         """
         failed: OSError | None = None
         try:
@@ -305,6 +308,8 @@ class DramTier:
                 self.store.write(ticket)
             except OSError as error:
                 failed = failed or error
+        if failed is not None and not report:
+            return
         if failed is not None:
             raise OSError(
                 failed.errno,

@@ -450,11 +450,12 @@ _CLAIMS: dict[str, weakref.ref[Any]] = {}
 _LOCKS: dict[str, int] = {}
 
 
-def claim_files(owner: Any, paths: list[str], fix: str) -> None:
+def claim_files(owner: Any, paths: list[str], fix: str) -> weakref.finalize:
     """Registers ``paths`` as the files of table ``owner`` and locks them
     against other processes (an exclusive ``flock``, which the system drops
     when the owner is closed or collected, or its process dies). Creates
-    the files and their directory; changes no file's content.
+    the files and their directory; changes no file's content. Returns the
+    finalizer that lets them go when ``owner`` is collected.
 
     Raises:
       ValueError: a live table of this process, or another process, holds
@@ -480,9 +481,9 @@ def claim_files(owner: Any, paths: list[str], fix: str) -> None:
     for key in keys:
         _CLAIMS[key] = weakref.ref(owner)
     _LOCKS.update(locks)
-    weakref.finalize(owner, release_files, None, list(locks))
     for key in [key for key in _CLAIMS if _holder(key) is None]:
         del _CLAIMS[key]
+    return weakref.finalize(owner, release_files, None, list(locks))
 
 
 def _lock(path: str, fix: str) -> int:
@@ -507,6 +508,20 @@ def _lock(path: str, fix: str) -> int:
         if same:  # not a file its closing owner unlinked meanwhile
             return fd
         os.close(fd)
+
+
+def _forget_locks_in_child() -> None:
+    """In a forked child (a data loader's worker): its copies of the lock
+    descriptors would keep the tables' files locked after the parent let
+    them go, until the child exits. Its tables are the parent's."""
+    fds = list(_LOCKS.values())
+    _LOCKS.clear()
+    _CLAIMS.clear()
+    _unlock(fds)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
 def _unlock(fds: list[int]) -> None:

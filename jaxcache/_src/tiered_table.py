@@ -28,6 +28,7 @@ import math
 import numbers
 import os
 import re
+import weakref
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -237,7 +238,7 @@ class TieredTable(HostTable):
         name = name if count == 1 else f"{name}.shard-{index}-of-{count}"
         path = os.path.join(self.directory, f"{name}.log")
         os.makedirs(self.directory, exist_ok=True)  # once the arguments are checked
-        claim_files(
+        release = claim_files(
             self,
             [path],
             "give this table another directory or another CacheConfig(name=...), or close() "
@@ -250,6 +251,11 @@ class TieredTable(HostTable):
             segment_bytes=segment_bytes,
             spare=disk_spare,
         )
+        # Collected without close: the log's files go before the lock, as in
+        # ``close``, so that a table another process opens there after the
+        # lock drops keeps its own files.
+        _, unlock, args, _ = release.detach() or (None, None, (), None)
+        weakref.finalize(self, _close_then_unlock, self._log, unlock, args)
         self._tier = DramTier(n, slots, self.record_bytes, self._log, shards=shards)
         self.closed = False
         self.dram_budget = index_bytes + self._tier.slots * slot_bytes
@@ -407,6 +413,12 @@ class TieredTable(HostTable):
         step = max(1, _CHUNK_BYTES // self.record_bytes)
         for start in range(0, self._n, step):
             yield slice(start, min(start + step, self._n))
+
+
+def _close_then_unlock(log: RowLog, unlock: Any, args: tuple[Any, ...]) -> None:
+    log.close()
+    if unlock is not None:
+        unlock(*args)
 
 
 class TableColumn:
