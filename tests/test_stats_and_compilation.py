@@ -94,3 +94,25 @@ def test_export_is_in_id_order(policy):
         embed(embed.prepare(rng.integers(0, n, 15), train=False))
     exported, _ = embed.export()
     np.testing.assert_array_equal(exported, rows)
+
+
+def test_saved_statistics_are_read_by_the_names_saved_beside_them():
+    # Each process's counters are one array in a checkpoint: read by name,
+    # so that a version with more or fewer counters still restores them.
+    stats = jaxcache.CacheStats(row_bytes=16)
+    stats.record(jaxcache.stats.StepStats(lookups=10, distinct=4, hits=3, misses=1))
+    stats.record(jaxcache.stats.StepStats(lookups=6, distinct=2, hits=2))
+    names = jaxcache.CacheStats.state_fields()
+    array = stats.state_array()
+    assert dict(zip(names, array.tolist(), strict=True))["total.lookups"] == 16
+    # Shares of two processes add up; the steps are the most either took.
+    both = jaxcache.CacheStats.from_state_arrays([array, array])
+    assert both["total"]["hits"] == 10 and both["steps"] == 2
+    # Saved by a version with a counter more and one less: by name.
+    older = [name for name in names if name != "total.overflow"] + ["total.someday"]
+    values = [dict(zip(names, array.tolist(), strict=True)).get(n, 7) for n in older]
+    read = jaxcache.CacheStats.from_state_arrays([np.array(values)], older)
+    assert read["total"]["overflow"] == 0 and read["total"]["lookups"] == 16
+    assert "someday" not in read["total"]
+    with pytest.raises(ValueError, match="statistics are corrupt"):
+        jaxcache.CacheStats.from_state_arrays([array[:-1]])

@@ -1129,7 +1129,7 @@ class EmbeddingCache:
           >>> arrays, meta = cache.state_arrays(), cache.state_meta()
           >>> sorted(arrays), sorted(meta)  # doctest: +NORMALIZE_WHITESPACE
           (['planner.id_of_slot', 'planner.last_use', 'stats'],
-           ['buckets', 'finished', 'next_index', 'policy', 'stats'])
+           ['buckets', 'finished', 'next_index', 'policy', 'stats', 'stats_fields'])
           >>> other = jaxcache.EmbeddingCache(cfg, table=cache.table)
           >>> other.load_state_arrays([arrays], meta)
           >>> other.planner.resident_ids().tolist(), other.stats.total.misses
@@ -1139,6 +1139,7 @@ class EmbeddingCache:
             **self.planner.state_meta(),
             "buckets": self.stager.state_dict(),
             "stats": self.stats.state_dict(),
+            "stats_fields": CacheStats.state_fields(),  # of each process's "stats" array
         }
 
     def check_state_arrays(
@@ -1154,7 +1155,9 @@ class EmbeddingCache:
         if meta.get("stats") is not None:
             CacheStats.parse_state_dict(meta["stats"])
         if all("stats" in part for part in parts):
-            CacheStats.from_state_arrays([part["stats"] for part in parts])
+            CacheStats.from_state_arrays(
+                [part["stats"] for part in parts], meta.get("stats_fields")
+            )
 
     def _check_vocabulary(self, parts: Sequence[Mapping[str, np.ndarray]]) -> None:
         """Raises ``ValueError`` unless the saved parts hold a vocabulary
@@ -1194,7 +1197,8 @@ class EmbeddingCache:
         self._check_vocabulary(parts)  # the planners check their part as they load
         stats = [part["stats"] for part in parts if "stats" in part]
         if stats and len(stats) == len(parts):
-            CacheStats.from_state_arrays(stats)  # checked before anything changes
+            # checked before anything changes
+            CacheStats.from_state_arrays(stats, meta.get("stats_fields"))
         self.planner.load_state_arrays(parts, meta)
         if self.raw is not None:
             self._load_vocabulary(parts)
@@ -1211,10 +1215,11 @@ class EmbeddingCache:
         if not all("stats" in part for part in parts):
             return meta.get("stats")
         index, count = self.shard
+        fields = meta.get("stats_fields")
         if len(parts) == count:
-            return CacheStats.from_state_arrays([parts[index]["stats"]])
+            return CacheStats.from_state_arrays([parts[index]["stats"]], fields)
         if count == 1:
-            return CacheStats.from_state_arrays([part["stats"] for part in parts])
+            return CacheStats.from_state_arrays([part["stats"] for part in parts], fields)
         return CacheStats(self.config.row_bytes).state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

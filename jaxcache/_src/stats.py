@@ -253,9 +253,8 @@ class CacheStats:
         }
 
     def state_array(self) -> np.ndarray:
-        """The counters of ``state_dict`` as one ``int64`` array: ``total``'s
-        fields, ``last``'s, then ``steps``, ``write_back_waits`` and
-        ``deferred_fetches``. A checkpoint keeps one per process, each
+        """The counters of ``state_dict`` as one ``int64`` array, named by
+        ``state_fields()``. A checkpoint keeps one per process, each
         counting its own devices' shares.
 
         Examples:
@@ -267,37 +266,51 @@ class CacheStats:
           >>> again.steps, again.total.hits
           (1, 3)
         """
-        fields = [f.name for f in dataclasses.fields(StepStats)]
-        counters = [getattr(self.total, k) for k in fields] + [
-            getattr(self.last, k) for k in fields
-        ]
-        counters += [self.steps, self.write_back_waits, self.deferred_fetches]
-        return np.array(counters, np.int64)
+        state = self.state_dict()
+        values = {f"{part}.{k}": v for part in ("total", "last") for k, v in state[part].items()}
+        values.update((k, state[k]) for k in ("steps", "write_back_waits", "deferred_fetches"))
+        return np.array([values[name] for name in self.state_fields()], np.int64)
 
     @staticmethod
-    def from_state_arrays(arrays: Sequence[np.ndarray]) -> dict[str, Any]:
+    def state_fields() -> list[str]:
+        """The names of ``state_array``'s entries, saved beside it, so that
+        a version with other counters reads it by name."""
+        fields = [f.name for f in dataclasses.fields(StepStats)]
+        return [f"{part}.{k}" for part in ("total", "last") for k in fields] + [
+            "steps",
+            "write_back_waits",
+            "deferred_fetches",
+        ]
+
+    @staticmethod
+    def from_state_arrays(
+        arrays: Sequence[np.ndarray], fields: Sequence[str] | None = None
+    ) -> dict[str, Any]:
         """The ``state_dict`` of the counters of several ``state_array``
         (processes' shares of one cache): their sums (the most steps).
+        ``fields`` names their entries (default: ``state_fields()``); a
+        counter they lack is zero, one this version lacks is left out.
 
         Raises:
-          ValueError: an array is not a ``state_array`` of this version.
+          ValueError: an array does not hold one integer per field.
         """
-        fields = [f.name for f in dataclasses.fields(StepStats)]
-        f = len(fields)
+        names = CacheStats.state_fields() if fields is None else [str(f) for f in fields]
         rows = [np.asarray(a) for a in arrays]
-        if not rows or any(a.shape != (2 * f + 3,) or a.dtype.kind not in "iu" for a in rows):
+        if not rows or any(a.shape != (len(names),) or a.dtype.kind not in "iu" for a in rows):
             shapes = [(a.shape, str(a.dtype)) for a in rows]
             raise ValueError(
                 f"saved statistics are corrupt: {shapes}, where each process keeps "
-                f"{2 * f + 3} integers."
+                f"{len(names)} integers."
             )
-        total = np.asarray(np.sum(rows, axis=0, dtype=np.int64))
+        summed = dict(zip(names, np.asarray(np.sum(rows, axis=0)).tolist(), strict=True))
+        most = dict(zip(names, np.asarray(np.max(rows, axis=0)).tolist(), strict=True))
+        counters = [f.name for f in dataclasses.fields(StepStats)]
         return {
-            "total": dict(zip(fields, total[:f].tolist(), strict=True)),
-            "last": dict(zip(fields, total[f : 2 * f].tolist(), strict=True)),
-            "steps": int(max(int(a[2 * f]) for a in rows)),
-            "write_back_waits": int(total[2 * f + 1]),
-            "deferred_fetches": int(total[2 * f + 2]),
+            "total": {k: summed.get(f"total.{k}", 0) for k in counters},
+            "last": {k: summed.get(f"last.{k}", 0) for k in counters},
+            "steps": int(most.get("steps", 0)),
+            "write_back_waits": int(summed.get("write_back_waits", 0)),
+            "deferred_fetches": int(summed.get("deferred_fetches", 0)),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
