@@ -672,3 +672,17 @@ def test_a_dropped_table_removes_its_files_before_letting_them_go(tmp_path, monk
     del table
     gc.collect()
     assert seen == [[]]
+
+
+@pytest.mark.no_planner
+def test_a_filesystem_without_locks_builds_the_table_with_a_warning(tmp_path, monkeypatch):
+    # Some network and user-space filesystems refuse flock: the table must
+    # still work there, saying what it cannot guard against.
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(host_table.fcntl, "flock", no_locks)
+    cfg = jaxcache.CacheConfig(100, 4, 10)
+    with pytest.warns(RuntimeWarning, match="cannot be locked"):
+        table = jaxcache.TieredTable(cfg, tmp_path, rows=np.ones((100, 4)))
+    assert (table.gather(np.arange(100))[0] == 1).all()

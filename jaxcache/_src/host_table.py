@@ -8,15 +8,20 @@ exporting or checkpointing never scrambles them. Arrays are plain NumPy, or
 
 from __future__ import annotations
 
-import fcntl
 import gc
 import math
 import os
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: tables claim their files in this process only
+    fcntl = None  # type: ignore[assignment]
 
 from jaxcache._src import kernels
 from jaxcache._src.config import CacheConfig
@@ -491,6 +496,8 @@ def _lock(path: str, fix: str) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        if fcntl is None:
+            return fd
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -501,6 +508,15 @@ def _lock(path: str, fix: str) -> int:
                 "several processes, give each its share of the table "
                 "(shard=jaxcache.host.process_shard(mesh))."
             ) from None
+        except OSError as error:  # a filesystem without locks: this process's claim only
+            warnings.warn(
+                f"{path} cannot be locked on its filesystem ({error.strerror or error}): "
+                "nothing keeps another process from building a table over it, which would "
+                "overwrite its rows. Give each process its own files.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return fd
         try:
             same = os.path.samestat(os.fstat(fd), os.stat(path))
         except FileNotFoundError:
