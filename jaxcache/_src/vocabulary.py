@@ -7,7 +7,8 @@ a stale id when its bucket is full, so that no two live ids share a row.
 
 - **Buckets**: the budget's ``R`` rows form ``B`` buckets, ``B`` the
   smallest power of two with ``B * ways >= R``: row ``r`` is way ``r // B``
-  of bucket ``r % B``, so each bucket has ``ways`` rows or a few fewer. An
+  of bucket ``r % B``, so each bucket has at most ``ways`` rows and at least
+  about half as many (all alike, or one fewer for the last buckets). An
   id's bucket is the low bits of ``id_hash``, a 32-bit hash of its two
   32-bit words: the device planner computes it where the ids are, without
   64-bit integers, and the devices split the buckets as they split rows
@@ -330,7 +331,7 @@ class Vocabulary:
         return bucket_of(ids, self.salt, self.buckets)
 
     def ways_of(self, bucket: int) -> int:
-        """Rows of ``bucket`` (``ways``, or one fewer for the last buckets)."""
+        """Rows of ``bucket`` (``ceil(R / B)``, or one fewer for the last buckets)."""
         return len(range(int(bucket), self.rows, self.buckets))
 
     def _expired(self, rows: np.ndarray, clock: tuple[int, int] | None = None) -> np.ndarray:
