@@ -657,6 +657,16 @@ def test_vocabulary_command_offers_only_policies_raw_ids_can_take(tmp_path, caps
     assert main(["vocabulary", str(path), "--rows", "64", "--batch", "8", "--capacity", "16"]) == 0
 
 
+def test_vocabulary_command_names_batch_for_a_flat_trace(tmp_path, capsys):
+    # As `jaxcache replay` does: the usage error names the flag to add, not the trace.
+    path = tmp_path / "raw.npy"
+    np.save(path, np.arange(40, dtype=np.int64) * 7919)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["vocabulary", str(path), "--rows", "64"])
+    assert exit_info.value.code == 2
+    assert "argument --batch: a 1-D trace" in capsys.readouterr().err
+
+
 def test_vocabulary_command_rounds_a_capacity_fraction_up_as_a_cache_does(tmp_path, capsys):
     path = tmp_path / "raw.npy"
     np.save(path, np.zeros(40, dtype=np.int64))  # one distinct id a batch

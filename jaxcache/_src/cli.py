@@ -203,6 +203,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         _check_vocabulary_rows(vocabulary_parser, args.rows, args.default)
         _check_vocabulary_capacity(vocabulary_parser, args.capacity, args.rows)
+        if args.batch is None and np.ndim(trace) == 1:
+            vocabulary_parser.error(
+                "argument --batch: a 1-D trace does not say where one step ends; pass --batch, "
+                "the ids one step looks up, or save a 2-D trace [steps, ids]."
+            )
         try:
             result = replay_vocabulary(
                 trace,
