@@ -634,6 +634,8 @@ def test_a_full_disk_loses_nothing_and_writes_out_once_it_has_room(tmp_path, mon
 
 
 @pytest.mark.no_planner
+# The child runs no JAX (it reads a pipe and exits), which the warning is about.
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
 def test_a_forked_child_does_not_keep_a_tables_files_locked(tmp_path):
     # A process forked while a table lived (a data loader's worker) held its
     # copy of the lock: the parent could not build the table there again
