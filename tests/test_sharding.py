@@ -319,7 +319,7 @@ def test_routed_gather_and_update_against_numpy(k, split):
     for part, planner in enumerate(parts.planners):
         mine = real & (homes == part)
         slots[mine] = part * (cl // split) + planner.slot_of_id[layout.part_local_ids(ids[mine])]
-    _, owner_size = routing.needs(step, layout)
+    owner_size = int(step.own_needs(layout)[1])
     overflow = routing.overflow_slots(step, layout, cl, k)
     overflowing = overflow.size
     route = routing.build_route(

@@ -54,13 +54,41 @@ from jaxcache._src.placement import Layout, homed_ids
 from jaxcache._src.planner import _NO_PAD, CapacityError, Plan, Planner, check_state
 from jaxcache._src.threads import HostThreads, raised
 
-__all__ = ["Partitions", "Split", "StepPlan"]
+__all__ = ["Partitions", "Split", "StepPlan", "plan_needs"]
 
 # What a process's partitions made of a batch, as the processes exchange it.
 _FITS, _FITS_LATER, _NEVER_FITS, _OTHER = range(4)
 # What a process publishes for a batch it refused before checking it (bad
 # ids): no fingerprint, so the others refuse theirs as a different batch.
 _REFUSED_BEFORE_CHECK = np.array([0, 0, _OTHER, -1, 0, 0, 0, 0], np.int64)
+
+
+def plan_needs(
+    layout: Layout,
+    sent: np.ndarray,
+    sent_out: np.ndarray | None,
+    distinct: Sequence[int],
+    moved: Sequence[int],
+    real: np.ndarray,
+) -> np.ndarray:
+    """What a plan needs of a step's padded sizes, as far as this process
+    sees it (its owners, and its sources), ``int64 [4]``: ``K``, the most
+    distinct rows one source needs from one owner (without overflow); ``V``,
+    the most distinct rows one owner serves; the most rows moved into one
+    device; and the most real ids of one source's slice.
+
+    Args:
+      layout: the homes of ids.
+      sent, sent_out, real: as ``StepPlan``'s.
+      distinct, moved: each own partition's distinct rows and rows fetched.
+    """
+    k = int(layout.per_device(sent).max(initial=0))
+    if sent_out is not None:
+        out = sent_out.reshape(len(sent_out), layout.devices, layout.split)
+        k = max(k, int(out.sum(2).max(initial=0)))
+    v = int(layout.per_device(list(distinct)).max())
+    m = int(layout.per_device(list(moved)).max())
+    return np.array([k, v, m, int(np.max(real, initial=0))], np.int64)
 
 
 class Split(NamedTuple):
@@ -144,6 +172,13 @@ class StepPlan(NamedTuple):
     sent_out: np.ndarray | None
     split: Split | None
     needs: np.ndarray | None = None
+
+    def own_needs(self, layout: Layout) -> np.ndarray:
+        """What this process's plan needs of the step's padded sizes
+        (``plan_needs``); ``needs`` holds every process's."""
+        distinct = [plan.distinct for plan in self.plans]
+        moved = [plan.misses for plan in self.plans]
+        return plan_needs(layout, self.sent, self.sent_out, distinct, moved, self.real)
 
     def total(self, field: str) -> int:
         """A count of the plans (``lookups``, ``hits``, ...) summed over the partitions."""
@@ -537,13 +572,8 @@ class Partitions:
             status = _NEVER_FITS
         else:
             status = _FITS_LATER if refusals else _FITS
-        needs = [0, 0, 0, 0]
-        if status == _FITS:
-            sent = np.stack([c.sent for c in checked])
-            k = int(layout.per_device(sent).max(initial=0))
-            if sent_out is not None:
-                out = sent_out.reshape(len(sent_out), layout.devices, layout.split)
-                k = max(k, int(out.sum(2).max(initial=0)))
+        needs = np.zeros(4, np.int64)
+        if status == _FITS:  # what ``StepPlan.own_needs`` gives once committed
             distinct = [c.hits.size + c.miss_ids.size for c in checked]
             moved = [c.miss_ids.size for c in checked]
             if refetch is not None and refetch.size:  # fetched where resident too
@@ -551,13 +581,9 @@ class Partitions:
                 for i, part in enumerate(self.parts):
                     mine = local[part_of == part]
                     moved[i] += int(np.count_nonzero(~np.isin(mine, checked[i].miss_ids)))
+            sent = np.stack([c.sent for c in checked])
             real = counts.reshape(layout.devices, -1)[self._own].sum(1)
-            needs = [
-                k,
-                int(layout.per_device(distinct).max()),
-                int(layout.per_device(moved).max()),
-                int(real.max(initial=0)),
-            ]
+            needs = plan_needs(layout, sent, sent_out, distinct, moved, real)
         mine = [kernels.fingerprint(flat), flat.size, status, max(fits, default=-1), *needs]
         index = self.next_index
         assert self.agreement is not None

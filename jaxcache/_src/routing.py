@@ -40,7 +40,6 @@ from jaxcache._src.threads import HostThreads
 __all__ = [
     "HostRoute",
     "build_route",
-    "needs",
     "overflow_slots",
 ]
 
@@ -73,17 +72,6 @@ class HostRoute(NamedTuple):
     owner_inverse: np.ndarray
     overflowed: int
     positions: np.ndarray | None = None
-
-
-def needs(step: StepPlan, layout: Layout) -> tuple[int, int]:
-    """The most distinct rows one source needs from one owner (``K`` without
-    overflow), and the most distinct rows one owner serves (``V``), as far as
-    this process sees them (its owners, and its sources)."""
-    k = int(layout.per_device(step.sent).max(initial=0))
-    if step.sent_out is not None:
-        out = step.sent_out.reshape(len(step.sent_out), layout.devices, layout.split)
-        k = max(k, int(out.sum(2).max(initial=0)))
-    return k, int(layout.per_device([plan.distinct for plan in step.plans]).max())
 
 
 def overflow_slots(step: StepPlan, layout: Layout, local_capacity: int, k: int) -> np.ndarray:

@@ -292,12 +292,9 @@ class Stager:
         host-callback form (no overflow possible, no bags skipped). A
         partition evicts at most as many rows as it fetches (its victims
         are its misses' slots), so the fetches size the moves."""
-        if step.needs is not None:  # several processes: every one's, agreed at the plan
-            k_need, v_need, moved, real = step.needs.tolist()
-        else:
-            k_need, v_need = routing.needs(step, self.layout)
-            moved = int(self.layout.per_device([p.misses for p in step.plans]).max())
-            real = int(step.real.max(initial=0))
+        # Several processes: every one's needs, agreed at the plan.
+        needs = step.needs if step.needs is not None else step.own_needs(self.layout)
+        k_need, v_need, moved, real = needs.tolist()
         minimum = self._minimum
         if moved:
             self.fetch_bucket = bucket_size(moved, minimum, self.fetch_bucket)
