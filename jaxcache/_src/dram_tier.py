@@ -308,17 +308,16 @@ class DramTier:
                 self.store.write(ticket)
             except OSError as error:
                 failed = failed or error
-        if failed is not None and not report:
-            return
-        if failed is not None:
+        if failed is None:
+            if tickets:
+                self.store.collect()
+        elif report:
             raise OSError(
                 failed.errno,
                 f"writing evicted rows to the disk tier failed ({failed.strerror or failed}); "
                 "nothing is lost: the rows stay in memory, beyond the DRAM budget, and go to "
                 "the disk at the next eviction once it has room.",
             ) from failed
-        if tickets:
-            self.store.collect()
 
     # ----------------------------------------------------------------- other
     def _by_shard(self, rows: np.ndarray):

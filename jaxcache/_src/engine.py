@@ -1154,7 +1154,15 @@ class EmbeddingCache:
             Stager.parse_state_dict(meta["buckets"])
         if meta.get("stats") is not None:
             CacheStats.parse_state_dict(meta["stats"])
-        if all("stats" in part for part in parts):
+        self._check_saved_stats(parts, meta)
+
+    @staticmethod
+    def _check_saved_stats(
+        parts: Sequence[Mapping[str, np.ndarray]], meta: Mapping[str, Any]
+    ) -> None:
+        """Raises ``ValueError`` unless every process's saved statistics
+        (when they were saved) read back."""
+        if parts and all("stats" in part for part in parts):
             CacheStats.from_state_arrays(
                 [part["stats"] for part in parts], meta.get("stats_fields")
             )
@@ -1195,10 +1203,7 @@ class EmbeddingCache:
         """
         self.lifecycle.check_idle("saving or restoring the cache")
         self._check_vocabulary(parts)  # the planners check their part as they load
-        stats = [part["stats"] for part in parts if "stats" in part]
-        if stats and len(stats) == len(parts):
-            # checked before anything changes
-            CacheStats.from_state_arrays(stats, meta.get("stats_fields"))
+        self._check_saved_stats(parts, meta)  # before anything changes
         self.planner.load_state_arrays(parts, meta)
         if self.raw is not None:
             self._load_vocabulary(parts)

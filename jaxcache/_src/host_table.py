@@ -186,6 +186,15 @@ class HostTable:
             array[...] = spec.init
             self.state[name] = array
 
+    def _check_state_given(self, what: str, state: dict[str, np.ndarray]) -> None:
+        """Raises ``ValueError`` unless ``state`` holds every optimizer state."""
+        missing = sorted(set(self.state) - set(state))
+        if missing:
+            raise ValueError(
+                f"{what} needs the optimizer state {sorted(self.state)} with the rows; "
+                f"{missing} missing. Nothing was copied."
+            )
+
     def _path(self, name: str) -> str:
         assert self.directory is not None
         index, count = self.shard
@@ -344,12 +353,7 @@ class HostTable:
           ValueError: another number of rows than ids, or a missing state.
         """
         local = self._local(self._valid_ids(ids)).reshape(-1)
-        missing = sorted(set(self.state) - set(state))
-        if missing:
-            raise ValueError(
-                f"scatter needs the optimizer state {sorted(self.state)} with the rows; "
-                f"{missing} missing. Nothing was copied."
-            )
+        self._check_state_given("scatter", state)
         pairs = [(self.rows, rows, "rows"), *((v, state[k], k) for k, v in self.state.items())]
         sources = [np.ascontiguousarray(values, dtype=array.dtype) for array, values, _ in pairs]
         given = at is not None

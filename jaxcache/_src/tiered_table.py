@@ -254,7 +254,9 @@ class TieredTable(HostTable):
         # Collected without close: the log's files go before the lock, as in
         # ``close``, so that a table another process opens there after the
         # lock drops keeps its own files.
-        _, unlock, args, _ = release.detach() or (None, None, (), None)
+        detached = release.detach()
+        assert detached is not None, "the table being built lives"
+        _, unlock, args, _ = detached
         weakref.finalize(self, _close_then_unlock, self._log, unlock, args)
         self._tier = DramTier(n, slots, self.record_bytes, self._log, shards=shards)
         self.closed = False
@@ -373,14 +375,6 @@ class TieredTable(HostTable):
             raise IndexError(f"a position in at is outside the {size} rows; nothing was copied.")
         return at
 
-    def _check_state_given(self, what: str, state: dict[str, np.ndarray]) -> None:
-        missing = sorted(set(self.state) - set(state))
-        if missing:
-            raise ValueError(
-                f"{what} needs the optimizer state {sorted(self.state)} with the rows; "
-                f"{missing} missing. Nothing was copied."
-            )
-
     def _fields(self, rows: np.ndarray, state: dict[str, np.ndarray]) -> Fields:
         """``rows`` and ``state``, checked, as the tier's ``Fields``."""
         arrays = [rows, *(state[name] for name in self.state)]
@@ -417,8 +411,7 @@ class TieredTable(HostTable):
 
 def _close_then_unlock(log: RowLog, unlock: Any, args: tuple[Any, ...]) -> None:
     log.close()
-    if unlock is not None:
-        unlock(*args)
+    unlock(*args)
 
 
 class TableColumn:

@@ -91,8 +91,8 @@ class WriteBacks:
     def drop_unapplied(self) -> None:
         """Forgets the evictions of plans whose swap will never run (their
         batch was lost, and a restore replaces the table)."""
-        with self._lock:
-            for index in [i for i in self._unlanded if i not in self._dispatched]:
+        with self._lock:  # reentrant: ``unapplied`` takes it again
+            for index in self.unapplied():
                 del self._unlanded[index]
             self._lock.notify_all()
 
