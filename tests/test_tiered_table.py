@@ -203,16 +203,18 @@ def test_budget_is_checked_and_defaults_to_a_share_of_memory(tmp_path):
     small = jaxcache.TieredTable(cfg, tmp_path / "a")  # the default fits the whole table
     assert small.stats().dram.slots == 10_000
     assert small.dram_budget == 10_000 * (INDEX_BYTES_PER_ROW + 16 + SLOT_BYTES)
+
     # The budget covers what the index and the tier hold (it left out each
     # slot's bookkeeping: 1.43x the budget for records of 16 bytes).
-    tier, log = small._tier, small._log
-    held = [tier.records, tier.slot_of, tier.slot_id, tier.flags, tier.free, log.where]
-    assert sum(array.nbytes for array in held) <= small.dram_budget
+    def held(table):
+        tier = table._tier
+        arrays = [tier.records, tier.slot_of, tier.slot_id, tier.flags, tier.free]
+        return sum(array.nbytes for array in [*arrays, table._log.where])
+
+    assert held(small) <= small.dram_budget
     narrow = jaxcache.TieredTable(cfg, tmp_path / "e", dram_budget=300_000)
-    held = [narrow._tier.records, narrow._tier.slot_of, narrow._tier.slot_id]
-    held += [narrow._tier.flags, narrow._tier.free, narrow._log.where]
     assert narrow.stats().dram.slots < 10_000
-    assert sum(array.nbytes for array in held) <= narrow.dram_budget <= 300_000
+    assert held(narrow) <= narrow.dram_budget <= 300_000
     # A budget for every row holds every row, whether the shards divide them or not.
     odd = jaxcache.TieredTable(jaxcache.CacheConfig(1000, 4, 10), tmp_path / "d", shards=16)
     assert odd.stats().dram.slots == 1008
