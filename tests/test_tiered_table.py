@@ -205,7 +205,7 @@ def test_budget_is_checked_and_defaults_to_a_share_of_memory(tmp_path):
     assert small.dram_budget == 10_000 * (INDEX_BYTES_PER_ROW + 16 + SLOT_BYTES)
 
     # The budget covers what the index and the tier hold (it left out each
-    # slot's bookkeeping: 1.43x the budget for records of 16 bytes).
+    # slot's bookkeeping, 17 bytes beside a record of 16 here).
     def held(table):
         tier = table._tier
         arrays = [tier.records, tier.slot_of, tier.slot_id, tier.flags, tier.free]
