@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -13,6 +14,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxcache
 from tests.models import (
@@ -552,6 +554,113 @@ def test_a_batch_lost_between_its_plan_and_its_swap_stops_the_cache(
     for refused in (lambda: train(batches[3:]), embed.export):
         with pytest.raises(RuntimeError, match=lost):
             refused()
+
+
+def _count_step():
+    """A step whose loss sums the batch's rows: with sgd(1.0) each row goes
+    down by how often the batch holds it, so the rows say which batches
+    trained."""
+
+    @nnx.jit
+    def step(embed, lookup):
+        return jaxcache.nnx.value_and_grad(lambda e, lookup: e(lookup).sum())(embed, lookup)
+
+    return step
+
+
+def _counted(rows: np.ndarray, batches) -> np.ndarray:
+    rows = rows.copy()
+    for batch in batches:
+        ids, counts = np.unique(batch["ids"], return_counts=True)
+        rows[ids] -= counts.astype(rows.dtype)[:, None]  # one update per batch, as on device
+    return rows
+
+
+@pytest.mark.parametrize("lookahead", [None, 0, 2])
+def test_a_ctrl_c_waits_for_the_swap_and_training_goes_on_exactly(planner, lookahead, monkeypatch):
+    # A Ctrl-C between a batch's plan and its swap left rows the planner
+    # counted on the device that never reached it: the cache refused every
+    # step until a restore, or (a loop without look-ahead) went on training
+    # other ids' rows.
+    cfg = jaxcache.CacheConfig(40, D, 16, policy="lru", optimizer=jaxcache.sgd(1.0))
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner))
+    first = np.array(embed.cache.table.rows)
+    batches = [{"ids": (3 * k + np.arange(4)).reshape(2, 2) % 40} for k in range(12)]
+    step, trained = _count_step(), []
+
+    def train(batches):
+        if lookahead is None:
+            for batch in batches:
+                step(embed, embed.prepare(batch["ids"]))
+                trained.append(batch)
+            return
+        with jaxcache.prefetch(batches, {"ids": embed}, lookahead=lookahead) as pipeline:
+            for k, batch in enumerate(pipeline):
+                step(embed, batch["ids"])  # a Lookup in place of the ids
+                trained.append(batches[k])
+
+    apply, swaps = jaxcache.EmbeddingCache.apply, itertools.count()
+
+    def interrupted(self, state, staged):
+        if next(swaps) == 5:  # as from the keyboard: the handler runs on the main thread
+            signal.raise_signal(signal.SIGINT)
+        return apply(self, state, staged)
+
+    monkeypatch.setattr(jaxcache.EmbeddingCache, "apply", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(batches)
+    monkeypatch.undo()
+    assert len(trained) == 5  # the interrupted batch's step never ran
+    np.testing.assert_array_equal(embed.export()[0], _counted(first, trained))
+    train(batches[5:])
+    assert embed.cache.stats.total.evictions > 10  # rows really moved
+    np.testing.assert_array_equal(embed.export()[0], _counted(first, batches[:5] + batches[5:]))
+
+
+def test_a_held_ctrl_c_comes_at_the_end_and_a_second_at_once():
+    from jaxcache._src.lifecycle import interrupts_held
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_held():
+            signal.raise_signal(signal.SIGINT)
+            reached.append("after the first")
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_held():
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+            reached.append("after the second")
+    assert reached == ["after the first"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_ctrl_c_while_the_loop_waits_for_a_slow_source_stops_it(planner):
+    # The loop waits for the batch held back by its source, with nothing
+    # taken: the Ctrl-C must reach it then, not once the source goes on.
+    release, resumed = threading.Event(), threading.Event()
+
+    def source():
+        for k in range(4):
+            if k == 2:
+                release.wait(timeout=30)
+                resumed.set()
+            yield {"ids": np.array([[k, k + 1]])}
+
+    cfg = jaxcache.CacheConfig(100, D, 16, optimizer=jaxcache.sgd(0.1))
+    embed = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, planner=planner))
+    main = threading.main_thread().ident
+    timer = threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGINT))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with jaxcache.prefetch(source(), {"ids": embed}, lookahead=2) as pipeline:
+                for k, batch in enumerate(pipeline):
+                    embed(batch["ids"])
+                    if k == 1:
+                        timer.start()
+        assert not resumed.is_set()  # the source was still waiting
+    finally:
+        release.set()
+        timer.cancel()
 
 
 class _Cancelled(BaseException):

@@ -40,7 +40,7 @@ from jaxcache._src.device_ops import CacheState, Lookup
 from jaxcache._src.device_planner import DevicePlanner, DeviceStep, Dispatched
 from jaxcache._src.host_callback import HostCallbacks
 from jaxcache._src.host_table import HostTable
-from jaxcache._src.lifecycle import Lifecycle
+from jaxcache._src.lifecycle import Lifecycle, interrupts_held
 from jaxcache._src.partitions import Partitions
 from jaxcache._src.placement import Layout, axis_processes, process_shard
 from jaxcache._src.planner import CapacityError
@@ -549,9 +549,10 @@ class EmbeddingCache:
             )
         validation.check_not_traced(ids, "ids")
         self.check_state(state)
-        self.lifecycle.release_all()
-        staged = self.stage(ids, train=train)
-        return self.apply(state, staged), staged.lookup
+        with interrupts_held():  # a Ctrl-C waits for the swap
+            self.lifecycle.release_all()
+            staged = self.stage(ids, train=train)
+            return self.apply(state, staged), staged.lookup
 
     def lookup_in_step(
         self, state: CacheState, ids: jax.Array, *, train: bool

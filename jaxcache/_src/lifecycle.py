@@ -6,12 +6,21 @@ been dispatched (its rows may be evicted again), and its evicted rows land
 in the host table later (the write-back ledger). ``Lifecycle`` answers the
 questions callers ask of that: release everything, what is in flight, and
 refuse an action unless the cache is idle.
+
+A Ctrl-C between a plan and its swap would leave rows that the planner
+counts on the device which never reached it: ``interrupts_held`` keeps it
+out of that span, so that an interrupted training loop can go on, or be
+saved, without a restore.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import signal
 import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
 
 from jaxcache._src.device_ops import Lookup
 from jaxcache._src.device_planner import DevicePlanner
@@ -19,7 +28,7 @@ from jaxcache._src.partitions import Partitions
 from jaxcache._src.stager import HostStaged
 from jaxcache._src.write_back import WriteBacks
 
-__all__ = ["Lifecycle"]
+__all__ = ["Lifecycle", "deliver_held_interrupt", "interrupts_held"]
 
 
 class Lifecycle:
@@ -145,3 +154,68 @@ class Lifecycle:
                 f"batches are in flight (plans {busy}, {offered} offered); close the pipeline "
                 f"and call flush(state) before {action}."
             )
+
+
+class _Held:
+    """A SIGINT handler that holds the signal for ``previous`` (the handler
+    it replaced) until ``deliver``; a second signal meanwhile goes through
+    at once, so that a step that hangs can still be stopped."""
+
+    def __init__(self, previous: Callable[[int, FrameType | None], object]) -> None:
+        self.previous = previous
+        self.pending: tuple[int, FrameType | None] | None = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.pending is None:
+            self.pending = (signum, frame)
+            return
+        self.pending = None
+        self.previous(signum, frame)
+
+    def deliver(self) -> None:
+        if self.pending is not None:
+            signum, frame = self.pending
+            self.pending = None
+            self.previous(signum, frame)
+
+
+# The handler installed by the outermost ``interrupts_held`` of the main thread.
+_HELD: list[_Held] = []
+
+
+def deliver_held_interrupt() -> None:
+    """Delivers a Ctrl-C that ``interrupts_held`` holds back, now. Called
+    where a held block only waits, with nothing half done, so that a
+    Ctrl-C does not wait for, say, a slow data source."""
+    if _HELD and threading.current_thread() is threading.main_thread():
+        _HELD[-1].deliver()
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Holds a Ctrl-C (SIGINT) back until the block ends, then delivers it.
+
+    Wraps the span from a batch's plan to its swap on the thread that runs
+    it: interrupted in between, the planner would count rows on the device
+    that never reached it, and the cache would stop until a restore. Held
+    only on the main thread (the one Python delivers signals to) and only
+    for a handler set in Python (the default raises ``KeyboardInterrupt``);
+    a second Ctrl-C while one is held goes through at once. Nested blocks
+    share the outermost one's (``deliver_held_interrupt`` delivers it early).
+    """
+    if _HELD or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):  # ignored, the OS default, or set outside Python
+        yield
+        return
+    held = _Held(previous)
+    signal.signal(signal.SIGINT, held)
+    _HELD.append(held)
+    try:
+        yield
+    finally:
+        _HELD.pop()
+        signal.signal(signal.SIGINT, previous)
+        held.deliver()

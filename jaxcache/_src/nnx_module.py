@@ -14,6 +14,7 @@ from flax import nnx
 from jaxcache._src import device_ops, sparse_grad
 from jaxcache._src.device_ops import CacheState, Lookup, check_combiner
 from jaxcache._src.engine import EmbeddingCache
+from jaxcache._src.lifecycle import interrupts_held
 from jaxcache._src.optimizers import check_rate_scale
 
 __all__ = [
@@ -112,8 +113,9 @@ class CachedEmbed(nnx.Module):
           ahead, use ``jaxcache.prefetch``).
         """
         device_ops.check_bags(self.combiner, np.shape(ids))
-        state, lookup = self.cache.prepare(self.get_state(), ids, train=train)
-        self.set_state(state)
+        with interrupts_held():  # a Ctrl-C waits until the module holds the new state
+            state, lookup = self.cache.prepare(self.get_state(), ids, train=train)
+            self.set_state(state)
         return lookup
 
     def lookup_ids(self, ids: jax.Array, *, train: bool = True) -> Lookup:

@@ -58,6 +58,7 @@ from jaxcache._src.device_ops import Lookup, check_bags
 from jaxcache._src.device_planner import DevicePlanner, Dispatched, PlanSkipped
 from jaxcache._src.engine import CLOSE_DROPPED, DeviceStaged, EmbeddingCache, HostStaged, Staged
 from jaxcache._src.holder import CacheHolder
+from jaxcache._src.lifecycle import deliver_held_interrupt, interrupts_held
 from jaxcache._src.planner import CapacityError
 
 __all__ = ["Prefetcher", "prefetch"]
@@ -367,12 +368,22 @@ class Prefetcher(Iterator[dict[str, Any]]):
         if self._owner is None:
             self._owner = threading.current_thread()
         self._release_handed_out()
-        if self._thread is None:
-            item = self._stage_now()
-        elif self._device:
-            item = self._take_planned()
-        else:
-            item = self._take()
+        # Read before the interrupts are held: a slow source stays interruptible.
+        pulled = self._pull_now() if self._thread is None else None
+        # From the plans on to the swaps, a Ctrl-C waits (the waits for a
+        # staged batch deliver it before they take one).
+        with interrupts_held():
+            if self._thread is None:
+                item = self._stage_now(pulled)
+            elif self._device:
+                item = self._take_planned()
+            else:
+                item = self._take()
+            return self._hand_out(item)
+
+    def _hand_out(self, item: Any) -> dict[str, Any]:
+        """The batch of a staged ``item``, its tables' rows swapped in, or
+        the end or the error it stands for, raised."""
         if isinstance(item, _End):
             self._done = True
             _SWITCH.drop(self)  # the producer has finished
@@ -407,7 +418,12 @@ class Prefetcher(Iterator[dict[str, Any]]):
 
     def _take(self) -> Any:
         start = time.perf_counter()
-        item = self._queue.get()
+        while True:
+            try:
+                item = self._queue.get(timeout=_POLL_SECONDS)
+                break
+            except queue.Empty:
+                deliver_held_interrupt()  # nothing taken yet
         waited = time.perf_counter() - start
         for cache in self._caches.values():
             cache.stats.timers.add("wait", waited)
@@ -415,11 +431,15 @@ class Prefetcher(Iterator[dict[str, Any]]):
             self._permits.release()
         return item
 
-    def _stage_now(self) -> Any:
+    def _pull_now(self) -> Any:
         try:
-            batch = next(self._source)
+            return next(self._source)
         except StopIteration:
             return _End()
+
+    def _stage_now(self, batch: Any) -> Any:
+        if isinstance(batch, _End):
+            return batch
         if self.callback:  # the step's callback plans on the spot
             return batch, {}
         staged: dict[str, Staged] = {}
@@ -595,7 +615,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
         while not self._source_done and len(self._planned) + self._taken <= last:
             index = self._taken + len(self._planned)
             try:
-                item = self._pulled.get(block=wait or index == self._taken)
+                item = self._pulled_next(block=wait or index == self._taken)
             except queue.Empty:
                 return
             if isinstance(item, _End):
@@ -620,6 +640,17 @@ class Prefetcher(Iterator[dict[str, Any]]):
             dispatched = {key: self._dispatch(cache, item, key) for key, cache in planned.items()}
             self._planned.append((index, item))
             self._work.put(_Work(index, item, dispatched))
+
+    def _pulled_next(self, block: bool) -> Any:
+        """The next batch the feeder pulled (``queue.Empty`` if it has none
+        and ``block`` is false); a Ctrl-C while it waits is delivered."""
+        while True:
+            try:
+                return self._pulled.get(timeout=_POLL_SECONDS) if block else self._pulled.get(False)
+            except queue.Empty:
+                if not block:
+                    raise
+                deliver_held_interrupt()  # nothing taken yet
 
     def _dispatch(self, cache: EmbeddingCache, batch: Mapping[str, Any], key: str) -> Dispatched:
         # The bound the host planner's producer uses (``_stage_with_retry``):
@@ -777,7 +808,8 @@ class Prefetcher(Iterator[dict[str, Any]]):
             )
         self._closed = True
         try:
-            self._close()
+            with interrupts_held():  # it swaps the staged batches in
+                self._close()
         finally:
             # Even when a swap failed (a batch it loses stops the cache at
             # its next swap, ``EmbeddingCache.apply``): the tables are free.
