@@ -5,7 +5,9 @@
 Trains a cached table with the devices of both processes, saves, trains on,
 restores the earlier step in place and trains the same batches again; then
 stages a batch too large for one process's devices, and batches that differ
-between the processes. Prints one JSON line of what it saw.
+between the processes; leaves a pipeline early while one process's source
+is slower; and serves scores split over both processes' devices. Prints one
+JSON line of what it saw.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import jax
 import numpy as np
@@ -77,7 +80,58 @@ def main(coordinator: str, process: int, directory: str) -> dict:
     seen["bad_on_one"] = refusal(batches[0] if process == 0 else np.full(8, 64))
     seen["after"] = train(batches[:1])  # nothing changed: training goes on
     seen["pipelined"] = pipelined(jaxcache, mesh)
+    cfg = jaxcache.CacheConfig(2000, 4, capacity=96, policy="lru", optimizer=jaxcache.sgd(0.1))
+    table = jaxcache.HostTable(cfg, shard=jaxcache.host.process_shard(mesh))
+    cache = jaxcache.EmbeddingCache(cfg, table=table, mesh=mesh)
+    seen["broken_off"] = broken_off(jaxcache, cache, slow=process == 1)
+    seen["served"] = served(jaxcache, mesh)
     return seen
+
+
+def broken_off(jaxcache, cache, *, slow: bool = False) -> list[int]:
+    """A loop that leaves its pipeline after two steps (the source of one
+    process slower: that process's thread has staged fewer batches ahead),
+    then trains on in a second pipeline: the plans made by the break, and
+    this process's hits, misses and evictions at the end."""
+    embed = jaxcache.nnx.CachedEmbed(cache)
+    rng = np.random.default_rng(1)
+    batches = [{"ids": rng.zipf(1.3, size=(32, 2)) % 2000} for _ in range(12)]
+
+    def source():
+        for batch in batches:
+            if slow:
+                time.sleep(0.3)
+            yield batch
+
+    with jaxcache.prefetch(source(), {"ids": embed}, lookahead=2) as pipeline:
+        for step, _ in enumerate(pipeline):
+            if step == 1:
+                break
+    planned = cache.planner.next_index
+    with jaxcache.prefetch(batches[6:], {"ids": embed}, lookahead=2) as pipeline:
+        for _ in pipeline:
+            pass
+    total = cache.stats.total
+    return [planned, total.hits, total.misses, total.evictions]
+
+
+def served(jaxcache, mesh) -> float:
+    """The largest error of scores a ``Server`` returns when ``predict``
+    leaves them split over both processes' devices."""
+    full = np.arange(64 * 4, dtype=np.float32).reshape(64, 4)
+    cfg = jaxcache.serving_config(jaxcache.CacheConfig(64, 4, capacity=48))
+    table = jaxcache.HostTable(cfg, rows=full, shard=jaxcache.host.process_shard(mesh))
+    embed = jaxcache.nnx.CachedEmbed(
+        jaxcache.EmbeddingCache(cfg, table=table, mesh=mesh), combiner="sum"
+    )
+    server = jaxcache.Server(embed, lambda b: embed(b["ids"]).sum(-1), {"ids": embed})
+    rng = np.random.default_rng(2)
+    requests = [{"ids": rng.integers(0, 64, size=(8, 2))} for _ in range(4)]
+    scores = list(server.score(requests))
+    return max(
+        float(np.abs(got - full[r["ids"]].sum((1, 2))).max())
+        for got, r in zip(scores, requests, strict=True)
+    )
 
 
 def pipelined(jaxcache, mesh) -> list[int]:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxcache
-from tests.multiprocess_run import pipelined_counts
+from tests.multiprocess_run import broken_off, pipelined_counts
 
 # Every test here runs with both planners (``conftest.planner``).
 pytestmark = pytest.mark.usefixtures("planner")
@@ -176,3 +176,16 @@ def test_two_processes_roll_back_in_place_and_refuse_a_batch_together(planner, t
     cfg = jaxcache.CacheConfig(2000, 4, capacity=96, policy="lfu", optimizer=jaxcache.sgd(0.1))
     one = pipelined_counts(jaxcache, jaxcache.EmbeddingCache(cfg, mesh=mesh, planner=planner))
     assert np.add(seen[0]["pipelined"], seen[1]["pipelined"]).tolist() == one
+    # A loop left early while one process's source was slower: the processes
+    # had staged different numbers of batches ahead, so the faster one waited
+    # in its plan's exchange for good and the other's next pipeline was
+    # refused. Closing lets every process stage the same window first.
+    cfg = jaxcache.CacheConfig(2000, 4, capacity=96, policy="lru", optimizer=jaxcache.sgd(0.1))
+    planned, *counts = broken_off(
+        jaxcache, jaxcache.EmbeddingCache(cfg, mesh=mesh, planner=planner)
+    )
+    assert seen[0]["broken_off"][0] == seen[1]["broken_off"][0] == planned
+    assert np.add(seen[0]["broken_off"][1:], seen[1]["broken_off"][1:]).tolist() == counts
+    assert counts[2] > 0  # rows were evicted
+    # Scores split over both processes' devices reach each process whole.
+    assert seen[0]["served"] == seen[1]["served"] == 0.0

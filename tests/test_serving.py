@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -299,3 +300,10 @@ def test_batch_sizes_refuse_what_they_cannot_pad(trained):
         list(summing.score(held_out[:1]))
     # The server scores again after a refused batch.
     assert len(next(server.score(held_out[:1]))) == 32
+    # A size the devices cannot split is refused when the server is built,
+    # not at the first request that pads to it (naming a shape of its own).
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("rows",))
+    cfg = jaxcache.serving_config(jaxcache.CacheConfig(100, 4, capacity=16))
+    split = jaxcache.nnx.CachedEmbed(jaxcache.EmbeddingCache(cfg, mesh=mesh))
+    with pytest.raises(ValueError, match=r"over 4 devices.*multiple of 4; \[6\] is not"):
+        jaxcache.Server(split, lambda b: b, {"ids": split}, batch_sizes=[4, 6, 8])

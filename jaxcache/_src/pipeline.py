@@ -321,6 +321,12 @@ class Prefetcher(Iterator[dict[str, Any]]):
         self.unstaged: list[Any] = []
         self._queue: queue.Queue[Any] = queue.Queue()
         self._permits = threading.Semaphore(max(lookahead, 1))
+        # The producer's progress, under ``_released``: batches the permits
+        # let it stage (``_granted``), staged (``_produced``), and the plan
+        # whose release a batch waits for, with its planner (``_room_wait``).
+        self._granted = max(lookahead, 1)
+        self._produced = 0
+        self._room_wait: tuple[Any, int] | None = None
         self._stop = threading.Event()
         self._released = threading.Condition()
         self._staging = threading.Lock()
@@ -428,6 +434,8 @@ class Prefetcher(Iterator[dict[str, Any]]):
         for cache in self._caches.values():
             cache.stats.timers.add("wait", waited)
         if not isinstance(item, (_End, _Failure)):
+            with self._released:
+                self._granted += 1
             self._permits.release()
         return item
 
@@ -506,8 +514,14 @@ class Prefetcher(Iterator[dict[str, Any]]):
                         staged[key] = self._stage_with_retry(cache, ids[key])
                     self._queue.put((batch, staged))
                     staged = {}
+                with self._released:
+                    self._produced += 1
+                    self._released.notify_all()
         except BaseException as error:  # re-raised in the training loop
             self._queue.put(_Failure(error, staged))
+        finally:
+            with self._released:
+                self._released.notify_all()  # a close that lets it settle stops waiting
 
     def _pull(self) -> Any:
         """The source's next batch, ``_End``, or ``_Raised`` with its error."""
@@ -550,10 +564,17 @@ class Prefetcher(Iterator[dict[str, Any]]):
                 if error.fits_after is None or error.fits_after >= planner.next_index:
                     raise
                 with self._released:
-                    while planner.released < error.fits_after:
-                        if self._stop.is_set():
-                            raise PipelineStopped("stopped while waiting for capacity") from None
-                        self._released.wait(timeout=_POLL_SECONDS)
+                    self._room_wait = (planner, error.fits_after)
+                    self._released.notify_all()
+                    try:
+                        while planner.released < error.fits_after:
+                            if self._stop.is_set():
+                                raise PipelineStopped(
+                                    "stopped while waiting for capacity"
+                                ) from None
+                            self._released.wait(timeout=_POLL_SECONDS)
+                    finally:
+                        self._room_wait = None
                 finished = max(finished, error.fits_after)
 
     # ------------------------------------------------------ device planners
@@ -796,29 +817,31 @@ class Prefetcher(Iterator[dict[str, Any]]):
           RuntimeError: called on another thread than the one iterating the
             pipeline, while that one lives (nothing changed).
         """
-        if self._closed:
-            return
-        owner = self._owner
-        if owner is not None and owner is not threading.current_thread() and owner.is_alive():
-            raise RuntimeError(
-                f"close the pipeline on the thread that iterates it ({owner.name}): closing "
-                "swaps the batches it staged into the tables, between that thread's steps. "
-                "To stop it from another thread, end its source (have the iterator return); "
-                "the loop then leaves with the batches staged so far."
-            )
-        self._closed = True
-        try:
-            with interrupts_held():  # it swaps the staged batches in
+        with interrupts_held():  # it swaps the staged batches in, and lets the tables go
+            if self._closed:
+                return
+            owner = self._owner
+            if owner is not None and owner is not threading.current_thread() and owner.is_alive():
+                raise RuntimeError(
+                    f"close the pipeline on the thread that iterates it ({owner.name}): "
+                    "closing swaps the batches it staged into the tables, between that "
+                    "thread's steps. To stop it from another thread, end its source (have "
+                    "the iterator return); the loop then leaves with the batches staged so far."
+                )
+            self._closed = True
+            try:
                 self._close()
-        finally:
-            # Even when a swap failed (a batch it loses stops the cache at
-            # its next swap, ``EmbeddingCache.apply``): the tables are free.
-            _SWITCH.drop(self)
-            _OPEN.discard(self)
-            self._let_go()
+            finally:
+                # Even when a swap failed (a batch it loses stops the cache at
+                # its next swap, ``EmbeddingCache.apply``): the tables are free.
+                _SWITCH.drop(self)
+                _OPEN.discard(self)
+                self._let_go()
 
     def _close(self) -> None:
         """``close``'s work: stops the threads and applies what they staged."""
+        if self._thread is not None and not self._device and self._multi_process:
+            self._settle()
         self._stop.set()
         with self._released:
             self._released.notify_all()
@@ -857,6 +880,31 @@ class Prefetcher(Iterator[dict[str, Any]]):
             self._drain()
         if self._thread is not None:
             self._put_back()
+
+    def _settle(self) -> None:
+        """At close, on several processes: lets the producer stage every
+        batch its permits allow, as far as it gets without the loop.
+
+        Each host plan takes part in one exchange between the processes, so
+        every process must make the same plans. How far a producer got when
+        the loop left is a matter of its thread's timing (a process whose
+        source is slower has staged fewer); where it settles is not: the
+        batches up to ``lookahead`` past the last one handed out, short of
+        the end of the source, an error, or a batch waiting for room that
+        only a step of the loop would free."""
+        self._release_handed_out()  # the loop takes no more steps
+        assert self._thread is not None
+        while True:
+            self._drain()  # its swaps may be what a staging batch waits on
+            with self._released:
+                waiting = self._room_wait
+                if (
+                    self._produced >= self._granted
+                    or not self._thread.is_alive()
+                    or (waiting is not None and waiting[0].released < waiting[1])
+                ):
+                    return
+                self._released.wait(timeout=_POLL_SECONDS)
 
     def _put_back(self) -> None:
         """At close: a batch the thread took from the source that some table

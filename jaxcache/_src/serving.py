@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from jaxcache._src import optimizers
 from jaxcache._src.config import CacheConfig
@@ -176,6 +177,14 @@ class Server:
                     "jaxcache.serving_config(config), which keeps no optimizer state and "
                     "never writes rows back."
                 )
+            devices = holder.cache.devices
+            uneven = [n for n in self.batch_sizes or () if n % devices]
+            if uneven:
+                raise ValueError(
+                    f"batch_sizes={list(self.batch_sizes or ())}: tables[{key!r}] splits each "
+                    f"batch over {devices} devices, so every size must be a multiple of "
+                    f"{devices}; {uneven} {'is' if len(uneven) == 1 else 'are'} not."
+                )
         model.eval()
         self.model = model
         self.predict = predict
@@ -209,7 +218,14 @@ class Server:
           batches: mappings holding each table's ids under its key.
 
         Yields:
-          ``predict(batch)`` as NumPy (copied to the host).
+          ``predict(batch)`` as NumPy (copied to the host; over several
+          processes, every process gets the whole batch's scores).
+
+        Closing the stream before its end (``close()``, or an error in
+        ``predict``) drops the batches the pipeline had taken from
+        ``batches`` ahead of the last one yielded: up to ``lookahead``
+        batches, or pieces with ``batch_sizes``. Score them again if they
+        matter.
 
         Raises:
           RuntimeError: another ``score`` stream of this server is running
@@ -250,7 +266,7 @@ class Server:
         parts: list[np.ndarray] = []
         with prefetch(source(), self.tables, lookahead=self.lookahead, train=False) as pipeline:
             for batch in pipeline:
-                scores = np.asarray(jax.device_get(self.predict(batch)))
+                scores = _to_host(self.predict(batch))
                 if self.batch_sizes is not None:
                     used, size, last = pieces.popleft()
                     parts.append(_cut(scores, used, size))
@@ -266,7 +282,9 @@ class Server:
         number, and the hit rate and bytes written back since the server was
         built or last ``reset``.
 
-        The hit rate is over distinct ids per batch, all tables together.
+        The hit rate is over distinct ids per batch, all tables together;
+        over several processes, of this process's devices (as
+        ``cache.stats``).
         """
         latencies = np.asarray(self.latencies or [np.nan]) * 1e3
         p50, p90, p99 = np.percentile(latencies, [50, 90, 99])
@@ -279,6 +297,15 @@ class Server:
             "hit_rate": hits / max(1, distinct),
             "bytes_to_host": written,
         }
+
+
+def _to_host(scores: Any) -> np.ndarray:
+    """``scores`` as NumPy. An array split over the devices of several
+    processes is gathered from all of them (a collective: every process
+    scores the same batches), so each process gets every score."""
+    if isinstance(scores, jax.Array) and not scores.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(scores, tiled=True))
+    return np.asarray(jax.device_get(scores))
 
 
 def _check_batch_sizes(batch_sizes: Iterable[int]) -> tuple[int, ...]:
