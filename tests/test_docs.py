@@ -114,6 +114,7 @@ def test_sphinx_build_executes_the_pages(tmp_path):
         )
         assert len(images) >= plots, f"{page}.html shows {len(images)} plots, expected {plots}"
     assert re.search(r"cache statistics == replay, over \d+ batches", _text(out / "sizing.html"))
+    assert "evaluated every 5: the same losses" in _text(out / "pipeline.html")
     assert re.search(r"table: max abs difference \d\.\d\de[-+]\d\d", _text(out / "linen.html"))
     assert "CapacityError: the batch has 9 distinct ids" in _text(out / "faq.html")
 
