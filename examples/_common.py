@@ -106,9 +106,16 @@ def parse_args(
     data.add_argument(
         "--multi-hot",
         action="store_true",
-        help="synthetic only: bags of DCNv2 sizes, summed, instead of one id",
+        help="synthetic only: bags of DCNv2 sizes, summed, instead of one id; a batch then "
+        "holds more distinct ids than the default --cache-fraction has rows: raise it too "
+        "(0.035 holds them with the default flags on 1, 4 and 8 devices)",
     )
-    data.add_argument("--bag-size", type=int, default=8, help="longest bag with --multi-hot")
+    data.add_argument(
+        "--bag-size",
+        type=int,
+        default=argparse.SUPPRESS,  # left unset, so that _check sees whether it was given
+        help="longest bag with --multi-hot (default: 8)",
+    )
     parser.add_argument(
         "--cache-fraction", type=float, default=0.02, help="rows on device / table rows"
     )
@@ -190,6 +197,13 @@ def parse_args(
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if "bag_size" not in args:
+        args.bag_size = 8
+    elif not args.multi_hot:
+        parser.error(
+            "--bag-size sizes the bags of --multi-hot (synthetic data only); add --multi-hot, "
+            "or drop --bag-size."
+        )
     check_ranges(
         parser,
         args,
@@ -421,15 +435,33 @@ def _criteo_splits(builder: Any, train: str | None, held_out: str | None) -> tup
         except ValueError as error:
             sys.exit(f"error: {flag} {split!r}: {error}")
         if records == 0:
-            rows = builder.info.metadata["rows"]
-            per_record = builder.builder_config.rows_per_record
-            sys.exit(
-                f"error: {flag} {split!r} holds no records: the files hold {rows} rows, "
-                f"{per_record} per record, and a percentage slices whole records (holding out "
-                f"10% needs 5 records or more). Use more data or pass coarser --train-split "
-                f"and --eval-split, e.g. '{names[0]}[:50%]' and '{names[0]}[50%:]'."
-            )
+            sys.exit(f"error: {flag} {split!r} holds no records: {_too_few(builder, split)}")
     return splits
+
+
+def _too_few(builder: Any, split: str) -> str:
+    """Why a slice of ``split`` came out empty, and what would not."""
+    # The split the slice is taken of: "train" of "train[90%:]".
+    whole = [part.split("[")[0] for part in split.split("+")]
+    rows = sum(builder.info.metadata["rows"].get(name, 0) for name in whole)
+    records = sum(builder.info.splits[name].num_examples for name in whole)
+    per_record = builder.builder_config.rows_per_record
+    held = (
+        f"{'+'.join(whole)} holds {rows:,} rows in {records} record{'s' * (records != 1)} "
+        f"of up to {per_record:,} rows, and a percentage slices whole records (holding out "
+        "10% needs 5 records or more)."
+    )
+    if records < 2:
+        return (
+            f"{held} Training on some and holding out others needs 2 records, more than "
+            f"{per_record:,} rows: use more data."
+        )
+    if len(whole) > 1:
+        return f"{held} Pass splits of whole days, or use more data."
+    return (
+        f"{held} Pass coarser splits, --train-split '{whole[0]}[:50%]' and --eval-split "
+        f"'{whole[0]}[50%:]', or use more data."
+    )
 
 
 # ----------------------------------------------------------------- summary

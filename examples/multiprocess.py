@@ -53,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 
-from _flags import check_ranges  # examples/_flags.py
+from _flags import check_ranges, refuse_other_options  # examples/_flags.py
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,32 +82,57 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--raw-ids", type=int, default=None, help="raw ids through a vocabulary of this many rows"
     )
+    # Their defaults are filled in below, so that giving one without --raw-ids shows.
     parser.add_argument(
-        "--admit-after", type=int, default=1, help="with --raw-ids: lookups before an id gets a row"
+        "--admit-after",
+        type=int,
+        default=None,
+        help="with --raw-ids: lookups before an id gets a row (default: 1)",
     )
     parser.add_argument(
         "--forget",
         choices=("lru", "lfu", "lrfu", "adaptive"),
-        default="lfu",
-        help="with --raw-ids: which id a full bucket forgets",
+        default=None,
+        help="with --raw-ids: which id a full bucket forgets (default: lfu)",
     )
     parser.add_argument(
         "--default",
         choices=("zeros", "shared"),
-        default="zeros",
-        help="with --raw-ids: what an id without a row reads",
+        default=None,
+        help="with --raw-ids: what an id without a row reads (default: zeros)",
     )
     args = parser.parse_args(argv)
     check_ranges(
         parser,
         args,
-        counts=("num_processes", "devices_per_process", "steps", "batch_size", "admit_after"),
+        counts=("num_processes", "devices_per_process", "steps", "batch_size"),
         fractions=("scale", "cache_fraction"),
     )
     if args.process_id is not None and not 0 <= args.process_id < args.num_processes:
         parser.error(f"--process-id={args.process_id} must be in [0, --num-processes).")
+    if args.process_id is None and args.coordinator is not None:
+        parser.error(
+            "--coordinator is for processes started by hand; add --process-id, or drop "
+            "--coordinator to start the processes here."
+        )
+    if args.process_id is not None and args.num_processes > 1 and args.coordinator is None:
+        parser.error(
+            f"--process-id with --num-processes={args.num_processes} needs --coordinator "
+            "HOST:PORT, the address of process 0 (the same in every process)."
+        )
     if args.raw_ids is not None and args.raw_ids < 1:
         parser.error(f"--raw-ids={args.raw_ids} must be a row budget of at least 1.")
+    raw_only = {"admit_after": 1, "forget": "lfu", "default": "zeros"}
+    given = [f"--{k.replace('_', '-')}" for k in raw_only if getattr(args, k) is not None]
+    if given and args.raw_ids is None:
+        parser.error(
+            f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} only for raw ids; add "
+            f"--raw-ids ROWS, or drop {'it' if len(given) == 1 else 'them'}."
+        )
+    for name, value in raw_only.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    check_ranges(parser, args, counts=("admit_after",))
     return args
 
 
@@ -117,13 +142,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: argparse.Namespace) -> int:
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
     """Starts ``--num-processes`` copies of this program on localhost, then
-    (unless told not to) one process of as many devices, and compares them."""
+    (unless told not to) one process of as many devices, and compares them.
+    Each gets ``argv``, the launcher's own arguments, and its role."""
     import numpy as np
 
     coordinator = f"127.0.0.1:{_free_port()}"
-    argv = [a for a in sys.argv[1:]]
     with tempfile.TemporaryDirectory() as work:
         tables = os.path.join(work, "processes.npy"), os.path.join(work, "one.npy")
         saved = ["--save", args.save or tables[0]]
@@ -192,6 +217,20 @@ def run(args: argparse.Namespace) -> dict:
     data = jaxcache.synthetic.SyntheticCriteo(
         scale=args.scale, batch_size=args.batch_size, seed=args.seed
     )
+    # Every process saves and restores together; each writes and reads its own host rows.
+    checkpointer = jaxcache.Checkpointer(args.checkpoint) if args.checkpoint else None
+    saved = None
+    if checkpointer is not None and checkpointer.latest_step() is not None:
+        saved = checkpointer.info()
+        # The data stream and the table must be the saved run's: another seed
+        # or batch size would train on other batches in silence.
+        refuse_other_options(
+            "multiprocess.py",
+            "--checkpoint",
+            args.checkpoint,
+            saved.extra.get("options", {}),
+            checkpoint_options(args),
+        )
     vocabulary = None
     if args.raw_ids is not None:
         vocabulary = jaxcache.DynamicVocabulary(
@@ -225,10 +264,8 @@ def run(args: argparse.Namespace) -> dict:
     optimizer, step = jaxcache.models.make_train_step(
         model, jaxcache.models.dense_optimizer("adam", 1e-3)
     )
-    # Every process saves and restores together; each writes and reads its own host rows.
-    checkpointer = jaxcache.Checkpointer(args.checkpoint) if args.checkpoint else None
     start = 0
-    if checkpointer is not None and checkpointer.latest_step() is not None:
+    if checkpointer is not None and saved is not None:
         start = checkpointer.restore(model=model, optimizer=optimizer).batches_consumed
     losses = []
     batches = data.batches(args.steps, start=start)
@@ -238,7 +275,12 @@ def run(args: argparse.Namespace) -> dict:
         for batch in pipeline:
             losses.append(float(step(batch["dense"], batch["sparse"], batch["label"])))
     if checkpointer is not None:
-        checkpointer.save(start + args.steps, model=model, optimizer=optimizer)
+        checkpointer.save(
+            start + args.steps,
+            model=model,
+            optimizer=optimizer,
+            extra={"options": checkpoint_options(args)},
+        )
         checkpointer.close()
     rows, _ = model.embed.export()  # every process calls it: a collective
     if args.save and jax.process_index() == 0:
@@ -272,6 +314,16 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def checkpoint_options(args: argparse.Namespace) -> dict:
+    """The options a checkpoint's run must be resumed with (saved with it)."""
+    return {
+        "scale": args.scale,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
+        "raw_ids": args.raw_ids,
+    }
+
+
 def raw_ids(ids):
     """Synthetic ids as raw int64 ids: times an odd constant modulo 2^64, a
     bijection that spreads them over all of int64."""
@@ -280,10 +332,11 @@ def raw_ids(ids):
     return (ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)).view(np.int64)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.process_id is None:
-        return launch(args)
+        return launch(args, argv)
     print(json.dumps(run(args)))
     return 0
 

@@ -27,11 +27,12 @@ import argparse
 import json
 import os
 import signal
+import sys
 import tempfile
 
 import jax
 import numpy as np
-from _flags import check_ranges  # examples/_flags.py
+from _flags import check_ranges, refuse_other_options  # examples/_flags.py
 from flax import nnx
 
 import jaxcache
@@ -62,6 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         counts=("steps", "every", "batch_size", "features", "max_to_keep"),
         fractions=("scale", "cache_fraction"),
     )
+    if args.kill_at is not None and not 1 <= args.kill_at <= args.steps:
+        parser.error(
+            f"--kill-at={args.kill_at} must be a checkpoint step from 1 to --steps="
+            f"{args.steps}, e.g. {min(args.every, args.steps)}."
+        )
     return args
 
 
@@ -107,26 +113,33 @@ def build_model(
 
 def train(args: argparse.Namespace) -> dict:
     directory = args.checkpoint_dir or tempfile.mkdtemp(prefix="jaxcache-resume-")
-    data, embed, model, optimizer, train_step = build(args)
+    if args.checkpoint_dir is None:
+        # Now, not only in the summary: --kill-at ends the process before it.
+        print(f"checkpoints go to {directory}; resume with --checkpoint-dir {directory}")
     checkpointer = jaxcache.Checkpointer(directory, max_to_keep=args.max_to_keep)
-    start, losses, resumed_from = 0, [], None
     latest = checkpointer.latest_step()
-    if latest is not None:
+    saved = None if latest is None else checkpointer.info(latest)
+    start = 0 if saved is None else saved.batches_consumed
+    # Every refusal comes before the model is built and the checkpoint read.
+    if saved is not None:
         # The stream and the model must be the saved run's: another seed or
         # batch size would train on other batches in silence.
-        saved = checkpointer.info(latest).extra["model"]
-        changed = {k: (v, saved[k]) for k, v in model_options(args, data).items() if saved[k] != v}
-        if changed:
-            flags = ", ".join(
-                f"--{k.replace('_', '-')} {now} (saved: {was})" for k, (now, was) in changed.items()
-            )
+        data = jaxcache.synthetic.SyntheticCriteo(
+            scale=args.scale, batch_size=args.batch_size, seed=args.seed
+        )
+        refuse_other_options(
+            "resume.py",
+            "--checkpoint-dir",
+            directory,
+            saved.extra["model"],
+            model_options(args, data),
+        )
+        if args.steps < start:
             raise SystemExit(
-                f"resume.py: {directory} holds a run of other options: {flags}; resume with the "
-                "saved ones, or give another --checkpoint-dir."
+                f"resume.py: --steps {args.steps} is below the {start} steps the latest "
+                f"checkpoint in {directory} has trained; pass --steps {start} or more to "
+                "continue it, or give another --checkpoint-dir."
             )
-        info = checkpointer.restore(model=model, optimizer=optimizer)
-        start, losses, resumed_from = info.batches_consumed, info.extra["losses"], info.step
-        print(f"restored step {info.step}: continuing from batch {start}")
     # Segments of --every batches, each ending in a checkpoint.
     segments = [
         (first, min(first + args.every, args.steps))
@@ -138,6 +151,13 @@ def train(args: argparse.Namespace) -> dict:
             f"resume.py: --kill-at {args.kill_at} is not a step this run saves a checkpoint "
             f"at ({saves}); pick one of them."
         )
+    data, embed, model, optimizer, train_step = build(args)
+    losses: list[float] = []
+    resumed_from = None
+    if saved is not None:
+        info = checkpointer.restore(model=model, optimizer=optimizer)
+        start, losses, resumed_from = info.batches_consumed, info.extra["losses"], info.step
+        print(f"restored step {info.step}: continuing from batch {start}")
     for first, step in segments:
         count = step - first
         batches = data.batches(count, start=first)
@@ -155,6 +175,7 @@ def train(args: argparse.Namespace) -> dict:
         )
         print(f"step {step}: loss {np.mean(losses[-count:]):.4f}, checkpoint saved")
         if args.kill_at == step:
+            sys.stdout.flush()  # SIGKILL drops what is still buffered
             os.kill(os.getpid(), signal.SIGKILL)
     if args.dump:
         dump(args.dump, embed, model, optimizer, losses)
@@ -175,6 +196,7 @@ def model_options(args: argparse.Namespace, data: jaxcache.synthetic.SyntheticCr
         "batch_size": args.batch_size,
         "features": args.features,
         "seed": args.seed,
+        "optimizer": args.optimizer,
         "num_embeddings": data.num_embeddings,
     }
 

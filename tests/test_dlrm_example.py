@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -184,6 +185,7 @@ def example(monkeypatch):
         (["--profile-batches", "0"], "leaves --policy frequency without the counts"),
         (["--learning-rate", "nan"], "--learning-rate=nan must be a finite rate"),
         (["--row-learning-rate", "-1"], "--row-learning-rate=-1.0 must be a finite rate"),
+        (["--bag-size", "3"], "--bag-size sizes the bags of --multi-hot"),
     ],
 )
 def test_bad_flags_are_refused(example, capsys, flags, message):
@@ -260,23 +262,79 @@ def test_many_device_examples_train_the_one_device_model(runs, many_device_runs)
         ("multiprocess", ["--num-processes", "0"], "--num-processes must be at least 1"),
         ("multiprocess", ["--process-id", "2"], "--process-id=2 must be in [0, --num-processes)"),
         ("multiprocess", ["--raw-ids", "0"], "--raw-ids=0 must be a row budget"),
+        ("multiprocess", ["--process-id", "0"], "--num-processes=2 needs --coordinator"),
+        ("multiprocess", ["--coordinator", "h:1"], "--coordinator is for processes started"),
+        ("multiprocess", ["--admit-after", "2", "--forget", "lru"], "are only for raw ids"),
+        ("multiprocess", ["--default", "shared"], "--default is only for raw ids"),
+        ("multiprocess", ["--raw-ids", "9", "--admit-after", "0"], "--admit-after must be at"),
+        ("resume", ["--kill-at", "0"], "--kill-at=0 must be a checkpoint step from 1"),
     ],
 )
 def test_other_examples_refuse_bad_flags(monkeypatch, capsys, name, flags, message):
-    monkeypatch.syspath_prepend(str(EXAMPLE.parent))
-    path = EXAMPLE.parent / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"{name}_example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     with pytest.raises(SystemExit) as exit_info:
-        module.parse_args(flags)
+        _load(monkeypatch, name).parse_args(flags)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_serve_names_a_missing_checkpoint_step(monkeypatch, tmp_path):
+def _load(monkeypatch, name):
+    """examples/NAME.py as a module, its directory on ``sys.path``."""
     monkeypatch.syspath_prepend(str(EXAMPLE.parent))
-    spec = importlib.util.spec_from_file_location("serve_example", EXAMPLE.parent / "serve.py")
-    serve = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serve)
+    spec = importlib.util.spec_from_file_location(f"{name}_example", EXAMPLE.parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_serve_names_a_missing_checkpoint_step(monkeypatch, tmp_path):
+    serve = _load(monkeypatch, "serve")
     with pytest.raises(SystemExit, match="--checkpoint/--step: no checkpoint in"):
         serve.main(["--checkpoint", str(tmp_path)])
+
+
+# One process of one device, on a small table: it starts in a few seconds.
+SMALL_MULTIPROCESS = [
+    *("--num-processes", "1", "--devices-per-process", "1", "--skip-reference"),
+    *("--steps", "2", "--batch-size", "32", "--scale", "0.0005"),
+]
+
+
+def test_multiprocess_launches_with_the_arguments_main_was_given(monkeypatch, capsys, tmp_path):
+    multiprocess = _load(monkeypatch, "multiprocess")
+    checkpoint = ["--checkpoint", str(tmp_path / "ckpt")]
+    assert multiprocess.main([*SMALL_MULTIPROCESS, *checkpoint]) == 0
+    (process,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["processes"]
+    assert len(process["losses"]) == 2
+    # Resumed on another stream: refused, where it trained on in silence.
+    with pytest.raises(SystemExit, match="process 0 failed"):
+        multiprocess.main([*SMALL_MULTIPROCESS, *checkpoint, "--seed", "1"])
+    assert "holds a run of other options: --seed 1 (saved: 0)" in capsys.readouterr().err
+
+
+def test_resume_refuses_what_its_checkpoint_cannot_continue(monkeypatch, capsys, tmp_path):
+    resume = _load(monkeypatch, "resume")
+    flags = ["--checkpoint-dir", str(tmp_path), "--every", "2", "--batch-size", "16"]
+    assert resume.main([*flags, "--steps", "2"])["steps"] == 2
+    capsys.readouterr()
+    refusals = {
+        "--optimizer adam (saved: adagrad); resume with the saved ones": ["--optimizer", "adam"],
+        "--steps 1 is below the 2 steps the latest checkpoint": ["--steps", "1"],
+        "--kill-at 3 is not a step this run saves a checkpoint at ([4])": ["--kill-at", "3"],
+    }
+    for message, changed in refusals.items():
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            resume.main([*flags, "--steps", "4", *changed])
+        assert "restored" not in capsys.readouterr().out  # refused before restoring
+
+
+def test_resume_killed_in_a_temporary_directory_names_it_first(tmp_path):
+    out = subprocess.run(
+        [sys.executable, EXAMPLES / "resume.py", "--steps", "2", "--every", "2", "--kill-at", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == -9, out.stderr
+    first, saved = out.stdout.strip().splitlines()
+    directory = first.rsplit(" ", 1)[1]
+    assert first.startswith("checkpoints go to") and saved.startswith("step 2: loss")
+    assert jaxcache.Checkpointer(directory, read_only=True).steps() == [2]
