@@ -277,6 +277,13 @@ def test_unsigned_ids_past_int64_are_refused_with_nothing_changed(planner):
     assert cache.vocabulary.lookup(np.array([5, 2**40])).min() >= 0
     with pytest.raises(ValueError, match="trace holds 18446744073709551615"):
         jaxcache.sizing.replay_vocabulary(ids, rows=10)
+    # Python ints past int64: NumPy makes the list float64, and the dtype
+    # error advised a conversion to int64 that overflows.
+    before = _snapshot(cache)
+    for listed in ([2**63, 7], [[2**63], [7]]):
+        with pytest.raises(ValueError, match=r"beyond int64 \(1, such as 9223372036854775808\)"):
+            cache.prepare(state, listed)
+    _assert_unchanged(before, _snapshot(cache))
 
 
 def test_a_batch_the_device_cache_refuses_takes_its_admission_back(planner):

@@ -536,15 +536,21 @@ def test_console_script_runs(files):
     assert json.loads(done.stdout) == replay(HAND_TRACE, batch=2, capacity=2, policy="lru")
 
 
-@pytest.mark.parametrize("default", ["zeros", "shared"])
-def test_vocabulary_replay_predicts_what_training_with_raw_ids_does(tmp_path, capsys, default):
+@pytest.mark.parametrize(
+    ("default", "policy"), [("zeros", "lru"), ("shared", "lfu"), ("zeros", "adaptive")]
+)
+def test_vocabulary_replay_predicts_what_training_with_raw_ids_does(
+    tmp_path, capsys, default, policy
+):
     # The counts of a replay with no model equal the statistics of a cache
     # that trains on the same raw ids: rows given, forgotten, refused, hits
-    # (with a shared row, that row's too).
+    # (with a shared row, that row's too). A row given to a new id counts
+    # that id's lookups only: the replay's lfu and adaptive counts kept the
+    # forgotten id's, and evicted other rows than training does.
     from tests.test_raw_ids import PAD, config, raw_batches
 
     batches = [ids for ids, _ in raw_batches(12, seed=4)]
-    cfg = config(130, 130, jaxcache.sgd(0.1), policy="lru", admit_after=2, default=default)
+    cfg = config(130, 70, jaxcache.sgd(0.1), policy=policy, admit_after=2, default=default)
     cache = jaxcache.EmbeddingCache(cfg)
     state = cache.init_state()
     for ids in batches:
@@ -554,11 +560,12 @@ def test_vocabulary_replay_predicts_what_training_with_raw_ids_does(tmp_path, ca
         np.stack([ids.reshape(-1) for ids in batches]),
         rows=130,
         vocabulary=cfg.vocabulary,
-        capacity=130,
-        policy="lru",
+        capacity=70,
+        policy=policy,
         padding_id=PAD,
     )
     assert out["forgotten_ids"] > 20 and out["refused_lookups"] > 100
+    assert total.evictions > 20  # the device cache evicts by the policy's counts
     assert (out["new_ids"], out["forgotten_ids"], out["refused_lookups"]) == (
         total.new_ids,
         total.forgotten_ids,
@@ -570,8 +577,8 @@ def test_vocabulary_replay_predicts_what_training_with_raw_ids_does(tmp_path, ca
     # The command line prints the same.
     path = tmp_path / "raw.npy"
     np.save(path, np.stack([ids.reshape(-1) for ids in batches]))
-    args = ["vocabulary", str(path), "--rows", "130", "--admit-after", "2", "--capacity", "130"]
-    args += ["--policy", "lru", "--padding-id", str(PAD), "--default", default, "--protect", "0"]
+    args = ["vocabulary", str(path), "--rows", "130", "--admit-after", "2", "--capacity", "70"]
+    args += ["--policy", policy, "--padding-id", str(PAD), "--default", default, "--protect", "0"]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out) == out
 
@@ -637,13 +644,21 @@ def test_vocabulary_replay_refuses_a_padding_id_past_int64(tmp_path, capsys, pad
         assert "must be an int64 id" in err
 
 
-def test_vocabulary_replay_refuses_a_bonus_out_of_range(tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--forget", "lrfu", "--bonus", "999"], "argument --bonus: bonus=999 must be an integer"),
+        # Every vocabulary error was blamed on --bonus.
+        (["--ways", "1"], "argument --ways: ways=1 must be an integer of at least 2"),
+    ],
+)
+def test_vocabulary_replay_names_the_flag_of_a_bad_vocabulary(tmp_path, capsys, flags, message):
     path = tmp_path / "raw.npy"
     np.save(path, np.arange(40, dtype=np.int64).reshape(4, 10))
     with pytest.raises(SystemExit) as exit_:
-        main(["vocabulary", str(path), "--rows", "30", "--forget", "lrfu", "--bonus", "999"])
+        main(["vocabulary", str(path), "--rows", "30", *flags])
     assert exit_.value.code == 2
-    assert "argument --bonus: bonus=999 must be an integer in [0, 256]" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_vocabulary_command_offers_only_policies_raw_ids_can_take(tmp_path, capsys):

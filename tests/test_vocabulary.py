@@ -156,6 +156,31 @@ def test_the_budget_that_forgets_nothing_holds_every_bucket():
         assert (forgotten > 0) == forgets
 
 
+def test_the_budget_of_ids_that_share_a_hash_is_found_without_a_bucket_per_hash():
+    # Ids whose 32-bit hashes share their low 31 bits part only at 2^32
+    # buckets: counted in an array of 2^32 loads, that ran out of memory,
+    # and ids sharing a whole hash past ``ways`` (no budget holds them)
+    # went through every size up to it.
+    from jaxcache._src.hashing import fmix32, seed_word
+
+    inner = np.arange(1 << 20, dtype=np.uint32)
+    low31 = fmix32(inner) & np.uint32(0x7FFFFFFF)
+    order = np.argsort(low31, kind="stable")
+    pair = np.flatnonzero(np.diff(low31[order]) == 0)[0]
+    x1, x2 = inner[order[pair]], inner[order[pair + 1]]  # hashes fmix32(x) part at bit 31
+
+    def raw(high, x):  # the id whose hash is fmix32(x); words as arrays, as the library's
+        word = np.array([high], np.uint32)
+        low = fmix32(word ^ seed_word(0)) ^ np.array([x], np.uint32)
+        return np.int64((high << 32) | int(low[0]))
+
+    ids = np.array([raw(1, x1), raw(2, x1), raw(3, x2)])
+    assert rows_to_hold(ids, ways=2) == (1 << 32) + int(fmix32(np.array([x1]))[0]) + 1
+    assert rows_to_hold(np.array([raw(h, x1) for h in (1, 2, 3)]), ways=2) is None
+    with pytest.raises(ValueError, match="ways=1 must be an integer of at least 2"):
+        jaxcache.DynamicVocabulary(ways=1)  # budgets not a power of two had empty buckets
+
+
 def test_many_ids_through_a_small_budget_keep_the_index_exact():
     # 50,000 distinct ids through 1,000 rows: every probe run is shifted on
     # deletion many times over.

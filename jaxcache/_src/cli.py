@@ -191,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace = _load(vocabulary_parser, "trace", args.trace)
         with _blame(vocabulary_parser, "--padding-id"):
             validation.check_padding_id(args.padding_id)
-        with _blame(vocabulary_parser, "--bonus", (ValueError,)):
+        with _blame_field(vocabulary_parser):
             vocabulary = DynamicVocabulary(
                 admit_after=args.admit_after,
                 forget=args.forget,
@@ -360,6 +360,18 @@ def _blame(
     try:
         yield
     except errors as error:
+        parser.error(f"argument {flag}: {error}")
+
+
+@contextlib.contextmanager
+def _blame_field(parser: argparse.ArgumentParser) -> Iterator[None]:
+    """Turns a ``ValueError`` of a ``DynamicVocabulary`` field into a usage
+    error about the flag that sets it (its message starts ``field=``)."""
+    try:
+        yield
+    except ValueError as error:
+        field = str(error).split("=", 1)[0]
+        flag = f"--{field.replace('_', '-')}" if field.isidentifier() else "the vocabulary's"
         parser.error(f"argument {flag}: {error}")
 
 

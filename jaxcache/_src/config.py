@@ -77,8 +77,8 @@ class DynamicVocabulary:
         the training batches alone: ``vocabulary_learner``).
       bonus: of ``"lrfu"``, in steps per doubling of the lookups (``0``:
         LRU); an integer in ``[0, 256]``.
-      ways: the most rows of a bucket: ``B``, the least power of two with
-        ``B * ways >= num_embeddings``, buckets share the rows. More ways
+      ways: the most rows of a bucket (at least 2): ``B``, the least power
+        of two with ``B * ways >= num_embeddings``, buckets share the rows. More ways
         forget more like a global LRU or LFU and refuse fewer batches; the
         device planner compares an id with every way of its bucket. The
         device planner splits the buckets over the devices, so their number
@@ -171,8 +171,12 @@ class DynamicVocabulary:
         if ttl is not None and (not is_int(ttl) or ttl < 1):
             raise ValueError(f"ttl={ttl!r} must be a positive number of steps, or None.")
         ways = self.ways
-        if not is_int(ways) or ways < 1:
-            raise ValueError(f"ways={ways!r} must be a positive integer, such as 64.")
+        if not is_int(ways) or ways < 2:
+            raise ValueError(
+                f"ways={ways!r} must be an integer of at least 2, such as 64: with one way, "
+                "a budget that is not a power of two leaves buckets without a row, whose ids "
+                "could never be admitted."
+            )
         protect = self.protect
         if not is_int(protect) or protect < 0:
             raise ValueError(

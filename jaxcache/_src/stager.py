@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 
-from jaxcache._src import kernels, routing
+from jaxcache._src import kernels, routing, validation
 from jaxcache._src.config import CacheConfig
 from jaxcache._src.host_table import HostTable
 from jaxcache._src.partitions import Partitions, StepPlan
@@ -191,10 +191,10 @@ class Stager:
         """Plans, routes and gathers one batch (see ``EmbeddingCache.stage_host``)."""
         train = bool(train) and self.config.optimizer.trains  # as ``EmbeddingCache.dispatch``
         timers = self.stats.timers
-        ids = np.asarray(ids)
         assert isinstance(self.partitions, Partitions), "the host planner stages on the host"
         partitions = self.partitions
         try:
+            ids = validation.id_array(ids, "ids")
             self.check_batch(ids.shape)
         except ValueError:
             partitions.refuse_unchecked()

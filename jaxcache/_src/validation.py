@@ -100,9 +100,35 @@ def check_id_type(ids: object, name: str) -> np.ndarray:
     """Returns ``ids`` as a NumPy integer array of rank >= 1, or raises a clear
     error; the values are not checked (``check_ids`` checks them too)."""
     check_not_traced(ids, name)
-    array = np.asarray(ids)
+    array = id_array(ids, name)
     check_id_layout(array.dtype, array.ndim, name)
     return array
+
+
+def id_array(ids: object, name: str) -> np.ndarray:
+    """``np.asarray(ids)``, refusing first Python ints that no int64 holds:
+    NumPy makes a list of them float64 (losing their low bits) or object,
+    and converting to int64 as the dtype error advises would overflow."""
+    array = np.asarray(ids)
+    if not isinstance(ids, np.ndarray) and array.dtype.kind in "fO":
+        _check_python_ints(ids, name)
+    return array
+
+
+def _check_python_ints(ids: object, name: str) -> None:
+    try:
+        values = np.asarray(ids, dtype=object).reshape(-1)
+    except ValueError:  # ragged: the dtype error says enough
+        return
+    if not all(isinstance(v, (int, np.integer)) for v in values):
+        return
+    beyond = [int(v) for v in values if not -(2**63) <= int(v) < 2**63]
+    if beyond:
+        raise ValueError(
+            f"{name} holds integers beyond int64 ({len(beyond)}, such as {beyond[0]}), which "
+            "NumPy turns into floats; ids must fit int64. Raw ids of 64 unsigned bits: pass "
+            f"np.asarray({name}, dtype=np.uint64).view(np.int64), one int64 each."
+        )
 
 
 def check_not_traced(ids: object, name: str) -> None:

@@ -88,17 +88,22 @@ def rows_to_hold(ids: np.ndarray, *, ways: int = 64, seed: int = 0) -> int | Non
     hashes = id_hash(low, high, seed_word(seed)).astype(np.int64)
     if hashes.size == 0:
         return 0
+    if np.unique(hashes, return_counts=True)[1].max() > ways:
+        return None  # no number of buckets parts them
     buckets = 1
-    while buckets <= 1 << 32:
-        loads = np.bincount(hashes & (buckets - 1), minlength=buckets)
-        used = np.flatnonzero(loads)
+    while True:  # by 2^32 buckets every id has a bucket to itself or a shared full hash
+        if buckets <= 4 * hashes.size:
+            loads = np.bincount(hashes & (buckets - 1), minlength=buckets)
+            used = np.flatnonzero(loads)
+            loads = loads[used]
+        else:  # more buckets than ids: count the used ones only
+            used, loads = np.unique(hashes & (buckets - 1), return_counts=True)
         # Bucket b of R rows has ceil((R - b) / B) ways.
-        need = int(((loads[used] - 1) * buckets + used + 1).max())
+        need = int(((loads - 1) * buckets + used + 1).max())
         need = max(need, buckets // 2 * ways + 1 if buckets > 1 else 1)
         if need <= buckets * ways:
             return need
         buckets *= 2
-    return None
 
 
 def hashed_rows(

@@ -131,6 +131,9 @@ def replay_vocabulary(
         counts["forgotten_ids"] += done.forgotten_ids.size
         counts["refused_lookups"] += int(lookups[done.rows < 0].sum())
         if planner is not None:
+            counted = getattr(planner.policy, "counts", None)
+            if counted is not None:  # a row given to a new id counts its lookups only,
+                counted[done.new_rows] = 0  # as in training (``RawIds.plan``)
             resident = done.new_rows[planner.slot_of_id[done.new_rows] >= 0]
             given = done.rows
             if shared is not None:  # ids without a row read the shared row
