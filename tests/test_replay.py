@@ -650,6 +650,9 @@ def test_vocabulary_replay_refuses_a_padding_id_past_int64(tmp_path, capsys, pad
         (["--forget", "lrfu", "--bonus", "999"], "argument --bonus: bonus=999 must be an integer"),
         # Every vocabulary error was blamed on --bonus.
         (["--ways", "1"], "argument --ways: ways=1 must be an integer of at least 2"),
+        # Flags that changed nothing were ignored.
+        (["--bonus", "4"], "argument --bonus: it sets --forget \"lrfu\", not 'lru'"),
+        (["--policy", "lfu"], "argument --policy: it is the device cache's, which --capacity"),
     ],
 )
 def test_vocabulary_replay_names_the_flag_of_a_bad_vocabulary(tmp_path, capsys, flags, message):

@@ -150,7 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     vocabulary_parser.add_argument("--forget", choices=FORGET, default="lru")
     vocabulary_parser.add_argument(
-        "--bonus", type=int, default=8, help='steps per doubling of lookups, of --forget "lrfu"'
+        "--bonus",
+        type=int,
+        default=None,
+        help='steps per doubling of lookups, of --forget "lrfu"',
     )
     vocabulary_parser.add_argument(
         "--ttl", type=_positive_int, help="steps after which an unused id is forgotten"
@@ -181,8 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--policy",
         # "frequency" ranks rows by dataset counts, which raw ids do not have.
         choices=[p for p in POLICIES if p != "frequency"],
-        default="adaptive",
-        help="the device cache's policy, with --capacity",
+        default=None,
+        help="the device cache's policy, with --capacity (default adaptive)",
     )
     args = parser.parse_args(argv)
     if args.command == "replay":
@@ -191,11 +194,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace = _load(vocabulary_parser, "trace", args.trace)
         with _blame(vocabulary_parser, "--padding-id"):
             validation.check_padding_id(args.padding_id)
+        # Flags that would change nothing are refused, not ignored.
+        if args.bonus is not None and args.forget != "lrfu":
+            vocabulary_parser.error(
+                f'argument --bonus: it sets --forget "lrfu", not {args.forget!r}; pass '
+                "--forget lrfu with it, or leave it out."
+            )
+        if args.policy is not None and args.capacity is None:
+            vocabulary_parser.error(
+                "argument --policy: it is the device cache's, which --capacity adds; pass "
+                "--capacity with it, or leave it out."
+            )
         with _blame_field(vocabulary_parser):
             vocabulary = DynamicVocabulary(
                 admit_after=args.admit_after,
                 forget=args.forget,
-                bonus=args.bonus,
+                **({} if args.bonus is None else {"bonus": args.bonus}),
                 ttl=args.ttl,
                 ways=args.ways,
                 default=args.default,
@@ -215,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 batch=args.batch,
                 vocabulary=vocabulary,
                 capacity=args.capacity,
-                policy=args.policy,
+                policy=args.policy or "adaptive",
                 padding_id=args.padding_id,
             )
         except CapacityError as error:  # the budget's refusal, or the device cache's
