@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxcache._src import npy_files
 from jaxcache._src.host_table import HostTable, pad_rows
 
 __all__ = ["Blocks", "local_data"]
@@ -104,7 +105,10 @@ def gather_shards(
     from jax.experimental import multihost_utils
 
     index, count = shard
-    arrays = {"rows": table.rows, **{f"state.{k}": v for k, v in table.state.items()}}
+    rows, state = table.rows, table.state
+    if not isinstance(rows, np.ndarray):  # a TieredTable's records, read once
+        rows, state = npy_files.read_whole(table)
+    arrays = {"rows": rows, **{f"state.{k}": v for k, v in state.items()}}
     longest = len(range(0, table.num_embeddings, count))
     padded = {k: pad_rows(np.asarray(v), longest, 0) for k, v in arrays.items()}
     gathered = multihost_utils.process_allgather({"index": np.int32(index), **padded})

@@ -32,7 +32,7 @@ import numpy as np
 from jax.experimental import io_callback
 from jax.sharding import Mesh
 
-from jaxcache._src import device_ops, kernels, routing, validation
+from jaxcache._src import device_ops, kernels, npy_files, routing, validation
 from jaxcache._src.agreement import agreement
 from jaxcache._src.blocks import Blocks, gather_entries, gather_shards, local_data
 from jaxcache._src.config import CacheConfig
@@ -1039,7 +1039,7 @@ class EmbeddingCache:
         self.flush(state)
         table = self.table
         if self.shard[1] == 1:
-            return np.array(table.rows), {k: np.array(v) for k, v in table.state.items()}
+            return npy_files.read_whole(table)
         return gather_shards(table, self.shard)
 
     def export_ids(self, state: CacheState) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:

@@ -116,6 +116,25 @@ def id_chunks(table: Any) -> Iterable[np.ndarray]:
         yield index + count * np.arange(start, min(start + step, local), dtype=np.int64)
 
 
+def read_whole(table: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """This process's rows of ``table`` and their state, as NumPy copies in
+    local order. A table not in memory (``TableColumn`` views) is read in
+    one pass, each chunk's records once for all arrays: reading the columns
+    one by one read every record once per column."""
+    if isinstance(table.rows, np.ndarray):
+        return np.array(table.rows), {k: np.array(v) for k, v in table.state.items()}
+    columns = {"rows": table.rows, **table.state}
+    out = {k: np.empty((len(v), *v.shape[1:]), v.dtype) for k, v in columns.items()}
+    start = 0
+    for ids in id_chunks(table):
+        rows, state = table.gather(ids)
+        for key, part in {"rows": rows, **state}.items():
+            out[key][start : start + ids.size] = part
+        start += ids.size
+    rows = out.pop("rows")
+    return rows, out
+
+
 def write_streamed(directory: str, table: Any, keys: list[str], *, fsync: bool) -> dict:
     """Writes a table that is not in memory (``TableColumn`` views) as ``.npy``
     files, one pass over its rows: each chunk read once, all arrays at once."""
