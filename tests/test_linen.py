@@ -397,6 +397,48 @@ def test_a_linen_model_is_checkpointed_and_restored_exactly(tmp_path):
     assert max_diff(holder.variables["params"], ref["params"]) <= TOL
 
 
+def test_numpy_params_restore_as_numpy_onto_another_device_count(tmp_path):
+    # Params kept as NumPy (loaded from a file, say) have no layout: orbax
+    # restored them on the saved run's devices, and a model on another
+    # mesh failed its first step on incompatible devices.
+    def build(devices):
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("rows",))
+        cfg = jaxcache.CacheConfig(100, 4, capacity=32, optimizer=jaxcache.sgd(0.1))
+        cache = jaxcache.EmbeddingCache(cfg, mesh=mesh)
+
+        class Scaled(nn.Module):
+            @nn.compact
+            def __call__(self, lookup):
+                scale = self.param("scale", nn.initializers.ones, (1,))
+                return jaxcache.linen.CachedEmbed(cache)(lookup).sum(-1) * scale[0]
+
+        model = Scaled()
+        variables = model.init(jax.random.key(0), jaxcache.linen.init_lookup(cache, (8,)))
+        variables = {**variables, "params": {"scale": np.full(1, 2.0, np.float32)}}
+        loss = jaxcache.linen.value_and_grad(
+            lambda p, v, lookup: model.apply({**v, "params": p}, lookup).sum(), cache
+        )
+        step = jax.jit(loss)
+        holder = jaxcache.linen.Holder(cache, variables)
+
+        def train(ids):
+            holder.variables, lookup = jaxcache.linen.prepare(cache, holder.variables, ids)
+            value, _, holder.variables = step(holder.variables["params"], holder.variables, lookup)
+            return float(value)
+
+        return holder, train
+
+    holder, train = build(1)
+    train(np.arange(8))
+    jaxcache.Checkpointer(tmp_path).save(1, model=holder)
+    restored, restored_train = build(2)
+    jaxcache.Checkpointer(tmp_path).restore(model=restored)
+    scale = restored.variables["params"]["scale"]
+    assert isinstance(scale, np.ndarray) and scale.tolist() == [2.0]
+    # The step runs on the new mesh, from the saved rows.
+    assert restored_train(np.arange(8)) == pytest.approx(train(np.arange(8)), abs=1e-6)
+
+
 def test_a_linen_checkpoint_needs_a_holder_for_every_table(tmp_path):
     users, items = (
         jaxcache.EmbeddingCache(jaxcache.CacheConfig(40, 2, capacity=8, name=name))

@@ -341,7 +341,7 @@ class Checkpointer:
 
     def _restore_dense(self, step: int, item: str, node: Any) -> dict[str, Any]:
         target = dense_state(node)
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _saveable(target))
+        abstract = jax.tree.map(_abstract, _saveable(target))
         saved = _shapes(self._manager.item_metadata(step)[item].tree)
         wanted = _shapes(abstract)
         if saved != wanted:
@@ -503,7 +503,22 @@ def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     }
 
 
+def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
+    """What orbax restores ``leaf`` as. A NumPy leaf (Linen params loaded
+    from a file, say) comes back as NumPy, read onto this process's first
+    device: with no layout of its own, orbax would take the saved one,
+    another mesh's devices after a restore onto another device count."""
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        return jax.ShapeDtypeStruct(np.shape(leaf), np.asarray(leaf).dtype, sharding=device)
+    return ocp.utils.to_shape_dtype_struct(leaf)
+
+
 def _unsaveable(target: Any, value: Any) -> Any:
+    if isinstance(target, np.ndarray):
+        return np.asarray(value)
+    if isinstance(target, np.generic):
+        return np.asarray(value)[()]
     if _is_key(target):
         return jax.random.wrap_key_data(value, impl=jax.random.key_impl(target))
     if isinstance(target, jax.Array) and not target.committed:
