@@ -424,12 +424,7 @@ class Prefetcher(Iterator[dict[str, Any]]):
 
     def _take(self) -> Any:
         start = time.perf_counter()
-        while True:
-            try:
-                item = self._queue.get(timeout=_POLL_SECONDS)
-                break
-            except queue.Empty:
-                deliver_held_interrupt()  # nothing taken yet
+        item = _get_delivering(self._queue)
         waited = time.perf_counter() - start
         for cache in self._caches.values():
             cache.stats.timers.add("wait", waited)
@@ -636,7 +631,8 @@ class Prefetcher(Iterator[dict[str, Any]]):
         while not self._source_done and len(self._planned) + self._taken <= last:
             index = self._taken + len(self._planned)
             try:
-                item = self._pulled_next(block=wait or index == self._taken)
+                block = wait or index == self._taken
+                item = _get_delivering(self._pulled) if block else self._pulled.get(False)
             except queue.Empty:
                 return
             if isinstance(item, _End):
@@ -661,17 +657,6 @@ class Prefetcher(Iterator[dict[str, Any]]):
             dispatched = {key: self._dispatch(cache, item, key) for key, cache in planned.items()}
             self._planned.append((index, item))
             self._work.put(_Work(index, item, dispatched))
-
-    def _pulled_next(self, block: bool) -> Any:
-        """The next batch the feeder pulled (``queue.Empty`` if it has none
-        and ``block`` is false); a Ctrl-C while it waits is delivered."""
-        while True:
-            try:
-                return self._pulled.get(timeout=_POLL_SECONDS) if block else self._pulled.get(False)
-            except queue.Empty:
-                if not block:
-                    raise
-                deliver_held_interrupt()  # nothing taken yet
 
     def _dispatch(self, cache: EmbeddingCache, batch: Mapping[str, Any], key: str) -> Dispatched:
         # The bound the host planner's producer uses (``_stage_with_retry``):
@@ -981,6 +966,16 @@ class Prefetcher(Iterator[dict[str, Any]]):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _get_delivering(items: queue.Queue[Any]) -> Any:
+    """The next of ``items``, waited for; a Ctrl-C held meanwhile
+    (``interrupts_held``) is delivered while nothing is taken yet."""
+    while True:
+        try:
+            return items.get(timeout=_POLL_SECONDS)
+        except queue.Empty:
+            deliver_held_interrupt()
 
 
 def _take_unstaged(source: Iterator[Any]) -> list[Any]:
